@@ -1,0 +1,254 @@
+"""Probe the node: what it has, as facts the gates and promise checks compare with a profile.
+
+Probes are cheap and never raise: a probe that cannot answer leaves ``None`` (unknown), which the
+gates report as "found unknown" rather than crashing a run. GPU facts come from torch (which
+honours CUDA_VISIBLE_DEVICES); the driver version from NVML when importable, else nvidia-smi.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+GIB = 1 << 30
+
+
+@dataclass
+class GpuInfo:
+    name: str
+    memory_bytes: int
+    compute_capability: str  # "9.0"
+
+    @property
+    def memory_gib(self) -> float:
+        return self.memory_bytes / GIB
+
+
+@dataclass
+class NvmeDevice:
+    device: str  # nvme0n1
+    model: str | None
+    size_bytes: int | None
+    mounts: list[str] = field(default_factory=list)
+
+
+@dataclass
+class NodeFacts:
+    hostname: str
+    python: str
+    cpu_cores: int
+    host_memory_bytes: int | None
+    shm_bytes: int | None
+    torch_version: str | None
+    deepspeed_version: str | None
+    cuda_version: str | None = None  # torch's CUDA runtime
+    driver_version: str | None = None
+    nccl_version: str | None = None
+    gpus: list[GpuInfo] = field(default_factory=list)
+    nvme: list[NvmeDevice] = field(default_factory=list)
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.gpus)
+
+    @property
+    def accelerator(self) -> str:
+        return "cuda" if self.gpus else "cpu"
+
+    @property
+    def gpu_model(self) -> str | None:
+        names = sorted({g.name for g in self.gpus})
+        return " / ".join(names) if names else None
+
+    @property
+    def bf16(self) -> bool:
+        if self.gpus:  # Ampere (8.0) and newer do bf16 in hardware
+            return all(_cc_tuple(g.compute_capability) >= (8, 0) for g in self.gpus)
+        return True  # DeepSpeed's CPU accelerator runs bf16 (FINDINGS: ZeRO-2 bf16 on CPU)
+
+    @property
+    def fp16(self) -> bool:
+        if self.gpus:
+            return all(_cc_tuple(g.compute_capability) >= (6, 0) for g in self.gpus)
+        return True  # FINDINGS: fp16 runs on the CPU accelerator (mkldnn fp16)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(gpu_count=self.gpu_count, accelerator=self.accelerator, gpu_model=self.gpu_model)
+        return d
+
+
+def _cc_tuple(cc: str) -> tuple[int, int]:
+    major, _, minor = cc.partition(".")
+    return int(major), int(re.sub(r"\D.*", "", minor) or 0)
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _meminfo_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _shm_bytes() -> int | None:
+    try:
+        st = os.statvfs("/dev/shm")
+        return st.f_frsize * st.f_blocks
+    except OSError:
+        return None
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml  # nvidia-ml-py: no CUDA context needed
+
+        pynvml.nvmlInit()
+        v = pynvml.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else v
+    except Exception:
+        pass
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=20)
+            lines = out.stdout.split()
+            return lines[0] if out.returncode == 0 and lines else None
+        except (OSError, subprocess.SubprocessError):
+            return None
+    return None
+
+
+def _torch_facts() -> dict[str, Any]:
+    try:
+        import torch
+    except Exception:
+        return {}
+    facts: dict[str, Any] = {"cuda_version": torch.version.cuda, "gpus": []}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            facts["gpus"].append(GpuInfo(p.name, int(p.total_memory), f"{p.major}.{p.minor}"))
+        try:
+            facts["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            facts["nccl_version"] = None
+    return facts
+
+
+def parse_mounts(text: str) -> dict[str, list[str]]:
+    """/proc/mounts text -> {device basename: [mount points]} for NVMe block devices."""
+    mounts: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0].startswith("/dev/nvme"):
+            dev = Path(parts[0]).name
+            disk = re.sub(r"p\d+$", "", dev)  # nvme0n1p1 -> nvme0n1
+            mounts.setdefault(disk, []).append(parts[1].replace("\\040", " "))
+    return mounts
+
+
+def probe_nvme(sys_block: Path = Path("/sys/block"), mounts_file: Path = Path("/proc/mounts"),
+               ) -> list[NvmeDevice]:
+    try:
+        mounts = parse_mounts(mounts_file.read_text())
+    except OSError:
+        mounts = {}
+    devices = []
+    for dev in sorted(sys_block.glob("nvme*")):
+        model = _read(dev / "device" / "model")
+        sectors = _read(dev / "size")
+        size = int(sectors) * 512 if sectors and sectors.isdigit() else None
+        devices.append(NvmeDevice(dev.name, model, size, mounts.get(dev.name, [])))
+    return devices
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
+
+
+def probe() -> NodeFacts:
+    """Probe this node (imports torch; does not import DeepSpeed or create CUDA contexts
+    beyond what torch.cuda.get_device_properties needs)."""
+    tf = _torch_facts()
+    gpus = tf.get("gpus", [])
+    return NodeFacts(
+        hostname=socket.gethostname(),
+        python=platform.python_version(),
+        cpu_cores=os.cpu_count() or 0,
+        host_memory_bytes=_meminfo_bytes(),
+        shm_bytes=_shm_bytes(),
+        torch_version=_dist_version("torch"),
+        deepspeed_version=_dist_version("deepspeed"),
+        cuda_version=tf.get("cuda_version"),
+        driver_version=_driver_version() if gpus else None,
+        nccl_version=tf.get("nccl_version"),
+        gpus=gpus,
+        nvme=probe_nvme(),
+    )
+
+
+# ------------------------------------------------------------------ profile from facts
+
+def profile_data(facts: NodeFacts, name: str | None = None) -> dict[str, Any]:
+    """A valid profile describing ``facts``: every promise is what was found, no floors."""
+    gpus: dict[str, Any] = {"count": facts.gpu_count}
+    if facts.gpus:
+        first = facts.gpus[0]
+        gpus.update(
+            model=first.name,
+            # Round down to whole GiB: the promise must hold on the node it was made from.
+            min_memory_gib=int(min(g.memory_gib for g in facts.gpus)),
+            compute_capability=first.compute_capability,
+            bf16=facts.bf16,
+            fp16=facts.fp16,
+        )
+    if name is None:
+        if facts.gpus:
+            model = re.sub(r"[^a-z0-9]+", "-", facts.gpus[0].name.lower().replace("nvidia", ""))
+            name = f"detected-{model.strip('-')}-x{facts.gpu_count}"
+        else:
+            name = "detected-cpu"
+    desc = f"detected on {facts.hostname}: {facts.cpu_cores} cores"
+    if facts.gpus:
+        desc += f", {facts.gpu_count}x {facts.gpu_model}, driver {facts.driver_version}"
+    data: dict[str, Any] = {"profile": {"name": name, "description": desc}, "gpus": gpus}
+    if facts.nccl_version:
+        data["nccl"] = {"min_version": facts.nccl_version}
+    system: dict[str, Any] = {"min_cpu_cores": max(facts.cpu_cores, 1)}
+    if facts.shm_bytes:
+        system["min_shm_gib"] = round(facts.shm_bytes / GIB * 0.95, 1)
+    data["system"] = system
+    return data
+
+
+def nvme_comment(facts: NodeFacts) -> str:
+    if not facts.nvme:
+        return "# No NVMe block device found: no [[nvme.paths]] promised."
+    lines = ["# NVMe devices found (add [[nvme.paths]] with floors you measured):"]
+    for d in facts.nvme:
+        size = f"{d.size_bytes / 1e12:.2f} TB" if d.size_bytes else "size unknown"
+        lines.append(f"#   {d.device} {d.model or ''} {size} mounted at "
+                     f"{', '.join(d.mounts) or 'nothing'}")
+    return "\n".join(lines)

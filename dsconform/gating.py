@@ -1,0 +1,175 @@
+"""One gate for every test: ``requires(...)``.
+
+A test states what it needs; the plugin compares that with the node. An unmet need that the
+profile does not promise is a SKIP whose reason lists only the unmet conditions with the values
+found (``Requires: [GPUs>=2 (found 1)]``). An unmet need that the profile PROMISES is a FAILURE
+(``profile h200-x2 promises GPUs>=2: expected 2 GPUs, found 0``): a node that breaks a promise must
+never look green.
+
+The evaluation is a pure function of (conditions, node facts, profile, op-compatibility lookup),
+so it is tested without GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import pytest
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from dsconform.detect import NodeFacts
+from dsconform.profile import Profile
+
+MARK = "requires"
+CONDITIONS = ("min_gpus", "bf16", "fp16", "op", "nvme", "nccl", "deepspeed", "multinode")
+# Markers that imply a condition, so `@pytest.mark.gpu` alone already gates correctly.
+IMPLIED = {"gpu": {"min_gpus": 1}, "multigpu": {"min_gpus": 2}, "nvme": {"nvme": True},
+           "multinode": {"multinode": True}}
+
+
+def requires(**conditions: Any) -> pytest.MarkDecorator:
+    """Gate a test (decorator) or one parameter (``pytest.param(..., marks=requires(...))``).
+
+    min_gpus=int, bf16=True, fp16=True, op="name" or ["a", "b"], nvme=True, nccl="2.21",
+    deepspeed=">=0.19,<0.19.7", multinode=True.
+    """
+    unknown = set(conditions) - set(CONDITIONS)
+    if unknown:
+        raise TypeError(f"requires(): unknown condition(s) {sorted(unknown)}; "
+                        f"known: {', '.join(CONDITIONS)}")
+    return getattr(pytest.mark, MARK)(**conditions)
+
+
+def accel_params(world_size: int | str = 1) -> list:
+    """The two accelerators a device-agnostic test runs on: the CPU accelerator (gloo), and
+    CUDA (nccl), which is marked ``gpu`` (and ``multigpu`` for more than one rank)."""
+    marks = [pytest.mark.gpu]
+    if world_size == "all" or (isinstance(world_size, int) and world_size > 1):
+        marks.append(pytest.mark.multigpu)
+    need = 1 if world_size == "all" else int(world_size)
+    marks.append(requires(min_gpus=need))
+    return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=marks)]
+
+
+@dataclass(frozen=True)
+class Unmet:
+    condition: str
+    needed: str  # "GPUs>=2"
+    found: str  # "1"
+    promised: bool
+    promise: str = ""  # what the profile promised, e.g. "expected 2 GPUs"
+
+    @property
+    def skip_text(self) -> str:
+        return f"{self.needed} (found {self.found})"
+
+    @property
+    def fail_text(self) -> str:
+        return f"{self.promise or self.needed}, found {self.found}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    unmet: tuple[Unmet, ...]
+    profile_name: str
+
+    @property
+    def ok(self) -> bool:
+        return not self.unmet
+
+    @property
+    def broken_promises(self) -> list[Unmet]:
+        return [u for u in self.unmet if u.promised]
+
+    @property
+    def skip_reason(self) -> str:
+        return "Requires: [" + " + ".join(u.skip_text for u in self.unmet) + "]"
+
+    @property
+    def fail_reason(self) -> str:
+        broken = self.broken_promises
+        return (f"profile {self.profile_name} promises [{' + '.join(u.needed for u in broken)}]: "
+                + "; ".join(u.fail_text for u in broken))
+
+
+def merge_conditions(marks: Iterable[Any], marker_names: Iterable[str]) -> dict[str, Any]:
+    """Conditions of all ``requires`` marks on an item plus those implied by its markers.
+    The strictest value wins (largest GPU count, union of ops)."""
+    merged: dict[str, Any] = {}
+    sources = [IMPLIED[n] for n in marker_names if n in IMPLIED]
+    sources += [m.kwargs for m in marks]
+    for cond in sources:
+        for key, value in cond.items():
+            if key == "min_gpus":
+                merged[key] = max(merged.get(key, 0), value)
+            elif key == "op":
+                ops = merged.setdefault("op", [])
+                ops += [o for o in ([value] if isinstance(value, str) else value) if o not in ops]
+            elif key == "deepspeed" and key in merged:
+                merged[key] = f"{merged[key]},{value}"
+            else:
+                merged[key] = value
+    return merged
+
+
+def _version(v: str | None) -> Version | None:
+    try:
+        return Version(v) if v else None
+    except InvalidVersion:
+        return None
+
+
+def evaluate(conditions: Mapping[str, Any], node: NodeFacts, profile: Profile, *,
+             op_compatible: Callable[[str], bool | None] = lambda op: None,
+             multinode: bool = False) -> Verdict:
+    """Compare a test's needs with the node; mark each unmet one promised or not."""
+    unmet: list[Unmet] = []
+    p = profile
+    n = conditions.get("min_gpus")
+    if n and node.gpu_count < n:
+        promised = p.gpus_promised >= n
+        unmet.append(Unmet("min_gpus", f"GPUs>={n}", str(node.gpu_count), promised,
+                           f"expected {p.gpus_promised} GPUs" if promised else ""))
+    for dtype in ("bf16", "fp16"):
+        if conditions.get(dtype) and not getattr(node, dtype):
+            found = f"{node.gpu_model} cc {node.gpus[0].compute_capability}" if node.gpus \
+                else "no"
+            promised = getattr(p, dtype) is True
+            unmet.append(Unmet(dtype, dtype, found, promised, f"expected {dtype} support"))
+    ops = conditions.get("op") or []
+    for op in [ops] if isinstance(ops, str) else ops:
+        ok = op_compatible(op)
+        if not ok:
+            found = "not compatible" if ok is False else "unknown"
+            unmet.append(Unmet("op", f"op {op}", found, op in p.ops,
+                               f"expected op {op} to load"))
+    if conditions.get("nvme"):
+        if not p.nvme_paths:
+            unmet.append(Unmet("nvme", "NVMe path in profile", "none", False))
+    want = conditions.get("nccl")
+    if want:
+        found_v = _version(node.nccl_version)
+        if found_v is None or found_v < Version(want):
+            promised = bool(p.nccl_min_version) and Version(p.nccl_min_version) >= Version(want)
+            unmet.append(Unmet("nccl", f"NCCL>={want}", node.nccl_version or "none", promised,
+                               f"expected NCCL>={p.nccl_min_version}"))
+    spec = conditions.get("deepspeed")
+    if spec:
+        try:
+            specset = SpecifierSet(spec)
+        except InvalidSpecifier:
+            raise ValueError(f"requires(deepspeed={spec!r}): not a version specifier "
+                             "such as '>=0.19,<0.19.7'") from None
+        installed = _version(node.deepspeed_version)
+        if installed is None or installed not in specset:
+            # A profile's deepspeed.min_version promises only lower bounds it implies.
+            floor = _version(p.deepspeed_min_version)
+            promised = floor is not None and all(
+                s.operator in (">=", ">") and floor >= Version(s.version) for s in specset)
+            unmet.append(Unmet("deepspeed", f"DeepSpeed{spec}", node.deepspeed_version or "none",
+                               promised, f"expected DeepSpeed>={p.deepspeed_min_version}"))
+    if conditions.get("multinode") and not multinode:
+        unmet.append(Unmet("multinode", "multi-node rendezvous", "single node", False))
+    return Verdict(tuple(unmet), p.name)

@@ -1,0 +1,24 @@
+"""Hypothesis profiles, registered in one place.
+
+ci:   derandomized, no example database, few examples: reproducible and quick (CI uses it).
+dev:  the default on a workstation: a few more examples, database kept.
+soak: nightly runs: many examples.
+Select with ``--hypothesis-profile NAME`` or HYPOTHESIS_PROFILE; default ``dev`` (``ci`` when the
+CI variable is set).
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+
+def register() -> None:
+    # Distributed examples take seconds each; deadlines would only measure the machine.
+    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+    settings.register_profile("ci", max_examples=5, derandomize=True, database=None, **common)
+    settings.register_profile("dev", max_examples=10, **common)
+    settings.register_profile("soak", max_examples=200, **common)
+    default = "ci" if os.environ.get("CI") else "dev"
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", default))

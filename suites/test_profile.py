@@ -1,0 +1,159 @@
+"""Profile promises: the node MUST have what its hardware profile says it has.
+
+These run first (the plugin orders them so): a node with 7 GPUs where the profile promises 8 is
+known before any training starts. A field the profile leaves out is no promise: its test skips
+and says so. Every failure names the value found.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+import pytest
+from packaging.version import Version
+
+from dsconform.detect import GIB
+
+CAPABILITY = "profile"
+
+
+def _promised(value, field: str, profile):
+    if value is None:
+        pytest.skip(f"profile {profile.name} makes no promise about {field}")
+    return value
+
+
+@pytest.mark.gpu
+def test_gpu_count(profile, node):
+    """The node MUST show exactly the number of GPUs the profile promises."""
+    want = _promised(profile.gpu_count, "gpus.count", profile)
+    assert node.gpu_count == want, f"expected {want} GPUs, found {node.gpu_count}"
+
+
+@pytest.mark.gpu
+def test_gpu_model(profile, node):
+    """Every GPU's name MUST contain the promised model string."""
+    want = _promised(profile.gpu_model, "gpus.model", profile)
+    wrong = [f"GPU {i}: {g.name}" for i, g in enumerate(node.gpus) if want.lower() not in
+             g.name.lower()]
+    assert not wrong, f"expected model {want!r}, found {'; '.join(wrong)}"
+
+
+@pytest.mark.gpu
+def test_gpu_memory(profile, node):
+    """Every GPU MUST have at least the promised memory (GiB = 2**30 bytes)."""
+    want = _promised(profile.gpu_min_memory_gib, "gpus.min_memory_gib", profile)
+    small = [f"GPU {i}: {g.memory_gib:.1f} GiB" for i, g in enumerate(node.gpus)
+             if g.memory_gib < want]
+    assert not small, f"expected >= {want} GiB per GPU, found {'; '.join(small)}"
+
+
+@pytest.mark.gpu
+def test_compute_capability(profile, node):
+    """Every GPU MUST have the promised compute capability."""
+    want = _promised(profile.gpu_compute_capability, "gpus.compute_capability", profile)
+    wrong = [f"GPU {i}: {g.compute_capability}" for i, g in enumerate(node.gpus)
+             if g.compute_capability != want]
+    assert not wrong, f"expected compute capability {want}, found {'; '.join(wrong)}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_precision_matmul(profile, node, dtype):
+    """A promised half-precision dtype MUST run a matmul on every GPU with a sane result."""
+    if getattr(profile, dtype) is not True:
+        pytest.skip(f"profile {profile.name} makes no promise about gpus.{dtype}")
+    import torch
+
+    torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(256, 256, generator=gen)
+    b = torch.randn(256, 256, generator=gen)
+    ref = a.double() @ b.double()
+    for i in range(node.gpu_count):
+        out = (a.to(f"cuda:{i}", torch_dtype) @ b.to(f"cuda:{i}", torch_dtype)).double().cpu()
+        rel = ((out - ref).norm() / ref.norm()).item()
+        # bf16 has 8 mantissa bits: ~4e-3 relative per rounding; 2e-2 catches garbage, not noise.
+        assert rel < 2e-2, f"{dtype} matmul on cuda:{i}: relative error {rel:.3g} (limit 2e-2)"
+
+
+@pytest.mark.gpu
+def test_nccl_version(profile, node):
+    """torch's NCCL MUST be at least the promised minimum version."""
+    want = _promised(profile.nccl_min_version, "nccl.min_version", profile)
+    assert node.nccl_version, "expected NCCL, found none (torch built without NCCL?)"
+    assert Version(node.nccl_version) >= Version(want), \
+        f"expected NCCL >= {want}, found {node.nccl_version}"
+
+
+def _driver_cuda_version() -> str | None:
+    """The newest CUDA the driver supports, from nvidia-smi's banner ("CUDA Version: 13.0")."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
+    m = re.search(r"CUDA Version:\s*([\d.]+)", out)
+    return m.group(1) if m else None
+
+
+@pytest.mark.gpu
+def test_cuda_driver_supports_torch(profile, node):
+    """The driver MUST support the CUDA version torch was built with."""
+    if not profile.check_cuda_driver:
+        pytest.skip(f"profile {profile.name} makes no promise about system.check_cuda_driver")
+    driver_cuda = _driver_cuda_version()
+    assert driver_cuda, "expected nvidia-smi to report the driver's CUDA version, found none"
+    assert node.cuda_version, "expected a CUDA build of torch, found a CPU build"
+    assert Version(driver_cuda) >= Version(node.cuda_version), (
+        f"expected a driver supporting CUDA {node.cuda_version} (torch's), found driver "
+        f"{node.driver_version} supporting CUDA {driver_cuda}")
+
+
+def test_shm_size(profile, node):
+    """/dev/shm MUST be at least the promised size (NCCL and DeepSpeed's shm comm use it)."""
+    want = _promised(profile.min_shm_gib, "system.min_shm_gib", profile)
+    found = (node.shm_bytes or 0) / GIB
+    assert found >= want, f"expected /dev/shm >= {want} GiB, found {found:.2f} GiB"
+
+
+def test_cpu_cores(profile, node):
+    """The node MUST have at least the promised number of CPU cores."""
+    want = _promised(profile.min_cpu_cores, "system.min_cpu_cores", profile)
+    assert node.cpu_cores >= want, f"expected >= {want} CPU cores, found {node.cpu_cores}"
+
+
+def test_host_memory(profile, node):
+    """The node MUST have at least the promised host memory."""
+    want = _promised(profile.min_host_memory_gib, "system.min_memory_gib", profile)
+    found = (node.host_memory_bytes or 0) / GIB
+    assert found >= want, f"expected >= {want} GiB host memory, found {found:.1f} GiB"
+
+
+def test_deepspeed_version(profile, node):
+    """The installed DeepSpeed MUST be at least the promised minimum version."""
+    want = _promised(profile.deepspeed_min_version, "deepspeed.min_version", profile)
+    assert node.deepspeed_version, "expected DeepSpeed installed, found none"
+    assert Version(node.deepspeed_version) >= Version(want), \
+        f"expected DeepSpeed >= {want}, found {node.deepspeed_version}"
+
+
+@pytest.mark.nvme
+def test_nvme_paths_writable(profile, request):
+    """Every promised NVMe path MUST exist and be writable."""
+    from fixtures.plugin import STATE
+
+    scratch = request.config.stash[STATE].scratch
+    bad = []
+    for entry in profile.nvme_paths:
+        path = entry.resolve(scratch)
+        if not path.is_dir():
+            bad.append(f"{path}: no such directory")
+            continue
+        probe = path / ".dsconform-write-probe"
+        try:
+            probe.write_bytes(b"x")
+            probe.unlink()
+        except OSError as e:
+            bad.append(f"{path}: not writable ({e.strerror})")
+    assert not bad, f"expected writable NVMe paths, found {'; '.join(bad)}"

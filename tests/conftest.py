@@ -1,0 +1,2 @@
+# The project's own tests. pytester runs small pytest sessions against the plugin in-process.
+pytest_plugins = ["pytester"]

@@ -1,0 +1,156 @@
+"""The pytest plugin end to end: gating outcomes, bad options, results files, summary, overhead.
+
+Each test runs a small pytest session (pytester, in-process) against the real plugin and the real
+node (this machine), with profiles written for the purpose.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SUITE = '''
+import pytest
+from dsconform.gating import requires
+
+CAPABILITY = "demo"
+
+def test_plain(metrics):
+    """Plain tests MUST run."""
+    metrics.record("answer", [41.0, 42.0, 43.0], unit="s", better="lower", limit=50.0, size=7)
+
+@pytest.mark.gpu
+def test_needs_gpu():
+    pass
+
+@requires(min_gpus=3, nccl="9.9")
+def test_needs_three():
+    pass
+
+@pytest.mark.parametrize("n", [pytest.param(1, id="one"),
+                               pytest.param(64, id="many", marks=requires(min_gpus=64))])
+def test_param(n):
+    pass
+
+@requires(deepspeed="<0.1")
+def test_old_deepspeed():
+    pass
+'''
+
+
+def profile_file(tmp_path: Path, gpus: int) -> Path:
+    path = tmp_path / f"p{gpus}.toml"
+    path.write_text(f'[profile]\nname = "p{gpus}"\n[gpus]\ncount = {gpus}\n')
+    return path
+
+
+@pytest.fixture
+def run(pytester):
+    pytester.makepyfile(test_demo=SUITE)
+
+    def _run(*args):
+        return pytester.runpytest("-p", "fixtures.plugin", "--strict-markers",
+                                  "--results", str(pytester.path / "results"), *args)
+    return _run
+
+
+def test_unpromised_needs_skip_with_reasons(run, pytester, tmp_path):
+    result = run("--profile", str(profile_file(tmp_path, 0)), "-rs")
+    result.assert_outcomes(passed=2, skipped=4)
+    result.stdout.fnmatch_lines([
+        "*Requires: ?GPUs>=1 (found 0)?*",
+        "*Requires: ?GPUs>=3 (found 0) + NCCL>=9.9 (found none)?*",
+        "*Requires: ?GPUs>=64 (found 0)?*",
+        "*Requires: ?DeepSpeed<0.1 (found *)?*",
+    ])
+
+
+def test_promised_needs_fail_with_found_value(run, tmp_path):
+    result = run("--profile", str(profile_file(tmp_path, 8)))
+    result.assert_outcomes(passed=2, failed=2, skipped=2)
+    result.stdout.fnmatch_lines(["*profile p8 promises ?GPUs>=1?: expected 8 GPUs, found 0*"])
+    assert result.ret == 1
+
+
+def test_gpu_marker_on_cpu_node_exits_zero(run, tmp_path):
+    result = run("--profile", str(profile_file(tmp_path, 0)), "-m", "gpu")
+    result.assert_outcomes(skipped=1)
+    assert result.ret == 0
+
+
+def test_results_files_and_summary(run, pytester, tmp_path):
+    result = run("--profile", str(profile_file(tmp_path, 0)))
+    out = pytester.path / "results"
+    doc = json.loads((out / "benchmarks.json").read_text())
+    assert doc["machine_info"]["profile"] == "p0"
+    for key in ("gpu_model", "gpu_count", "driver", "cuda", "nccl", "torch", "deepspeed"):
+        assert key in doc["machine_info"]
+    [bench] = doc["benchmarks"]
+    assert bench["stats"]["median"] == 42.0 and bench["stats"]["rounds"] == 3
+    info = bench["extra_info"]
+    assert info.pop("nodeid").endswith("test_demo.py::test_plain")
+    assert info == {"metric": "answer", "unit": "s", "better": "lower", "limit": 50.0,
+                    "params": {"size": 7}}
+    outcomes = {o["nodeid"].rsplit("/", 1)[-1]: o for o in doc["dsconform"]["outcomes"]}
+    assert outcomes["test_demo.py::test_plain"]["must"] == "Plain tests MUST run."
+    assert outcomes["test_demo.py::test_needs_gpu"]["outcome"] == "skipped"
+    assert outcomes["test_demo.py::test_needs_gpu"]["reason"] == "Requires: [GPUs>=1 (found 0)]"
+    assert (out / "junit.xml").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["capabilities"]["demo"] == {"passed": 2, "skipped": 4}
+    result.stdout.fnmatch_lines(["*dsconform conformance summary*", "demo*2*0*4*",
+                                 "skips by reason:"])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--profile", "no-such-profile"], "*--profile no-such-profile: no such shipped profile*"),
+    (["--scratch", "/definitely/missing"], "*--scratch /definitely/missing: no such directory*"),
+    (["--results", "/proc/cannot/create"], "*--results /proc/cannot/create: cannot create*"),
+])
+def test_bad_options_are_usage_errors(run, args, message):
+    result = run(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+    assert "Traceback" not in result.stderr.str()
+
+
+def test_malformed_profile_names_file_and_field(run, tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[profile]\nname = "b"\n[gpus]\ncount = 2\nmodle = "H200"\n')
+    result = run("--profile", str(bad))
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{bad}: gpus.modle: unknown key*"])
+
+
+def test_unwritable_scratch_is_usage_error(run):
+    # /proc is a directory nobody can create files in, root included (CI runs as root).
+    result = run("--scratch", "/proc")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--scratch /proc: not writable*"])
+
+
+def test_plugin_overhead_beyond_importing_deepspeed():
+    """Collection and session start of the whole suite cost < 3 s beyond importing DeepSpeed."""
+    def wall(cmd):
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True)
+            best = min(best, time.perf_counter() - t)
+        return best
+    # Baseline: the same pytest collection without our plugin, after importing DeepSpeed.
+    base = wall([sys.executable, "-c", "import deepspeed, pytest; pytest.main(['--collect-only', "
+                 "'-q', '-p', 'no:cacheprovider', '--noconftest', '-o', 'addopts=', 'suites'])"])
+    full = wall([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                 "no:cacheprovider", "suites", "--results", ""])
+    overhead = full - base
+    print(f"plugin overhead: {overhead:.2f} s (pytest --collect-only {full:.2f} s, "
+          f"import baseline {base:.2f} s)")
+    assert overhead < 3.0, f"plugin overhead {overhead:.2f} s, limit 3 s"

@@ -1,0 +1,92 @@
+"""Ops: every DeepSpeed op the profile promises MUST be reported compatible by ds_report, MUST
+build and load, and a minimal real call MUST agree with a reference.
+
+"Compatible" in ds_report is a probe, not proof: on the reference 2xH200 node every op printed
+[OKAY] while every JIT build failed (TORCH_CUDA_ARCH_LIST=9.0a). So each promised op is built
+(once; the cache under ~/.cache/dsconform survives runs), loaded, and called: fused_adam and
+cpu_adam one-to-five steps against torch's Adam, async_io a write and read compared byte for byte,
+gds a handle (and I/O where CUDA exists). A failure names the op, the cause and the fix.
+Ops the profile does not promise are reported (ds_report's view, in ds_report.json under
+--results) and never fail the run.
+Upstream: https://www.deepspeed.ai/tutorials/advanced-install/ (ops, JIT builds, ds_report).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsconform import dsreport, ops
+from dsconform.opdiag import format_failure
+
+CAPABILITY = "ops"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "promised_op" in metafunc.fixturenames:
+        from fixtures.plugin import STATE
+
+        prof = metafunc.config.stash[STATE].profile
+        metafunc.parametrize("promised_op", list(prof.ops), ids=list(prof.ops))
+
+
+@pytest.fixture(scope="module")
+def report(request) -> dict:
+    """ds_report, run once and parsed; also written to --results/ds_report.json."""
+    from fixtures.plugin import STATE
+
+    text = dsreport.run_ds_report()
+    parsed = dsreport.parse_ds_report(text)
+    results = request.config.stash[STATE].results
+    if results is not None:
+        (results / "ds_report.json").write_text(json.dumps(parsed, indent=2, sort_keys=True))
+    return parsed
+
+
+def test_ds_report_describes_this_install(report, node):
+    """ds_report MUST run, list ops, and name the DeepSpeed and torch that are installed."""
+    assert report["ops"], "ds_report listed no ops"
+    env = report["env"]
+    assert env.get("deepspeed_version", "").startswith(node.deepspeed_version or "?"), \
+        f"expected DeepSpeed {node.deepspeed_version}, ds_report says {env.get('deepspeed_version')}"
+    assert str(env.get("torch_version")) == node.torch_version, \
+        f"expected torch {node.torch_version}, ds_report says {env.get('torch_version')}"
+
+
+def test_unpromised_ops_are_reported(report, profile):
+    """Ops the profile does not promise MUST be reported with ds_report's status, never failed."""
+    rows = [f"{name}: installed={'yes' if op['installed'] else 'no'}, "
+            f"compatible={'yes' if op['compatible'] else 'no'}"
+            + (f" ({'; '.join(op['warnings'])})" if op["warnings"] else "")
+            for name, op in sorted(report["ops"].items()) if name not in profile.ops]
+    print(f"ops not promised by profile {profile.name} (not built):\n  " + "\n  ".join(rows))
+
+
+def test_promised_op(promised_op, report, node, scratch, metrics, profile):
+    """A promised op MUST be ds_report-compatible, build, load, and compute like its reference."""
+    problems = []
+    status = report["ops"].get(promised_op)
+    if status is None:
+        problems.append(f"ds_report does not list {promised_op} on the {node.accelerator} "
+                        "accelerator")
+    elif not status["compatible"]:
+        problems.append(f"ds_report: {promised_op} not compatible: "
+                        f"{'; '.join(status['warnings']) or 'no reason printed'}")
+    try:
+        result = ops.check_op(promised_op, device=node.accelerator, scratch_dir=scratch)
+    except ops.OpUnavailable as e:
+        problems.append(format_failure(e.load))
+        pytest.fail(f"profile {profile.name} promises op {promised_op}:\n" + "\n".join(problems),
+                    pytrace=False)
+    metrics.record(f"{promised_op}.load_seconds", result["build_seconds"], unit="s",
+                   better="lower", built_now=result["built_now"], builder=result["builder"])
+    if "max_abs_diff" in result:  # checked against rtol/atol inside check_op; recorded for drift
+        metrics.record(f"{promised_op}.max_abs_diff", result["max_abs_diff"], unit="abs",
+                       better="lower", steps=result["steps"], rtol=result["rtol"],
+                       atol=result["atol"])
+    for key in ("write_gbps", "read_gbps"):
+        if key in result:
+            metrics.record(f"{promised_op}.{key}", result[key], unit="GB/s", better="higher",
+                           bytes=result["bytes"])
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,680 @@
+"""The rank harness: run a function on N ranks with torch.distributed initialised by DeepSpeed.
+
+Every distributed test in the suite goes through `run_ranks`. Two modes:
+
+* Spawned (the default on one node): `world_size` rank processes started with the
+  multiprocessing *spawn* context, kept alive between calls (a pool per world size,
+  accelerator and GPU slice) so only the first call pays for importing deepspeed and
+  initialising the process group. A failing, dying or hanging rank fails that one call and
+  tears its pool down; the next call starts fresh processes.
+* External (under torchrun, the DeepSpeed launcher or Slurm, see `external_rendezvous`): the
+  current process is one rank of a job that already has a rendezvous; fn runs in-process and
+  the ranks exchange outcomes so that every rank returns, skips or fails alike. Nobody can
+  kill a rank here, so a hang cannot be contained to one call: at timeout_s every rank writes
+  its stacks to stderr, and the process-group timeout (timeout_s of the first call) ends
+  collectives still blocked; a rank blocked outside a collective holds the job until the
+  launcher's own time limit.
+
+Inside fn, use the helpers re-exported here: rank(), world(), device(), seed_everything(),
+gather(), all_agree().
+
+Call `shutdown_pools()` at the end of a pytest session (an atexit hook also does it).
+Calls are serialised (one lock per process); a pytest-xdist worker has its own pools, ports
+and GPUs (see dsconform.dist_xdist).
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import glob
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from datetime import timedelta
+from multiprocessing.connection import wait as _wait_any
+from typing import Any, Callable
+
+from dsconform.dist_rank import (
+    RANK_OWNED_ENV,
+    STACK_DUMP_SIGNAL,
+    all_agree,
+    call_outcome,
+    device,
+    gather,
+    picklable_outcome,
+    rank,
+    rank_main,
+    seed_everything,
+    world,
+)
+from dsconform.dist_xdist import (
+    InsufficientGPUs,
+    free_port,
+    gpu_slice,
+    gpus_per_worker,
+    port_range,
+    visible_gpus,
+    worker_gpus,
+    xdist_worker,
+)
+
+__all__ = [
+    "InsufficientGPUs", "RankError", "RankTimeout", "WorldSizeMismatch",
+    "all_agree", "device", "external_rendezvous", "free_port", "gather", "gpu_slice",
+    "gpus_per_worker", "port_range", "rank", "run_ranks", "seed_everything", "shutdown_pools",
+    "visible_gpus", "worker_gpus", "world", "xdist_worker",
+]
+
+#: Seconds allowed for spawning ranks, importing deepspeed and init_distributed. Separate from
+#: a call's timeout_s because the first init on a machine JIT-builds DeepSpeed's shm comm op
+#: (about 30 s on 2 cores), which a 10 s test timeout must not turn into a failure.
+STARTUP_TIMEOUT_S = float(os.environ.get("DSCONFORM_STARTUP_TIMEOUT_S", "300"))
+#: Once one rank skipped, how long the others may take to finish: a rank that did not skip is
+#: usually blocked in a collective waiting for the one that did.
+SKIP_GRACE_S = 10.0
+#: How long a hung rank gets to write its stacks after the dump signal.
+STACK_DUMP_WAIT_S = 1.0
+#: Pools kept alive at once (least recently used is closed first). Each holds world_size
+#: processes and, on GPUs, a CUDA context per rank.
+MAX_POOLS = int(os.environ.get("DSCONFORM_MAX_POOLS", "2"))
+#: Process-group timeout of pooled ranks: the parent enforces each call's timeout_s, so this
+#: only has to outlast the longest call; a call asking for more respawns the pool.
+POOL_PG_TIMEOUT_S = 3600.0
+
+
+class RankError(AssertionError):
+    """A rank raised, died, or the ranks disagreed about skipping. AssertionError so that
+    pytest reports a test failure, not an error in the harness."""
+
+    def __init__(self, message: str, *, rank: int | None = None, world_size: int | None = None,
+                 exc_type: str | None = None, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.world_size = world_size
+        self.exc_type = exc_type
+        self.remote_traceback = remote_traceback
+
+
+class RankTimeout(AssertionError):
+    """Ranks were still running after timeout_s; the message holds each rank's Python stacks."""
+
+    def __init__(self, message: str, *, stacks: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.stacks = stacks or {}
+
+
+class WorldSizeMismatch(RuntimeError):
+    """Under torchrun/Slurm the job's world size is fixed; the call asked for another one."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment detection
+# ---------------------------------------------------------------------------------------------
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT")
+
+
+def external_rendezvous() -> bool:
+    """True when a launcher already made this process one rank of a job (torchrun, DeepSpeed's
+    launcher, or Slurm with MASTER_ADDR/MASTER_PORT exported); run_ranks then does not spawn.
+
+    Spawned ranks also see these variables, so run_ranks called inside a rank runs in-process.
+    """
+    return all(v in os.environ for v in _TORCHRUN_VARS) or all(v in os.environ for v in _SLURM_VARS)
+
+
+def _default_accelerator() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _check_accelerator(accelerator: str | None) -> str:
+    if accelerator is None:
+        return _default_accelerator()
+    if accelerator not in ("cuda", "cpu"):
+        raise ValueError(f"accelerator must be 'cuda', 'cpu' or None, got {accelerator!r}")
+    return accelerator
+
+
+def _fn_name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Turning per-rank outcomes into the call's result
+# ---------------------------------------------------------------------------------------------
+
+def _describe(outcome: tuple | None) -> str:
+    if outcome is None:
+        return "did not finish"
+    kind = outcome[0]
+    if kind == "ok":
+        return "returned"
+    if kind == "skip":
+        return f"skipped ({outcome[1]})"
+    return f"raised {outcome[1]}: {outcome[2]}"
+
+
+def _raise_skip(reason: str) -> None:
+    import pytest  # only a skip needs pytest, and then the caller is a pytest test
+
+    raise pytest.skip.Exception(reason)
+
+
+def _rank_error(index: int, world_size: int, outcome: tuple, others: str = "") -> RankError:
+    _, exc_type, message, remote_tb = outcome
+    text = f"rank {index} of {world_size} raised {exc_type}: {message}"
+    if others:
+        text += f"\n{others}"
+    if remote_tb:
+        text += f"\n\nRemote traceback (rank {index}):\n{remote_tb.rstrip()}"
+    return RankError(text, rank=index, world_size=world_size, exc_type=exc_type,
+                     remote_traceback=remote_tb)
+
+
+def _resolve(outcomes: list[tuple]) -> list:
+    """All ranks reported: return their values, or raise one RankError / skip for the call."""
+    world_size = len(outcomes)
+    errors = [i for i, o in enumerate(outcomes) if o[0] == "error"]
+    if errors:
+        first = errors[0]
+        others = "".join(f"\nalso rank {i}: {_describe(outcomes[i])}" for i in errors[1:])
+        raise _rank_error(first, world_size, outcomes[first], others.lstrip("\n"))
+    skips = {o[1] for o in outcomes if o[0] == "skip"}
+    if skips:
+        if len(skips) == 1 and all(o[0] == "skip" for o in outcomes):
+            _raise_skip(skips.pop())
+        listing = "\n".join(f"  rank {i}: {_describe(o)}" for i, o in enumerate(outcomes))
+        raise RankError(f"the {world_size} ranks disagree about skipping; a skip must be "
+                        f"decided identically on every rank (gate in the parent):\n{listing}",
+                        world_size=world_size)
+    return [o[1] for o in outcomes]
+
+
+# ---------------------------------------------------------------------------------------------
+# Spawned ranks
+# ---------------------------------------------------------------------------------------------
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+class _Pool:
+    """world_size live rank processes sharing one process group."""
+
+    def __init__(self, world_size: int, accelerator: str, gpus: tuple[str, ...],
+                 pg_timeout_s: float) -> None:
+        self.world_size = world_size
+        self.accelerator = accelerator
+        self.gpus = gpus
+        self.pg_timeout_s = pg_timeout_s
+        self.owner_pid = os.getpid()
+        self.port = free_port()
+        self.tmpdir = tempfile.mkdtemp(prefix="dsconform-ranks-")
+        self.stack_paths = [os.path.join(self.tmpdir, f"rank{i}.stacks") for i in range(world_size)]
+        self.procs: list = []
+        self.conns: list = []
+        self.pids: list[int] = []
+        self.closed = False
+        # What the ranks inherited; each call forwards the parent's changes since (see env_delta).
+        self.spawn_env = dict(os.environ)
+        ctx = multiprocessing.get_context("spawn")  # never the global start method
+        base_env = {
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_SIZE": str(world_size),  # DeepSpeed's CPU accelerator and shm op read it
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.port),
+            "DS_ACCELERATOR": accelerator,
+            # A cpu run sees no GPU, so it cannot touch another xdist worker's devices.
+            "CUDA_VISIBLE_DEVICES": ",".join(gpus) if accelerator == "cuda" else "",
+        }
+        try:
+            for index in range(world_size):
+                env = dict(base_env, RANK=str(index), LOCAL_RANK=str(index))
+                parent_conn, child_conn = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=rank_main, name=f"dsconform-rank{index}",
+                    args=(index, world_size, env, child_conn, self.stack_paths[index],
+                          accelerator, pg_timeout_s, os.getpid()),
+                )
+                proc.start()
+                child_conn.close()
+                self.procs.append(proc)
+                self.conns.append(parent_conn)
+                self.pids.append(proc.pid)
+        except BaseException:
+            self.kill()
+            raise
+
+    def env_delta(self) -> tuple[dict, list]:
+        """Variables the parent set or removed since the ranks started (a test's monkeypatch),
+        so a pooled rank sees the same environment a fresh one would."""
+        now = os.environ
+        changed = {k: v for k, v in now.items() if self.spawn_env.get(k) != v and k not in RANK_OWNED_ENV}
+        removed = [k for k in self.spawn_env if k not in now and k not in RANK_OWNED_ENV]
+        return changed, removed
+
+    def alive(self) -> bool:
+        return not self.closed and all(p.is_alive() for p in self.procs)
+
+    def kill(self) -> None:
+        """SIGKILL every rank and whatever it started, reap them, remove their leftovers."""
+        if self.closed or self.owner_pid != os.getpid():
+            return  # done already, or a forked copy of the parent that must not kill its ranks
+        self.closed = True
+        descendants = []
+        try:
+            import psutil
+        except ImportError:
+            psutil = None
+        for proc in self.procs:
+            if psutil is not None and proc.exitcode is None:
+                try:
+                    descendants += psutil.Process(proc.pid).children(recursive=True)
+                except psutil.Error:
+                    pass
+            # Ranks lead their own process group; kill it before reaping so the id is not reused.
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for child in descendants:
+            try:
+                child.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+        self._release()
+
+    def close(self) -> None:
+        """Ask healthy ranks to exit, then make sure of it."""
+        if self.closed or self.owner_pid != os.getpid():
+            return
+        for conn in self.conns:
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def _release(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.close()
+            except ValueError:
+                pass  # still running after SIGKILL + 10 s: leave the handle, nothing else to do
+        # DeepSpeed's shm comm op never unlinks its segments (~tens of MiB per rank, named after
+        # the port); without this /dev/shm fills up over a long session.
+        pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{self.port}_*"
+        for path in glob.glob(pattern):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def read_stacks(self, ranks: list[int]) -> dict[int, str]:
+        stacks = {}
+        for index in ranks:
+            try:
+                with open(self.stack_paths[index]) as handle:
+                    stacks[index] = handle.read().strip()
+            except OSError:
+                stacks[index] = ""
+        return stacks
+
+    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Make the given live ranks write their Python stacks (faulthandler) and read them."""
+        signalled = []
+        for index in ranks:
+            try:
+                os.kill(self.pids[index], STACK_DUMP_SIGNAL)
+                signalled.append(index)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        while time.monotonic() < deadline:
+            if all(os.path.getsize(self.stack_paths[i]) > 0 for i in signalled
+                   if os.path.exists(self.stack_paths[i])):
+                time.sleep(0.1)  # let a dump that has started finish writing
+                break
+            time.sleep(0.05)
+        return self.read_stacks(ranks)
+
+    def collect(self, deadline: float, phase: str, limit: str) -> list[tuple]:
+        """Wait for one reply per rank; fail fast on the first error or death, dump on timeout.
+
+        phase says what the ranks were doing ("in module.fn"), limit which setting ran out.
+        """
+        replies: list[tuple | None] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        first_skip: float | None = None
+        while pending:
+            until = deadline if first_skip is None else min(deadline, first_skip + SKIP_GRACE_S)
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                break
+            waitables = [self.conns[i] for i in pending] + [self.procs[i].sentinel for i in pending]
+            _wait_any(waitables, timeout=remaining)
+            dead = self._sweep(pending, replies)
+            if first_skip is None and any(r is not None and r[0] == "skip" for r in replies):
+                first_skip = time.monotonic()
+            errors = [i for i, r in enumerate(replies) if r is not None and r[0] == "error"]
+            if dead or errors:
+                # Ranks often fail together (a dead peer makes gloo raise in the others): take
+                # one more look so the report names the cause, not only the first symptom.
+                time.sleep(0.05)
+                dead += self._sweep(pending, replies)
+                errors = [i for i, r in enumerate(replies) if r is not None and r[0] == "error"]
+                self._fail(dead, errors, replies, phase)
+        if pending:
+            self._timeout(sorted(pending), replies, deadline, first_skip, phase, limit)
+        return replies  # type: ignore[return-value]
+
+    def _sweep(self, pending: set[int], replies: list) -> list[int]:
+        dead = []
+        for index in sorted(pending):
+            conn, proc = self.conns[index], self.procs[index]
+            try:
+                if conn.poll():
+                    replies[index] = conn.recv()
+                    pending.discard(index)
+                    continue
+            except (EOFError, OSError):
+                proc.join(timeout=2.0)  # the pipe closes a moment before the process is reaped
+            if proc.exitcode is not None:
+                pending.discard(index)
+                dead.append(index)
+        return dead
+
+    def _fail(self, dead: list[int], errors: list[int], replies: list, phase: str) -> None:
+        exitcodes = {i: self.procs[i].exitcode for i in dead}
+        crash_stacks = self.read_stacks(dead)
+        self.kill()
+        n = self.world_size
+        if dead:
+            # A dead rank comes first: the errors of its peers are usually its consequence.
+            index = min(dead)
+            code = exitcodes[index]
+            how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+            text = f"rank {index} of {n} {how} {phase}"
+            for other in sorted(set(dead) - {index}):
+                text += f"\nalso rank {other}: exited ({exitcodes[other]})"
+            for other in errors:
+                text += f"\nalso rank {other}: {_describe(replies[other])}"
+            if crash_stacks.get(index):
+                text += f"\n\nFatal-signal stacks of rank {index}:\n{crash_stacks[index]}"
+            else:
+                text += "\n(the rank's own stderr, in the captured output, may say why)"
+            raise RankError(text, rank=index, world_size=n, exc_type=None)
+        index = errors[0]
+        others = "\n".join(f"also rank {i}: {_describe(replies[i])}" for i in errors[1:])
+        if phase.startswith("while starting"):
+            others = f"(raised {phase})\n{others}".rstrip()
+        raise _rank_error(index, n, replies[index], others)
+
+    def _timeout(self, pending: list[int], replies: list, deadline: float,
+                 first_skip: float | None, phase: str, limit: str) -> None:
+        stacks = self.dump_stacks(pending)
+        self.kill()
+        n = self.world_size
+        sections = "\n\n".join(
+            f"--- rank {i} (pid {self.pids[i]}) ---\n{stacks.get(i) or '(no stack written)'}"
+            for i in pending)
+        names = ", ".join(str(i) for i in pending)
+        if first_skip is not None and time.monotonic() < deadline:
+            listing = "\n".join(f"  rank {i}: {_describe(r)}" for i, r in enumerate(replies))
+            raise RankError(
+                f"the {n} ranks disagree about skipping: rank(s) {names} still running "
+                f"{SKIP_GRACE_S:g} s after another rank skipped (probably waiting in a collective "
+                f"for it); decide skips identically on every rank or gate in the parent:\n"
+                f"{listing}\n\nPython stacks of the ranks still running:\n{sections}",
+                world_size=n)
+        done = "; ".join(f"rank {i} {_describe(r)}" for i, r in enumerate(replies) if r is not None)
+        raise RankTimeout(
+            f"rank(s) {names} of {n} still running {phase} after {limit}"
+            + (f" ({done})" if done else "")
+            + f"; all ranks killed. Python stacks at the timeout:\n\n{sections}",
+            stacks=stacks)
+
+
+_POOLS: "OrderedDict[tuple, _Pool]" = OrderedDict()
+_LOCK = threading.RLock()
+
+
+def shutdown_pools() -> None:
+    """Stop every pooled rank process. The pytest plugin calls this at session end."""
+    with _LOCK:
+        while _POOLS:
+            _, pool = _POOLS.popitem()
+            pool.close()
+
+
+atexit.register(shutdown_pools)
+
+
+def _start_pool(world_size: int, accelerator: str, gpus: tuple[str, ...],
+                pg_timeout_s: float) -> _Pool:
+    attempts = 3  # the probed port can be taken between the probe and rank 0's bind
+    for attempt in range(attempts):
+        pool = _Pool(world_size, accelerator, gpus, pg_timeout_s)
+        try:
+            pool.collect(time.monotonic() + STARTUP_TIMEOUT_S,
+                         "while starting (import deepspeed, init_distributed)",
+                         f"STARTUP_TIMEOUT_S={STARTUP_TIMEOUT_S:g} s (env DSCONFORM_STARTUP_TIMEOUT_S)")
+            return pool
+        except RankError as exc:
+            pool.kill()
+            if "address already in use" in str(exc).lower() and attempt + 1 < attempts:
+                continue
+            raise
+        except BaseException:
+            pool.kill()
+            raise
+    raise AssertionError("unreachable")
+
+
+def _gpus_for(world_size: int, accelerator: str) -> tuple[str, ...]:
+    if accelerator != "cuda":
+        return ()
+    index, count = xdist_worker()
+    visible = visible_gpus()
+    mine = gpu_slice(index, gpus_per_worker(len(visible), count), visible)
+    if world_size > len(mine):
+        raise InsufficientGPUs(
+            f"run_ranks(world_size={world_size}, accelerator='cuda') needs {world_size} GPUs; "
+            f"xdist worker gw{index} of {count} owns {len(mine)} ({','.join(mine) or 'none'}) of "
+            f"{len(visible)} visible; run fewer xdist workers (-n) or set DSCONFORM_GPUS_PER_WORKER",
+            needed=world_size, available=len(mine))
+    return tuple(mine[:world_size])
+
+
+def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, kwargs: dict,
+                 accelerator: str, reuse: bool) -> list:
+    try:
+        # sys.path travels apart from fn: fn's module may only import with it.
+        call = pickle.dumps((fn, args, kwargs))
+    except Exception as exc:  # noqa: BLE001 - lambdas, local functions, open files...
+        raise TypeError(
+            f"run_ranks cannot send {_fn_name(fn)} or its arguments to the ranks ({exc}); "
+            "fn must be a module-level function of an importable module and args picklable"
+        ) from exc
+    gpus = _gpus_for(world_size, accelerator)
+    key = (world_size, accelerator, gpus)
+    with _LOCK:
+        pool = _POOLS.pop(key, None) if reuse else None
+        if pool is not None and (not pool.alive() or pool.pg_timeout_s < timeout_s + 60):
+            pool.close()
+            pool = None
+        if pool is None:
+            pg_timeout_s = max(POOL_PG_TIMEOUT_S, timeout_s + 60) if reuse else timeout_s + 60
+            pool = _start_pool(world_size, accelerator, gpus, pg_timeout_s)
+        healthy = False
+        try:
+            payload = pickle.dumps((list(sys.path), pool.env_delta(), call))
+            for conn in pool.conns:
+                conn.send_bytes(payload)
+            replies = pool.collect(time.monotonic() + timeout_s, f"in {_fn_name(fn)}",
+                                   f"timeout_s={timeout_s:g} s")
+            # Only a clean result or a unanimous skip keeps the pool: after any failure a rank's
+            # state (half-built engines, a process group out of step) must not reach the next test.
+            kinds = {r[0] for r in replies}
+            healthy = kinds == {"ok"} or (kinds == {"skip"} and len({r[1] for r in replies}) == 1)
+            return _resolve(replies)
+        finally:
+            # Anything else (an exception, a timeout, Ctrl-C) leaves ranks mid-call: never reuse.
+            if not healthy:
+                pool.kill()
+            elif reuse:
+                _POOLS[key] = pool
+                while len(_POOLS) > MAX_POOLS:
+                    _POOLS.popitem(last=False)[1].close()
+            else:
+                pool.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# External rendezvous (torchrun, DeepSpeed launcher, Slurm)
+# ---------------------------------------------------------------------------------------------
+
+_outcome_group: Any = None
+
+
+def _external_env() -> tuple[int, int, int]:
+    """(rank, world size, local rank), exporting the torchrun names DeepSpeed reads."""
+    if not all(v in os.environ for v in _TORCHRUN_VARS):
+        os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+        os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
+        os.environ.setdefault("LOCAL_RANK", os.environ["SLURM_LOCALID"])
+        per_node = os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+        if per_node.isdigit():
+            os.environ.setdefault("LOCAL_WORLD_SIZE", per_node)
+    # DeepSpeed's CPU accelerator and shm op read LOCAL_SIZE; torchrun exports LOCAL_WORLD_SIZE.
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_SIZE", os.environ["LOCAL_WORLD_SIZE"])
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+
+
+def _destroy_external_groups() -> None:
+    global _outcome_group
+    import torch.distributed as tdist
+
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+    _outcome_group = None
+
+
+def _init_external(accelerator: str | None, timeout_s: float) -> None:
+    global _outcome_group
+    import dsconform.dist_rank as dist_rank
+
+    _, _, local_rank = _external_env()
+    import torch
+    import torch.distributed as tdist
+
+    if "deepspeed" in sys.modules:
+        from deepspeed.accelerator import get_accelerator
+
+        chosen = get_accelerator().device_name()
+        accel = _check_accelerator(accelerator or (chosen if chosen in ("cuda", "cpu") else None))
+        if chosen != accel:
+            raise RuntimeError(
+                f"run_ranks(accelerator={accel!r}) but deepspeed already runs on {chosen!r} in "
+                "this process; export DS_ACCELERATOR before the job starts")
+    else:
+        accel = _check_accelerator(accelerator or os.environ.get("DS_ACCELERATOR"))
+        os.environ["DS_ACCELERATOR"] = accel  # read when deepspeed is first imported
+    import deepspeed
+
+    if not tdist.is_initialized():
+        if accel == "cuda":
+            torch.cuda.set_device(local_rank)
+        # Left to interpreter teardown, the gloo groups' destructors race their peers' and
+        # abort ("terminate called without an active exception", SIGABRT) about half the time.
+        atexit.register(_destroy_external_groups)
+    # Idempotent; also adopts a process group the launcher's script initialised itself.
+    deepspeed.init_distributed(dist_backend="nccl" if accel == "cuda" else "gloo",
+                               timeout=timedelta(seconds=timeout_s), verbose=False)
+    if dist_rank._accelerator is None:
+        dist_rank._accelerator = accel
+    if _outcome_group is None:
+        # Outcomes travel on their own gloo group: a rank that raised early must not pair its
+        # outcome exchange with a collective its peers are still blocked in.
+        _outcome_group = tdist.new_group(backend="gloo",
+                                         timeout=timedelta(seconds=max(2 * timeout_s + 60, 1800)))
+
+
+def _run_external(fn: Callable, world_size: int | None, timeout_s: float, args: tuple,
+                  kwargs: dict, accelerator: str | None) -> list:
+    _, env_world, _ = _external_env()
+    if world_size not in (None, -1) and world_size != env_world:
+        raise WorldSizeMismatch(
+            f"run_ranks(world_size={world_size}) but the launcher started {env_world} ranks "
+            f"(WORLD_SIZE/SLURM_NTASKS); pass world_size=None to use the job's size, or gate the "
+            "test on dsconform.dist.world()")
+    _init_external(accelerator, timeout_s)
+    import torch.distributed as tdist
+
+    # A hang here cannot be contained to one call (no parent can kill this rank); at least the
+    # job log shows where each rank was stuck, and the process-group timeout ends collectives.
+    faulthandler.dump_traceback_later(timeout_s, exit=False)
+    try:
+        outcome = picklable_outcome(call_outcome(fn, args, kwargs))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    outcomes: list = [None] * env_world
+    tdist.all_gather_object(outcomes, outcome, group=_outcome_group)
+    return _resolve(outcomes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------------------------
+
+def run_ranks(fn: Callable, world_size: int | None, *, timeout_s: float, args: tuple = (),
+              kwargs: dict | None = None, accelerator: str | None = None,
+              reuse: bool = True) -> list:
+    """Run fn(*args, **kwargs) on world_size ranks; return the per-rank results (index = rank).
+
+    accelerator: "cuda" (nccl, rank i on the i-th GPU of this xdist worker), "cpu" (gloo,
+    DeepSpeed's CPU accelerator even on a GPU node), or None (cuda if the parent sees a GPU).
+    reuse: keep the rank processes for the next call of the same world size and accelerator.
+    timeout_s: how long fn may run; startup has its own STARTUP_TIMEOUT_S.
+    Raises RankError (a rank raised or died, or ranks disagreed on a skip), RankTimeout,
+    pytest's Skipped when every rank skipped for the same reason, InsufficientGPUs.
+    Under torchrun/Slurm (external_rendezvous()), runs fn in this process as one rank; there
+    world_size must equal the job's size or be None/-1 ("whatever the job has").
+    """
+    if timeout_s is None or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    kwargs = dict(kwargs or {})
+    if external_rendezvous():
+        return _run_external(fn, world_size, timeout_s, tuple(args), kwargs, accelerator)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1 outside torchrun/Slurm, got {world_size!r}")
+    return _run_spawned(fn, world_size, float(timeout_s), tuple(args), kwargs,
+                        _check_accelerator(accelerator), reuse)

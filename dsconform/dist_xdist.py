@@ -1,0 +1,146 @@
+"""How pytest-xdist workers share one node: disjoint rendezvous ports and disjoint GPUs.
+
+Everything here is a pure function of its arguments or of the environment, so the pytest
+plugin can gate tests and the project's own tests can check the arithmetic without GPUs.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+#: Ports each xdist worker may use for rendezvous; 100 leaves room for a respawn per failing
+#: test in a long session without wrapping onto a port whose TCPStore may still be closing.
+PORT_STRIDE = 100
+DEFAULT_PORT_BASE = 29500
+
+
+class InsufficientGPUs(RuntimeError):
+    """This xdist worker (or this node) has fewer GPUs than the request needs."""
+
+    def __init__(self, message: str, *, needed: int, available: int) -> None:
+        super().__init__(message)
+        self.needed = needed
+        self.available = available
+
+
+def xdist_worker() -> tuple[int, int]:
+    """(worker index, worker count) from pytest-xdist's environment; (0, 1) without xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count_text = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if not name:
+        return 0, 1
+    if not name.startswith("gw") or not name[2:].isdigit():
+        raise ValueError(f"PYTEST_XDIST_WORKER={name!r} is not of the form gwN")
+    index = int(name[2:])
+    try:
+        count = int(count_text) if count_text else index + 1
+    except ValueError:
+        raise ValueError(f"PYTEST_XDIST_WORKER_COUNT={count_text!r} is not an integer") from None
+    if not 0 <= index < count:
+        raise ValueError(f"PYTEST_XDIST_WORKER={name} is outside PYTEST_XDIST_WORKER_COUNT={count}")
+    return index, count
+
+
+def port_range(worker_index: int) -> range:
+    """The rendezvous ports reserved for one xdist worker: disjoint from every other worker's."""
+    base_text = os.environ.get("DSCONFORM_PORT_BASE", str(DEFAULT_PORT_BASE))
+    try:
+        base = int(base_text)
+    except ValueError:
+        raise ValueError(f"DSCONFORM_PORT_BASE={base_text!r} is not an integer") from None
+    if worker_index < 0:
+        raise ValueError(f"worker_index must be >= 0, got {worker_index}")
+    start = base + worker_index * PORT_STRIDE
+    stop = start + PORT_STRIDE
+    if start < 1024 or stop > 65536:
+        raise ValueError(
+            f"ports {start}-{stop - 1} for xdist worker {worker_index} fall outside 1024-65535; "
+            f"lower DSCONFORM_PORT_BASE (now {base}) or run fewer workers"
+        )
+    return range(start, stop)
+
+
+def _port_is_free(port: int) -> bool:
+    # No SO_REUSEADDR: a port still in TIME_WAIT from a killed TCPStore counts as busy, so the
+    # next pool does not race a half-closed store.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+_next_port_offset: dict[int, int] = {}
+
+
+def free_port(worker_index: int | None = None) -> int:
+    """A port inside this worker's range that nothing listens on now.
+
+    Successive calls walk through the range, so a new pool does not reuse the port of the pool
+    just killed (its DeepSpeed shm segments are named after the port).
+    """
+    if worker_index is None:
+        worker_index = xdist_worker()[0]
+    ports = port_range(worker_index)
+    # Start at a pid-dependent offset so two pytest sessions on one node rarely probe in step.
+    offset = _next_port_offset.get(worker_index, os.getpid() % len(ports))
+    for step in range(len(ports)):
+        index = (offset + step) % len(ports)
+        if _port_is_free(ports[index]):
+            _next_port_offset[worker_index] = index + 1
+            return ports[index]
+    raise RuntimeError(
+        f"no free port in {ports.start}-{ports.stop - 1} (xdist worker {worker_index}); "
+        "another job uses them: set DSCONFORM_PORT_BASE to a free range"
+    )
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids this process may hand out: CUDA_VISIBLE_DEVICES if set, else 0..count-1."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [item.strip() for item in listed.split(",") if item.strip()]
+    import torch
+
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def gpus_per_worker(total_gpus: int, worker_count: int) -> int:
+    """GPUs each xdist worker gets: DSCONFORM_GPUS_PER_WORKER, else an even share."""
+    override = os.environ.get("DSCONFORM_GPUS_PER_WORKER")
+    if override:
+        try:
+            value = int(override)
+        except ValueError:
+            raise ValueError(f"DSCONFORM_GPUS_PER_WORKER={override!r} is not an integer") from None
+        if value < 0:
+            raise ValueError(f"DSCONFORM_GPUS_PER_WORKER={value} must be >= 0")
+        return value
+    return total_gpus // max(worker_count, 1)
+
+
+def gpu_slice(worker_index: int, gpus_per_worker: int, visible: list[str]) -> list[str]:
+    """GPUs [K*g, (K+1)*g) of `visible` for worker K; InsufficientGPUs if they do not all exist."""
+    if gpus_per_worker < 0 or worker_index < 0:
+        raise ValueError(
+            f"worker_index ({worker_index}) and gpus_per_worker ({gpus_per_worker}) must be >= 0")
+    start = worker_index * gpus_per_worker
+    chosen = list(visible[start:start + gpus_per_worker])
+    if len(chosen) < gpus_per_worker:
+        raise InsufficientGPUs(
+            f"xdist worker gw{worker_index} needs GPUs {start}..{start + gpus_per_worker - 1} "
+            f"({gpus_per_worker} per worker) but only {len(visible)} are visible "
+            f"({','.join(visible) or 'none'}); run fewer workers (-n) or lower DSCONFORM_GPUS_PER_WORKER",
+            needed=gpus_per_worker,
+            available=len(chosen),
+        )
+    return chosen
+
+
+def worker_gpus() -> list[str]:
+    """The GPUs this xdist worker owns (all visible GPUs without xdist)."""
+    index, count = xdist_worker()
+    visible = visible_gpus()
+    return gpu_slice(index, gpus_per_worker(len(visible), count), visible)

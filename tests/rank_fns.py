@@ -1,0 +1,160 @@
+"""Functions the harness tests run inside ranks (module level, so spawn can import them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as tdist
+
+from dsconform import dist
+
+
+def rank_and_sum() -> dict:
+    """Each rank contributes rank+1; the all_reduce sum proves the process group works."""
+    value = torch.tensor([float(dist.rank() + 1)], device=dist.device())
+    tdist.all_reduce(value)
+    return {"rank": dist.rank(), "world": dist.world(), "sum": value.item(), "pid": os.getpid()}
+
+
+def noop() -> None:
+    return None
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def raise_on(bad_rank: int) -> int:
+    """bad_rank raises at once; the others block in a collective that can never complete."""
+    if dist.rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    tdist.barrier()
+    return dist.rank()
+
+
+def raise_alone(bad_rank: int) -> int:
+    """bad_rank raises; the others return normally (no collective left waiting)."""
+    if dist.rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    return dist.rank()
+
+
+def exit_on(bad_rank: int, code: int) -> int:
+    if dist.rank() == bad_rank:
+        os._exit(code)
+    tdist.barrier()
+    return dist.rank()
+
+
+def sigkill_on(bad_rank: int) -> int:
+    if dist.rank() == bad_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    tdist.barrier()
+    return dist.rank()
+
+
+def segfault_on(bad_rank: int) -> int:
+    if dist.rank() == bad_rank:
+        import ctypes
+
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+    tdist.barrier()
+    return dist.rank()
+
+
+def hang_forever_in_sleep() -> None:
+    """A hang the stack dump must name: a pure-Python loop, no collective involved."""
+    while True:
+        time.sleep(0.1)
+
+
+def hang_on(bad_rank: int) -> int:
+    """bad_rank hangs in a named function; the others wait for it in a barrier."""
+    if dist.rank() == bad_rank:
+        hang_forever_in_sleep()
+    tdist.barrier()
+    return dist.rank()
+
+
+def skip_all(reason: str) -> None:
+    import pytest
+
+    pytest.skip(reason)
+
+
+def skip_on(skip_rank: int, reason: str) -> int:
+    """skip_rank skips; the others return without waiting for it."""
+    if dist.rank() == skip_rank:
+        import pytest
+
+        pytest.skip(reason)
+    return dist.rank()
+
+
+def skip_on_then_barrier(skip_rank: int, reason: str) -> int:
+    """skip_rank skips; the others wait for it in a barrier (they would hang forever)."""
+    if dist.rank() == skip_rank:
+        import pytest
+
+        pytest.skip(reason)
+    tdist.barrier()
+    return dist.rank()
+
+
+def skip_with_rank_reason() -> None:
+    import pytest
+
+    pytest.skip(f"reason of rank {dist.rank()}")
+
+
+def agree_or_report(bad_rank: int) -> str:
+    """Every rank must raise from all_agree when one rank is not ok; report what each saw."""
+    try:
+        dist.all_agree(dist.rank() != bad_rank, f"value on rank {dist.rank()} is off")
+    except AssertionError as exc:
+        # A collective after all_agree proves no rank was left behind in it.
+        tdist.barrier()
+        return f"raised: {exc}"
+    return "passed"
+
+
+def agree_all_ok() -> str:
+    dist.all_agree(True, "unused")
+    return "passed"
+
+
+def gather_ranks() -> list:
+    return dist.gather(dist.rank() * 10)
+
+
+def seeded_draw(seed: int, per_rank: bool) -> list:
+    dist.seed_everything(seed, per_rank=per_rank)
+    return torch.rand(3).tolist()
+
+
+def unpicklable_result():
+    return lambda: None
+
+
+def set_env_var(name: str, value: str) -> str | None:
+    """Sets a variable; the harness must undo it before the next call in a pooled rank."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    return before
+
+
+def read_env_var(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def env_of_rank() -> dict:
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+            "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES")
+    from deepspeed.accelerator import get_accelerator
+
+    return {"env": {k: os.environ.get(k) for k in keys},
+            "backend": tdist.get_backend(),
+            "ds_accelerator": get_accelerator()._name}

@@ -54,6 +54,9 @@ class NodeFacts:
     nccl_version: str | None = None
     gpus: list[GpuInfo] = field(default_factory=list)
     nvme: list[NvmeDevice] = field(default_factory=list)
+    # DeepSpeed's CPU accelerator runs fp16 only where oneDNN has fp16 kernels (AVX512-FP16/AMX):
+    # the AMD EPYC CI machine does not, though FINDINGS reported fp16 working on "the CPU machine".
+    cpu_fp16: bool = False
 
     @property
     def gpu_count(self) -> int:
@@ -78,7 +81,7 @@ class NodeFacts:
     def fp16(self) -> bool:
         if self.gpus:
             return all(_cc_tuple(g.compute_capability) >= (6, 0) for g in self.gpus)
-        return True  # FINDINGS: fp16 runs on the CPU accelerator (mkldnn fp16)
+        return self.cpu_fp16
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -143,6 +146,10 @@ def _torch_facts() -> dict[str, Any]:
     except Exception:
         return {}
     facts: dict[str, Any] = {"cuda_version": torch.version.cuda, "gpus": []}
+    try:  # the same test DeepSpeed's CPU accelerator makes (is_fp16_supported)
+        facts["cpu_fp16"] = bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        facts["cpu_fp16"] = False
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
@@ -206,6 +213,7 @@ def probe() -> NodeFacts:
         nccl_version=tf.get("nccl_version"),
         gpus=gpus,
         nvme=probe_nvme(),
+        cpu_fp16=tf.get("cpu_fp16", False),
     )
 
 

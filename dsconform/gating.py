@@ -134,8 +134,8 @@ def evaluate(conditions: Mapping[str, Any], node: NodeFacts, profile: Profile, *
                            f"expected {p.gpus_promised} GPUs" if promised else ""))
     for dtype in ("bf16", "fp16"):
         if conditions.get(dtype) and not getattr(node, dtype):
-            found = f"{node.gpu_model} cc {node.gpus[0].compute_capability}" if node.gpus \
-                else "no"
+            found = (f"{node.gpu_model} cc {node.gpus[0].compute_capability}" if node.gpus
+                     else "CPU without oneDNN support")
             promised = getattr(p, dtype) is True
             unmet.append(Unmet(dtype, dtype, found, promised, f"expected {dtype} support"))
     ops = conditions.get("op") or []

@@ -67,6 +67,10 @@ def test_detected_profile_promises_what_was_found():
 def test_bf16_from_compute_capability():
     assert fake_node(cc="8.0").bf16 and not fake_node(cc="7.0").bf16
     assert fake_node(0).bf16  # the CPU accelerator
+    assert not fake_node(0).fp16  # only with oneDNN fp16 kernels
+    cpu = fake_node(0)
+    cpu.cpu_fp16 = True
+    assert cpu.fp16
 
 
 def test_auto_select_picks_shipped_or_detected():

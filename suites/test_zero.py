@@ -1,0 +1,165 @@
+"""ZeRO equivalence: ZeRO MUST train the same model torch DDP trains.
+
+From the same initial weights, the same per-rank data and the same optimizer settings, 20 steps of
+the DeepSpeed engine (ZeRO stages 0-3, ZeRO-Offload of the optimizer on stages 1-3 and of the
+parameters on stage 3; fp32, bf16, fp16; SGD, torch Adam, DeepSpeed's FusedAdam or CPU Adam;
+gradient accumulation 1 and 4; 1, 2 and every GPU) MUST give the losses of every step, the
+gradients at every accumulation boundary (``deepspeed.utils.safe_get_full_grad`` before
+``engine.step()``) and the final parameters (``safe_get_full_fp32_param``, else
+``deepspeed.zero.GatheredParameters``) that torch DDP gives, within ``dsconform/tolerances.py``;
+fp32 SGD bit for bit. The semantics are pinned by ``dsconform.dsconfig.ds_config``
+(gradient_clipping 0, Adam not AdamW, no weight decay, static fp16 loss scale), and DeepSpeed's
+own defaults MUST be the ones the suite assumes, so an upgrade that moves one is named.
+
+Upstream: https://www.deepspeed.ai/tutorials/zero/ ,
+https://www.deepspeed.ai/tutorials/zero-offload/ , https://www.deepspeed.ai/docs/config-json/ ,
+https://deepspeed.readthedocs.io/en/latest/zero3.html#debugging (the safe_get_full_* APIs).
+
+Stable ids: ZERO-EQ-1 (matrix), ZERO-EQ-2 (partition padding property), ZERO-DEF-1 (defaults);
+each case id (``z3-off_opt-bf16-adam-gas4-ws2``) names its cell and does not change.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dsconform.dist import run_ranks
+from dsconform.dsconfig import ASSUMED_DEFAULTS, OPTIMIZER_OPS, defaults_mismatches
+from dsconform.equivalence import Comparison, compare_rank_results
+from dsconform.gating import accel_params, requires
+from dsconform.tolerances import tolerance
+from suites.zero_ranks import ZeroCase, matrix, read_effective_defaults, train_zero_and_ddp
+
+CAPABILITY = "zero"
+# Per call. DeepSpeed's FusedAdam/CPU Adam JIT-build inside the first call that uses them
+# (42 s each on 2 cores, FINDINGS); everything else takes seconds.
+TIMEOUT_S = 180
+OP_TIMEOUT_S = 600
+
+
+def in_cpu_tier(case: ZeroCase) -> bool:
+    """The default CPU tier: every axis of the matrix at least once, in about 25 cases, so CI
+    runs the zero suite in a few minutes on 2 cores. Everything else is marked ``slow`` on the
+    CPU accelerator (it runs under ``-m slow`` and on GPU nodes, which run the whole matrix)."""
+    c = case
+    cell = (c.stage, c.offload, c.dtype, c.optimizer, c.grad_accum, c.world_size)
+    if c.optimizer == "fused_adam":
+        # Not promised by the cpu-ci profile, and its first use JIT-builds for 42 s.
+        return False
+    if c.optimizer == "cpu_adam":
+        # cpu-ci promises cpu_adam (the ops suite builds it into the shared cache): one cell.
+        return cell == (2, "opt", "fp32", "cpu_adam", 1, 2)
+    if c.world_size == 1:
+        # One rank has nothing to partition or reduce; two spot checks of the degenerate case.
+        return cell in {(3, "none", "fp32", "sgd", 1, 1), (0, "none", "bf16", "adam", 4, 1)}
+    if c.dtype == "fp32" and c.optimizer == "sgd":
+        # The bit-exact reference: every stage and offload placement, accumulation per stage.
+        return c.grad_accum == 1 or c.offload == "none"
+    if c.dtype == "bf16" and c.optimizer == "sgd":
+        return c.grad_accum == 1 and c.offload == "none"
+    if c.dtype == "fp16":
+        # Skips on CPUs without mkldnn fp16; one cell where it can run.
+        return cell == (2, "none", "fp16", "sgd", 1, 2)
+    # torch Adam: fp32 with parameters offloaded, bf16 on stage 0 (its own optimizer wrapper)
+    # and stage 2, and accumulation once.
+    return cell in {(3, "param+opt", "fp32", "adam", 1, 2), (0, "none", "bf16", "adam", 1, 2),
+                    (2, "none", "bf16", "adam", 1, 2), (1, "opt", "bf16", "adam", 4, 2)}
+
+
+def check_name(case: ZeroCase) -> str:
+    """The tolerance table's check: accumulation reduces in a different order (tolerances.py)."""
+    return "zero_accum" if case.grad_accum > 1 else "zero"
+
+
+def _needs(case: ZeroCase) -> list:
+    marks = []
+    if case.dtype in ("bf16", "fp16"):
+        marks.append(requires(**{case.dtype: True}))
+    if OPTIMIZER_OPS[case.optimizer]:
+        marks.append(requires(op=OPTIMIZER_OPS[case.optimizer]))
+    return marks
+
+
+def _matrix_params() -> list:
+    params = []
+    for accel in ("cpu", "cuda"):
+        sizes = (1, 2) if accel == "cpu" else (1, 2, "all")
+        for case in matrix(world_sizes=sizes):
+            base = next(p for p in accel_params(case.world_size) if p.id == accel)
+            marks = list(base.marks) + _needs(case)
+            if accel == "cpu" and not in_cpu_tier(case):
+                marks.append(pytest.mark.slow)
+            params.append(pytest.param(accel, case, id=f"{accel}-{case.id}", marks=marks))
+    return params
+
+
+def _resolve(case: ZeroCase, node) -> ZeroCase:
+    if case.world_size != "all":
+        return case
+    if node.gpu_count <= 2:
+        pytest.skip(f"every GPU of this node is {node.gpu_count}: the ws{node.gpu_count} case "
+                    f"covers it")
+    return case.with_(world_size=node.gpu_count)
+
+
+def run_case(case: ZeroCase, accelerator: str, profile) -> Comparison:
+    """Train ZeRO and DDP side by side on the ranks; compare under the table's tolerance."""
+    tol = tolerance(check_name(case), case.dtype, case.optimizer, profile.tolerances,
+                    accelerator=accelerator)
+    results = run_ranks(train_zero_and_ddp, case.world_size, args=(case,),
+                        accelerator=accelerator,
+                        timeout_s=OP_TIMEOUT_S if OPTIMIZER_OPS[case.optimizer] else TIMEOUT_S)
+    return compare_rank_results(results, tol, label=f"{accelerator}-{case.id}")
+
+
+def record(metrics, cmp: Comparison, case: ZeroCase, accelerator: str) -> None:
+    """Worst differences, recorded even when within tolerance: drift across upgrades shows."""
+    params = {**case.params(), "accelerator": accelerator, "rtol": cmp.tol.rtol,
+              "atol": cmp.tol.atol}
+    loss_abs, loss_rel = cmp.worst("loss")
+    metrics.record("zero.loss_max_rel_diff", loss_rel, unit="1", better="lower", **params)
+    metrics.record("zero.grad_max_abs_diff", cmp.worst("grad")[0], unit="1", better="lower",
+                   **params)
+    metrics.record("zero.param_max_abs_diff", cmp.worst("param")[0], unit="1", better="lower",
+                   **params)
+
+
+@pytest.mark.parametrize("accelerator, case", _matrix_params())
+def test_zero_matches_ddp(accelerator: str, case: ZeroCase, node, profile, metrics):
+    """ZERO-EQ-1: ZeRO MUST give DDP's per-step losses, boundary gradients and final parameters."""
+    case = _resolve(case, node)
+    cmp = run_case(case, accelerator, profile)
+    record(metrics, cmp, case, accelerator)
+    cmp.assert_ok()
+
+
+# Widths around and at awkward sizes: 53 (prime) and 1 force padding of every ZeRO partition on
+# two ranks; 64 divides evenly, as a control.
+WIDTHS = st.one_of(st.sampled_from([1, 53, 64]), st.integers(min_value=2, max_value=97))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("accelerator", accel_params(2))
+@given(width=WIDTHS, seed=st.integers(min_value=0, max_value=2**31 - 1),
+       lr=st.floats(min_value=1e-3, max_value=0.2, allow_nan=False, allow_infinity=False))
+def test_zero_partition_padding(accelerator: str, stage: int, width: int, seed: int, lr: float,
+                                profile):
+    """ZERO-EQ-2: fp32 SGD on 2 ranks MUST stay bit-exact with DDP for any width, seed and lr."""
+    # Drawn here, in the parent: every rank gets the same example.
+    case = ZeroCase(stage=stage, dtype="fp32", optimizer="sgd", grad_accum=1, world_size=2,
+                    width=width, seed=seed, lr=lr, steps=5)
+    run_case(case, accelerator, profile).assert_ok()
+
+
+def test_effective_defaults():
+    """ZERO-DEF-1: DeepSpeed's effective defaults MUST equal the ones the suite assumes."""
+    import deepspeed
+
+    found = run_ranks(read_effective_defaults, 1, timeout_s=TIMEOUT_S)[0]
+    mismatches = defaults_mismatches(ASSUMED_DEFAULTS, found)
+    assert not mismatches, (
+        f"DeepSpeed {deepspeed.__version__} changed defaults the suite assumes "
+        f"(dsconform/dsconfig.py ASSUMED_DEFAULTS); configs built by ds_config pin them, user "
+        f"configs that omit them now train differently:\n  " + "\n  ".join(mismatches))

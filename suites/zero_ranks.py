@@ -1,0 +1,317 @@
+"""Code that runs inside the ranks of suites/test_zero.py.
+
+Each call trains the same model twice in the same process: once with the DeepSpeed engine and once
+with torch DDP, from the same initial weights, on the same per-rank data with the same optimizer
+settings, and returns both traces (per-step losses, per-step gradients at the accumulation
+boundary, final parameters) as CPU tensors for the parent to compare.
+
+Ranks are pooled and reused: every call re-seeds, and destroys its engine before returning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsconform.dsconfig import ds_config
+
+# fp16 runs with a static loss scale so plain DDP can apply exactly the same one (a power of two:
+# scaling and unscaling are exact). The dynamic scaler is the loss-scaling suite's business.
+FP16_STATIC_LOSS_SCALE = 1024.0
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ZeroCase:
+    """One cell of the ZeRO-vs-DDP matrix; everything a rank needs to reproduce it."""
+    stage: int
+    dtype: str
+    optimizer: str
+    grad_accum: int
+    world_size: int | str    # "all": every GPU of the node, resolved before running
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    width: int = 53          # hidden width; odd sizes force ZeRO partition padding
+    seed: int = 1234
+    lr: float | None = None  # None: the optimizer's default below
+    steps: int = 20
+    micro_batch: int = 4
+    d_in: int = 13
+    d_out: int = 7
+    # SGD only; None: 0.9, so that SGD has optimizer state for ZeRO to partition.
+    momentum: float | None = None
+
+    def __post_init__(self) -> None:
+        sgd = self.optimizer == "sgd"
+        if self.lr is None:
+            object.__setattr__(self, "lr", 0.05 if sgd else 1e-3)
+        if self.momentum is None:
+            object.__setattr__(self, "momentum", 0.9 if sgd else 0.0)
+
+    @property
+    def offload(self) -> str:
+        return "param+opt" if self.offload_param else ("opt" if self.offload_optimizer else "none")
+
+    @property
+    def id(self) -> str:
+        return (f"z{self.stage}-off_{self.offload}-{self.dtype}-{self.optimizer}"
+                f"-gas{self.grad_accum}-ws{self.world_size}")
+
+    def with_(self, **changes: Any) -> "ZeroCase":
+        return replace(self, **changes)
+
+    def config(self) -> dict[str, Any]:
+        if not isinstance(self.world_size, int):
+            raise ValueError(f"{self.id}: resolve world_size={self.world_size!r} first")
+        return ds_config(stage=self.stage, dtype=self.dtype, optimizer=self.optimizer,
+                         lr=self.lr, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
+                         world_size=self.world_size, offload_optimizer=self.offload_optimizer,
+                         offload_param=self.offload_param, gradient_clipping=0.0,
+                         weight_decay=0.0, momentum=self.momentum,
+                         loss_scale=FP16_STATIC_LOSS_SCALE if self.dtype == "fp16" else 0.0)
+
+    def params(self) -> dict[str, Any]:
+        """Flat parameters for metric records."""
+        return asdict(self)
+
+
+# Where each stage can put things on the CPU: stage 0 has nothing to offload, parameters move only
+# under stage 3. (offload_optimizer, offload_param)
+OFFLOADS = {0: ((False, False),),
+            1: ((False, False), (True, False)),
+            2: ((False, False), (True, False)),
+            3: ((False, False), (True, False), (True, True))}
+
+
+def optimizers_for(offload_optimizer: bool) -> tuple[str, ...]:
+    """torch SGD and Adam everywhere; DeepSpeed's own Adam is FusedAdam on the device and
+    DeepSpeedCPUAdam when offloaded (DeepSpeed picks one or the other, never both)."""
+    return ("sgd", "adam", "cpu_adam" if offload_optimizer else "fused_adam")
+
+
+def matrix(world_sizes: tuple[int | str, ...] = (1, 2)) -> list[ZeroCase]:
+    """Every valid (stage, offload, dtype, optimizer, grad_accum, world_size) cell. Invalid
+    combinations (offload on stage 0, parameter offload below stage 3, FusedAdam offloaded) are
+    never generated. A world size "all" stays symbolic until the node is known."""
+    return [ZeroCase(stage=stage, dtype=dtype, optimizer=opt, grad_accum=gas,
+                     world_size=ws, offload_optimizer=off_opt, offload_param=off_param)
+            for stage, offloads in OFFLOADS.items()
+            for off_opt, off_param in offloads
+            for dtype in ("fp32", "bf16", "fp16")
+            for opt in optimizers_for(off_opt)
+            for gas in (1, 4)
+            for ws in world_sizes]
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int, width: int, d_out: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, width)
+        self.fc2 = nn.Linear(width, width)
+        self.fc3 = nn.Linear(width, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
+
+
+def _data(case: ZeroCase, rank: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Per-rank batches[step][micro]: a generator seeded by (seed, rank), so ranks differ and
+    both trainers see identical data."""
+    g = torch.Generator().manual_seed(case.seed * 1000 + rank)
+    return [[(torch.randn(case.micro_batch, case.d_in, generator=g),
+              torch.randn(case.micro_batch, case.d_out, generator=g))
+             for _ in range(case.grad_accum)] for _ in range(case.steps)]
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float32).clone()
+
+
+def _train_ddp(model: nn.Module, case: ZeroCase, data, dev: torch.device) -> dict[str, Any]:
+    """The reference: DDP in fp32; bf16/fp16 under torch.autocast with fp32 master weights, fp16
+    with the same static loss scale DeepSpeed gets."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = model.to(dev)
+    ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
+    if case.optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=case.lr, momentum=case.momentum)
+    else:  # torch Adam is the reference for every Adam implementation
+        opt = torch.optim.Adam(model.parameters(), lr=case.lr, betas=(0.9, 0.999), eps=1e-8,
+                               weight_decay=0.0)
+    scale = FP16_STATIC_LOSS_SCALE if case.dtype == "fp16" else 1.0
+    autocast = (torch.autocast(device_type=dev.type, dtype=_TORCH_DTYPES[case.dtype])
+                if case.dtype != "fp32" else contextlib.nullcontext())
+    losses, grads = [], []
+    for batches in data:
+        opt.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for micro, (x, y) in enumerate(batches):
+            # Reduce once per accumulation boundary, as DeepSpeed does.
+            sync = micro == len(batches) - 1
+            with (contextlib.nullcontext() if sync else ddp.no_sync()):
+                with autocast:
+                    out = ddp(x.to(dev))
+                loss = F.mse_loss(out.float(), y.to(dev))
+                (loss / case.grad_accum * scale).backward()
+            step_loss += loss.item()
+        grads.append({n: _cpu(p.grad) / scale for n, p in model.named_parameters()})
+        opt.step()
+        losses.append(step_loss / case.grad_accum)
+    params = {n: _cpu(p) for n, p in model.named_parameters()}
+    del ddp, opt
+    return {"losses": losses, "grads": grads, "params": params, "param_source": "ddp"}
+
+
+def _perturb_backward(engine: Any, factor: float, from_step: int) -> None:
+    """Fault injection for the suite's own red test: from optimizer step ``from_step`` on,
+    multiply the loss by ``factor`` inside engine.backward (a wrapper on this engine only)."""
+    original = engine.backward
+    calls = iter(range(1 << 62))
+
+    def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if next(calls) // engine.gradient_accumulation_steps() >= from_step:
+            loss = loss * factor
+        return original(loss, *args, **kwargs)
+
+    engine.backward = backward
+
+
+def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
+                     perturb: float, perturb_from_step: int) -> dict[str, Any]:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=case.config())
+    try:
+        # The pinned semantics reached the engine (DeepSpeed's own default is 1.0).
+        assert engine.gradient_clipping() == 0.0, \
+            f"gradient_clipping: expected 0.0, found {engine.gradient_clipping()}"
+        if perturb != 1.0:
+            _perturb_backward(engine, perturb, perturb_from_step)
+        dtype = _TORCH_DTYPES[case.dtype]
+        # safe_get_full_grad returns the gradient as it sits before the optimizer step: with fp16
+        # still multiplied by the loss scale.
+        scale = FP16_STATIC_LOSS_SCALE if case.dtype == "fp16" else 1.0
+        named = list(engine.module.named_parameters())
+        losses, grads = [], []
+        for batches in data:
+            step_loss = 0.0
+            for x, y in batches:
+                out = engine(x.to(dev, dtype))
+                loss = F.mse_loss(out.float(), y.to(dev))
+                step_loss += loss.item()
+                engine.backward(loss)
+                if engine.is_gradient_accumulation_boundary():
+                    # Collective on stage 3: every rank gathers every parameter, same order.
+                    grads.append({n: _cpu(safe_get_full_grad(p)) / scale for n, p in named})
+                engine.step()
+            losses.append(step_loss / case.grad_accum)
+        params, source = {}, "fp32_master"
+        for n, p in named:
+            full = safe_get_full_fp32_param(p)
+            if full is None:
+                # No fp32 master behind this parameter (stage 0): the model weight is the state.
+                source = "model"
+                with deepspeed.zero.GatheredParameters([p]):
+                    full = p.data
+            params[n] = _cpu(full)
+        return {"losses": losses, "grads": grads, "params": params, "param_source": source}
+    finally:
+        engine.destroy()
+        del engine
+
+
+def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0,
+                       perturb_from_step: int = 0) -> dict[str, Any]:
+    """Rank entry point: DDP trace and DeepSpeed trace of the same run on this rank.
+
+    ``perturb`` != 1 injects a fault into DeepSpeed's side only (see ``_perturb_backward``).
+    """
+    import pytest
+    from deepspeed.accelerator import get_accelerator
+
+    from dsconform.dist import device, rank, seed_everything
+
+    if case.dtype == "fp16" and not get_accelerator().is_fp16_supported():
+        # Decided identically on every rank. DeepSpeed's CPU accelerator needs mkldnn fp16
+        # (AVX512-FP16/AMX); without it deepspeed.initialize refuses fp16.
+        pytest.skip(f"Requires: [fp16 (found {get_accelerator().device_name()} accelerator "
+                    f"without fp16 support)]")
+
+    seed_everything(case.seed)
+    dev = torch.device(device())
+    model = MLP(case.d_in, case.width, case.d_out)
+    reference_model = MLP(case.d_in, case.width, case.d_out)
+    reference_model.load_state_dict(model.state_dict())
+    data = _data(case, rank())
+    try:
+        ddp = _train_ddp(reference_model, case, data, dev)
+        ds = _train_deepspeed(model.to(dev), case, data, dev, perturb, perturb_from_step)
+    finally:
+        gc.collect()
+    return {"rank": rank(), "ds": ds, "ddp": ddp}
+
+
+def read_effective_defaults() -> dict[str, Any]:
+    """Rank entry point (world size 1): what DeepSpeed does when a config says nothing.
+
+    Builds a minimal engine whose config names only the batch size and the optimizer type, and
+    reads the parsed DeepSpeedConfig for the fp16/bf16/ZeRO sections it does not enable.
+    """
+    import deepspeed
+    from deepspeed.runtime import config as ds_cfg
+    from deepspeed.runtime import constants
+    from dsconform.dist import device, seed_everything
+
+    seed_everything(0)
+    model = nn.Linear(4, 4).to(device())
+    minimal = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1 << 30,
+               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=minimal)
+    try:
+        group = engine.basic_optimizer.param_groups[0]
+        parsed = ds_cfg.DeepSpeedConfig(minimal)  # what the engine parsed, re-parsed
+        found: dict[str, Any] = {
+            "gradient_clipping": engine.gradient_clipping(),
+            "adam.optimizer_class": type(engine.basic_optimizer).__name__,
+            "adam.weight_decay": group["weight_decay"],
+            "adam.betas": tuple(group["betas"]),
+            "adam.eps": group["eps"],
+            "zero_allow_untested_optimizer": engine.zero_allow_untested_optimizer(),
+            "zero_force_ds_cpu_optimizer": parsed.zero_force_ds_cpu_optimizer,
+            "prescale_gradients": parsed.prescale_gradients,
+            "gradient_predivide_factor": parsed.gradient_predivide_factor,
+            "communication_data_type": parsed.communication_data_type,
+            "grad_accum_dtype": parsed.grad_accum_dtype,
+            "torch_autocast_enabled": parsed.torch_autocast_enabled,
+        }
+    finally:
+        engine.destroy()
+        del engine
+    found["constants.GRADIENT_CLIPPING_DEFAULT"] = constants.GRADIENT_CLIPPING_DEFAULT
+    found["constants.ADAM_W_MODE_DEFAULT"] = ds_cfg.ADAM_W_MODE_DEFAULT
+    # Sections the minimal engine leaves disabled, parsed from configs that only enable them.
+    fp16 = ds_cfg.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1,
+                                   "fp16": {"enabled": True}}).float16_config
+    for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+                "consecutive_hysteresis", "min_loss_scale", "auto_cast"):
+        found[f"fp16.{key}"] = getattr(fp16, key)
+    bf16 = ds_cfg.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1,
+                                   "bf16": {"enabled": True}}).bfloat16_config
+    for key in ("immediate_grad_update", "check_grad_overflow"):
+        found[f"bf16.{key}"] = getattr(bf16, key)
+    zero = ds_cfg.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1,
+                                   "zero_optimization": {"stage": 1}}).zero_config
+    for key in ("zero_quantized_weights", "zero_quantized_gradients"):
+        found[f"zero.{key}"] = getattr(zero, key)
+    gc.collect()
+    return found

@@ -1,0 +1,217 @@
+"""dsconform.equivalence with plain tensors: what counts as equal, and what a failure says."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsconform.equivalence import Comparison, compare_traces, tensor_difference
+from dsconform.tolerances import Tol
+
+EXACT = Tol(0.0, 0.0, "bit-exact")
+LOOSE = Tol(1e-3, 1e-6, "loose for the test")
+
+
+def _trace(steps: int = 3, *, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"losses": [1.0 / (s + 1) for s in range(steps)],
+            "grads": [{"fc.weight": torch.randn(3, 5, generator=g),
+                       "fc.bias": torch.randn(3, generator=g)} for _ in range(steps)],
+            "params": {"fc.weight": torch.randn(3, 5, generator=g),
+                       "fc.bias": torch.randn(3, generator=g)}}
+
+
+def _clone(trace: dict) -> dict:
+    return {"losses": list(trace["losses"]),
+            "grads": [{k: v.clone() for k, v in g.items()} for g in trace["grads"]],
+            "params": {k: v.clone() for k, v in trace["params"].items()}}
+
+
+def test_identical_traces_are_exact():
+    a = _trace()
+    cmp = compare_traces(_clone(a), a, EXACT, label="case")
+    assert cmp.ok and cmp.worst_abs == 0 and cmp.worst_rel == 0
+    assert cmp.first_divergence is None
+    assert "equivalent" in cmp.report()
+    cmp.assert_ok()
+
+
+def test_exact_tolerance_catches_one_ulp():
+    x = torch.tensor([1.0, 2.0, 3.0])
+    y = x.clone()
+    y[1] = torch.nextafter(y[1], torch.tensor(math.inf))
+    mabs, mrel, ok = tensor_difference(y, x, EXACT)
+    assert not ok
+    assert mabs == pytest.approx(2.0 ** -22)
+    assert mrel == pytest.approx(2.0 ** -23)
+    assert tensor_difference(y, x, LOOSE)[2]
+
+
+def test_isclose_semantics_rtol_and_atol():
+    tol = Tol(rtol=1e-2, atol=1e-3, why="")
+    b = torch.tensor([0.0, 1.0, 100.0])
+    assert tensor_difference(b + torch.tensor([0.9e-3, 1.05e-2, 1.0]), b, tol)[2]
+    assert not tensor_difference(b + torch.tensor([2e-3, 0.0, 0.0]), b, tol)[2]
+    assert not tensor_difference(b + torch.tensor([0.0, 0.0, 1.2]), b, tol)[2]
+
+
+def test_rel_is_inf_where_reference_is_zero_and_nan_never_passes():
+    mabs, mrel, ok = tensor_difference(torch.tensor([1e-9]), torch.tensor([0.0]), LOOSE)
+    assert ok and mrel == math.inf and mabs == pytest.approx(1e-9)
+    assert not tensor_difference(torch.tensor([math.nan]), torch.tensor([1.0]), LOOSE)[2]
+    assert tensor_difference(torch.tensor([math.nan]), torch.tensor([math.nan]), EXACT)[2]
+    assert tensor_difference(torch.tensor([math.inf]), torch.tensor([math.inf]), EXACT)[2]
+
+
+def test_low_precision_is_compared_in_float64():
+    b = torch.tensor([1.0, 3.0], dtype=torch.float32)
+    a = b.to(torch.bfloat16)
+    assert tensor_difference(a, b, EXACT) == (0.0, 0.0, True)
+
+
+def test_shape_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="shape mismatch"):
+        tensor_difference(torch.zeros(3), torch.zeros(4), EXACT)
+
+
+def test_first_divergence_names_step_parameter_and_tolerance():
+    ref = _trace(steps=5)
+    cand = _clone(ref)
+    cand["grads"][3]["fc.weight"][1, 2] += 1e-4   # the earliest fault
+    cand["losses"][4] *= 1.01
+    cand["params"]["fc.bias"][0] += 0.5
+    cmp = compare_traces(cand, ref, Tol(0.0, 0.0, "fp32 SGD is bit-exact"), label="z3-fp32-sgd",
+                         where="rank 1")
+    assert not cmp.ok
+    first = cmp.first_divergence
+    assert (first.step, first.quantity, first.name, first.where) == (3, "grad", "fc.weight",
+                                                                     "rank 1")
+    assert first.max_abs == pytest.approx(1e-4, rel=1e-3)
+    msg = cmp.report()
+    assert msg.startswith("z3-fp32-sgd: first diverging step 3: step 3, grad of 'fc.weight' "
+                          "(rank 1): max abs diff 0.0001")
+    assert "max rel diff" in msg
+    assert "tolerance rtol=0 atol=0 (fp32 SGD is bit-exact)" in msg
+    assert "3 of " in msg  # grad, loss and param are out
+    with pytest.raises(AssertionError, match="first diverging step 3"):
+        cmp.assert_ok()
+
+
+def test_loss_before_grad_before_param_within_a_step():
+    ref = _trace(steps=2)
+    cand = _clone(ref)
+    cand["losses"][1] += 1.0
+    cand["grads"][1]["fc.bias"] += 1.0
+    cand["params"]["fc.bias"] += 1.0   # final params carry the last step (1)
+    assert compare_traces(cand, ref, EXACT).first_divergence.quantity == "loss"
+
+
+def test_worst_per_quantity_and_merge():
+    ref = _trace()
+    cand = _clone(ref)
+    cand["params"]["fc.weight"] *= 1.0 + 1e-6
+    a = compare_traces(cand, ref, LOOSE, where="rank 0")
+    b = compare_traces(_clone(ref), ref, LOOSE, where="rank 1")
+    merged = a.extend(b)
+    assert merged.ok
+    assert merged.worst("loss") == (0.0, 0.0)
+    assert merged.worst("param")[1] == pytest.approx(1e-6, rel=1e-2)
+    assert merged.worst_rel == merged.worst("param")[1]
+    with pytest.raises(ValueError, match="different tolerances"):
+        merged.extend(Comparison(tol=EXACT))
+
+
+def test_structural_mismatches_are_errors_not_differences():
+    ref = _trace(steps=3)
+    short = _clone(ref)
+    short["losses"].pop()
+    with pytest.raises(ValueError, match="2 steps vs 3"):
+        compare_traces(short, ref, EXACT)
+    renamed = _clone(ref)
+    renamed["params"]["fc.w"] = renamed["params"].pop("fc.weight")
+    with pytest.raises(ValueError, match="only in candidate \\['fc.w'\\]"):
+        compare_traces(renamed, ref, EXACT)
+    missing = _clone(ref)
+    missing["grads"][0]["fc.bias"] = None
+    with pytest.raises(ValueError, match="'fc.bias' at step 0 is None"):
+        compare_traces(missing, ref, EXACT)
+
+
+# ------------------------------------------------------------------ the tolerance table
+
+from dsconform import tolerances  # noqa: E402
+from dsconform.tolerances import known_tolerance_keys, tolerance  # noqa: E402
+
+
+def test_table_covers_every_matrix_cell_with_a_reason():
+    from suites.test_zero import check_name
+    from suites.zero_ranks import matrix
+
+    for case in matrix():
+        for accel in tolerances.ACCELERATORS:
+            tol = tolerance(check_name(case), case.dtype, case.optimizer, accelerator=accel)
+            assert tol.why and tol.rtol >= 0 and tol.atol >= 0
+    for entry in tolerances.TABLE.values():
+        assert set(entry) == set(tolerances.ACCELERATORS)
+
+
+def test_fp32_sgd_is_bit_exact_and_low_precision_is_looser():
+    assert tolerance("zero", "fp32", "sgd", accelerator="cpu") == \
+        tolerance("zero", "fp32", "sgd", accelerator="cuda")
+    exact = tolerance("zero", "fp32", "sgd")
+    assert (exact.rtol, exact.atol) == (0.0, 0.0)
+    for accel in tolerances.ACCELERATORS:
+        adam = tolerance("zero", "fp32", "adam", accelerator=accel)
+        bf16 = tolerance("zero", "bf16", "sgd", accelerator=accel)
+        assert 0 < adam.rtol < bf16.rtol and adam.atol < bf16.atol
+        # A GPU entry is never tighter than the CPU one it was extrapolated from.
+    for k, entry in tolerances.TABLE.items():
+        assert entry["cuda"].rtol >= entry["cpu"].rtol and entry["cuda"].atol >= \
+            entry["cpu"].atol, k
+
+
+def test_known_keys_are_check_dtype_optimizer():
+    keys = known_tolerance_keys()
+    assert keys == sorted(keys) and len(keys) == len(set(keys))
+    assert "zero.bf16.adam" in keys and "zero_accum.fp32.sgd" in keys
+    assert all(len(k.split(".")) == 3 for k in keys)
+
+
+def test_profile_override_replaces_only_what_it_names():
+    base = tolerance("zero", "bf16", "adam", accelerator="cuda")
+    tol = tolerance("zero", "bf16", "adam",
+                    {"zero.bf16.adam": {"rtol": 0.05, "why": "measured on h200-x8"}})
+    assert (tol.rtol, tol.atol) == (0.05, base.atol)
+    assert "measured on h200-x8" in tol.why and "zero.bf16.adam" in tol.why
+    # Overrides of other keys leave this one alone.
+    assert tolerance("zero", "bf16", "sgd", {"zero.bf16.adam": {"atol": 1.0}}) == \
+        tolerance("zero", "bf16", "sgd")
+
+
+def test_unknown_override_key_names_it_and_the_known_keys():
+    with pytest.raises(ValueError) as err:
+        tolerance("zero", "fp32", "sgd", {"zero.bf16.lamb": {"rtol": 0.1}})
+    msg = str(err.value)
+    assert "'zero.bf16.lamb'" in msg and "zero.bf16.adam" in msg and "known keys" in msg
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"rtol": -1.0}, "rtol must be a number >= 0"),
+    ({"atol": True}, "atol must be a number >= 0"),
+    ({"rtol": "0.1"}, "rtol must be a number >= 0"),
+    ({"tol": 0.1}, "unknown field 'tol'"),
+    (0.1, "expected a table"),
+])
+def test_bad_override_values(value, match):
+    with pytest.raises(ValueError, match=match):
+        tolerance("zero", "fp32", "sgd", {"zero.fp32.sgd": value})
+
+
+def test_unknown_lookup_and_accelerator():
+    with pytest.raises(ValueError, match="no tolerance for 'zero.fp8.sgd'"):
+        tolerance("zero", "fp8", "sgd")
+    with pytest.raises(ValueError, match="accelerator must be one of"):
+        tolerance("zero", "fp32", "sgd", accelerator="xpu")
+

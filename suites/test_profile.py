@@ -110,6 +110,7 @@ def test_cuda_driver_supports_torch(profile, node):
         f"{node.driver_version} supporting CUDA {driver_cuda}")
 
 
+@pytest.mark.anynode
 def test_shm_size(profile, node):
     """/dev/shm MUST be at least the promised size (NCCL and DeepSpeed's shm comm use it)."""
     want = _promised(profile.min_shm_gib, "system.min_shm_gib", profile)
@@ -117,12 +118,14 @@ def test_shm_size(profile, node):
     assert found >= want, f"expected /dev/shm >= {want} GiB, found {found:.2f} GiB"
 
 
+@pytest.mark.anynode
 def test_cpu_cores(profile, node):
     """The node MUST have at least the promised number of CPU cores."""
     want = _promised(profile.min_cpu_cores, "system.min_cpu_cores", profile)
     assert node.cpu_cores >= want, f"expected >= {want} CPU cores, found {node.cpu_cores}"
 
 
+@pytest.mark.anynode
 def test_host_memory(profile, node):
     """The node MUST have at least the promised host memory."""
     want = _promised(profile.min_host_memory_gib, "system.min_memory_gib", profile)
@@ -130,6 +133,7 @@ def test_host_memory(profile, node):
     assert found >= want, f"expected >= {want} GiB host memory, found {found:.1f} GiB"
 
 
+@pytest.mark.anynode
 def test_deepspeed_version(profile, node):
     """The installed DeepSpeed MUST be at least the promised minimum version."""
     want = _promised(profile.deepspeed_min_version, "deepspeed.min_version", profile)

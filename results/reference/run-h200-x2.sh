@@ -26,15 +26,17 @@ if [ "$part" = base ]; then
     PYTHONPATH=/tmp/site196:$PYTHONPATH python3 -m deepspeed.env_report > "$res/ds_report-h200-0.19.6.txt" 2>&1
     python3 -m dsconform.cli detect > "$res/detected.toml"
     echo "== ops with TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST-}"
-    budget 240 "${pytest[@]}" suites/test_ops.py --profile h200-x2 --results "$res/ops-arch-as-set"
+    budget 110 "${pytest[@]}" suites/test_ops.py --profile h200-x2 --results "$res/ops-arch-as-set"
     export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
     echo "== building ops in parallel with TORCH_CUDA_ARCH_LIST=9.0"
+    pids=()
     for op in fused_adam cpu_adam async_io gds; do
         python3 -c "from dsconform.ops import load_op; r = load_op('$op'); print('$op', r.loaded, round(r.seconds, 1), r.error)" &
+        pids+=($!)
     done
-    wait
+    wait "${pids[@]}"  # not a bare wait: that also waits for the tee behind exec
     echo "== the suite, -m gpu, without zero"
-    budget 300 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/gpu" \
+    budget 280 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/gpu" \
         --ignore suites/test_zero.py
 else
     export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16

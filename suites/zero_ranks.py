@@ -161,7 +161,10 @@ def _train_ddp(model: nn.Module, case: ZeroCase, data, dev: torch.device) -> dic
                 loss = F.mse_loss(out.float(), y.to(dev))
                 (loss / case.grad_accum * scale).backward()
             step_loss += loss.item()
-        grads.append({n: _cpu(p.grad) / scale for n, p in model.named_parameters()})
+        if scale != 1.0:  # unscale before the step, as DeepSpeed's fp16 optimizer does
+            for p in model.parameters():
+                p.grad.div_(scale)
+        grads.append({n: _cpu(p.grad) for n, p in model.named_parameters()})
         opt.step()
         losses.append(step_loss / case.grad_accum)
     params = {n: _cpu(p) for n, p in model.named_parameters()}

@@ -166,10 +166,10 @@ def test_fp32_sgd_is_bit_exact_and_low_precision_is_looser():
         adam = tolerance("zero", "fp32", "adam", accelerator=accel)
         bf16 = tolerance("zero", "bf16", "sgd", accelerator=accel)
         assert 0 < adam.rtol < bf16.rtol and adam.atol < bf16.atol
-        # A GPU entry is never tighter than the CPU one it was extrapolated from.
+    # Every entry says where its numbers come from: measured on a named machine, or not measured.
     for k, entry in tolerances.TABLE.items():
-        assert entry["cuda"].rtol >= entry["cpu"].rtol and entry["cuda"].atol >= \
-            entry["cpu"].atol, k
+        for accel, tol in entry.items():
+            assert "2026" in tol.why or "not measured" in tol.why, (k, accel, tol.why)
 
 
 def test_known_keys_are_check_dtype_optimizer():

@@ -3,10 +3,12 @@
 # node (no package registry), from the repository root, with .whl/ (DeepSpeed 0.19.8 and 0.19.6
 # wheels, pydantic & co. for Python 3.12) and .debs/ (libaio1, libaio-dev) carried along.
 #   bash results/reference/run-h200-x2.sh base   # reports, ops (arch as set, then 9.0), profile, collectives
-#   bash results/reference/run-h200-x2.sh zero   # the ZeRO suite on the GPUs
+#   bash results/reference/run-h200-x2.sh zero [PYTEST ARGS]  # the ZeRO suite on the GPUs
 # Everything lands in $OUT (one log and one tarball per part).
 set -uo pipefail
-part=${1:?usage: run-h200-x2.sh base|zero}
+part=${1:?usage: run-h200-x2.sh base|zero [PYTEST ARGS]}
+shift
+budget_s=${DSCONFORM_BUDGET_S:-520}
 out=${OUT:-/tmp/dsconform-out}
 mkdir -p "$out"
 exec > >(tee "$out/$part.log") 2>&1
@@ -40,6 +42,7 @@ if [ "$part" = base ]; then
         --ignore suites/test_zero.py
 else
     export TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
-    budget 520 "${pytest[@]}" suites/test_zero.py -m gpu --profile h200-x2 --results "$res/zero"
+    budget "$budget_s" "${pytest[@]}" suites/test_zero.py -m gpu --profile h200-x2 \
+        --results "$res/zero" "$@"
 fi
 tar -C /tmp/dsconform-results -czf "$out/$part.tgz" "$part"

@@ -382,3 +382,18 @@ def test_libaio_missing_probe_real() -> None:
     assert not result["compatible"] and not result["loaded"], result
     assert "not being compatible" in result["error"]
     assert [d["fix"] for d in result["diagnosis"]] == [LIBAIO_FIX]
+
+
+def test_isolated_check_survives_a_native_crash(monkeypatch, tmp_path):
+    """A check that aborts its process (as GDS I/O did on the 2xH200 virtio disk) fails with
+    OpCrashed naming the signal; the calling process carries on."""
+    monkeypatch.setattr(ops, "_CHILD", "import os, sys; print('about to crash'); "
+                                       "sys.stdout.flush(); os.abort()")
+    with pytest.raises(ops.OpCrashed, match=r"killed by SIGABRT[\s\S]*about to crash"):
+        ops.check_op_isolated("cpu_adam", scratch_dir=tmp_path)
+
+
+def test_isolated_check_returns_the_result(tmp_path):
+    result = ops.check_op_isolated("cpu_adam", scratch_dir=tmp_path)
+    assert result["op"] == "cpu_adam" and result["checked"] == "functional"
+    assert result["max_abs_diff"] <= result["atol"] + result["rtol"]

@@ -103,6 +103,8 @@ def test_results_files_and_summary(run, pytester, tmp_path):
     assert outcomes["test_demo.py::test_needs_gpu"]["outcome"] == "skipped"
     assert outcomes["test_demo.py::test_needs_gpu"]["reason"] == "Requires: [GPUs>=1 (found 0)]"
     assert (out / "junit.xml").exists()
+    journal = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert sum("outcome" in e for e in journal) == 6 and sum("metric" in e for e in journal) == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["capabilities"]["demo"] == {"passed": 2, "skipped": 4}
     result.stdout.fnmatch_lines(["*dsconform conformance summary*", "demo*2*0*4*",

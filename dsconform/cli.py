@@ -58,6 +58,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from dsconform import compare
+
+    try:
+        base, new = compare.load(args.base), compare.load(args.new)
+    except compare.CompareInputError as e:
+        print(f"dsconform compare: {e}", file=sys.stderr)
+        return 2
+    result = compare.compare(base, new, threshold=args.threshold)
+    print("\n".join(compare.report(result, base, new)))
+    return 1 if result.regressed else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dsconform", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -70,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="ds_report as data")
     r.add_argument("--json", action="store_true", help="print the parsed report as JSON")
     r.set_defaults(func=cmd_report)
+    c = sub.add_parser("compare", help="compare two benchmarks.json: exit 0 no regression, "
+                                       "1 regression, 2 unreadable input")
+    c.add_argument("base", help="benchmarks.json of the reference run (e.g. the old DeepSpeed)")
+    c.add_argument("new", help="benchmarks.json of the run under test")
+    c.add_argument("--threshold", type=float, default=0.10,
+                   help="relative change below which a metric is unchanged (default 0.10); "
+                        "sample noise can widen it")
+    c.set_defaults(func=cmd_compare)
     return ap
 
 

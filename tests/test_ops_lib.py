@@ -206,8 +206,8 @@ def test_load_op_builds_and_loads(name: str) -> None:
     assert load.compatible and load.error is None and load.diagnosis == []
     assert load.module is not None and load.seconds > 0
     assert Path(load.extensions_dir, name, f"{name}.so").is_file()
-    if load.built_now:  # the compiler's lines were captured
-        assert f"Building extension module {name}" in load.log_tail or "ninja" in load.log_tail
+    if load.built_now:  # the compiler's lines were captured (the tail ends with the link step)
+        assert f"-o {name}.so" in load.log_tail, load.log_tail
 
 
 def test_second_process_loads_warm() -> None:
@@ -258,16 +258,25 @@ def test_optimizer_check_goes_red_on_wrong_semantics() -> None:
                                 lambda ps: torch.optim.Adam(ps, **hp), None, steps=2, sizes=(53,))
 
 
+# Not promised by cpu-ci and not used by the CPU tier: each is a cold JIT build of 1-4 minutes on
+# the 2-core CI machine, so it runs in the nightly tier (-m slow).
+@pytest.mark.slow
 def test_fused_adam_cpu_matches_torch() -> None:
     result = check_fused_adam("cpu")
     print(f"fused_adam cpu: max abs {result['max_abs_diff']:.2e} rel {result['max_rel_diff']:.2e}")
     assert result["device"] == "cpu"
 
 
+# Not promised by cpu-ci and not used by the CPU tier: each is a cold JIT build of 1-4 minutes on
+# the 2-core CI machine, so it runs in the nightly tier (-m slow).
+@pytest.mark.slow
 def test_cpu_adagrad_matches_torch() -> None:
     assert check_cpu_adagrad()["max_param_change"] > 0
 
 
+# Not promised by cpu-ci and not used by the CPU tier: each is a cold JIT build of 1-4 minutes on
+# the 2-core CI machine, so it runs in the nightly tier (-m slow).
+@pytest.mark.slow
 def test_cpu_lion_matches_reference() -> None:
     assert check_cpu_lion()["max_param_change"] > 0
 

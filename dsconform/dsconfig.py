@@ -12,6 +12,7 @@ Upstream reference: https://www.deepspeed.ai/docs/config-json/
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 STAGES = (0, 1, 2, 3)
@@ -31,146 +32,155 @@ def _fail(argument: str, value: Any, reason: str) -> None:
     raise ValueError(f"ds_config({argument}={value!r}): {reason}")
 
 
-def validate(*, stage: int, dtype: str, optimizer: str, lr: float, micro_batch: int,
-             grad_accum: int, world_size: int, offload_optimizer: bool = False,
-             offload_param: bool = False, gradient_clipping: float = 0.0,
-             weight_decay: float = 0.0, momentum: float = 0.0,
-             betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-             loss_scale: float = 0.0, initial_scale_power: int = 16,
-             loss_scale_window: int = 1000, hysteresis: int = 2,
-             min_loss_scale: float = 1.0) -> None:
+@dataclass(frozen=True)
+class DsSettings:
+    """Every argument of ``ds_config``, with its default: the one place they are declared."""
+    stage: int
+    dtype: str
+    optimizer: str
+    lr: float
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    gradient_clipping: float = 0.0
+    weight_decay: float = 0.0
+    momentum: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+
+def validate(s: DsSettings) -> None:
     """Raise ValueError naming the first argument that makes the combination invalid."""
-    if stage not in STAGES:
-        _fail("stage", stage, f"must be one of {STAGES}")
-    if dtype not in DTYPES:
-        _fail("dtype", dtype, f"must be one of {DTYPES}")
-    if optimizer not in OPTIMIZERS:
-        _fail("optimizer", optimizer, f"must be one of {OPTIMIZERS}")
-    for name, value in (("micro_batch", micro_batch), ("grad_accum", grad_accum),
-                        ("world_size", world_size)):
+    if s.stage not in STAGES:
+        _fail("stage", s.stage, f"must be one of {STAGES}")
+    if s.dtype not in DTYPES:
+        _fail("dtype", s.dtype, f"must be one of {DTYPES}")
+    if s.optimizer not in OPTIMIZERS:
+        _fail("optimizer", s.optimizer, f"must be one of {OPTIMIZERS}")
+    for name, value in (("micro_batch", s.micro_batch), ("grad_accum", s.grad_accum),
+                        ("world_size", s.world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             _fail(name, value, "must be an integer >= 1")
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
-        _fail("lr", lr, "must be a finite number > 0")
-    if offload_optimizer and stage == 0:
-        _fail("offload_optimizer", offload_optimizer, "needs ZeRO stage 1, 2 or 3 (stage=0)")
-    if offload_param and stage != 3:
-        _fail("offload_param", offload_param, f"needs ZeRO stage 3 (stage={stage})")
+    if not (isinstance(s.lr, (int, float)) and math.isfinite(s.lr) and s.lr > 0):
+        _fail("lr", s.lr, "must be a finite number > 0")
+    if s.offload_optimizer and s.stage == 0:
+        _fail("offload_optimizer", s.offload_optimizer, "needs ZeRO stage 1, 2 or 3 (stage=0)")
+    if s.offload_param and s.stage != 3:
+        _fail("offload_param", s.offload_param, f"needs ZeRO stage 3 (stage={s.stage})")
     # DeepSpeed silently swaps FusedAdam for DeepSpeedCPUAdam when the optimizer is offloaded and
     # only builds DeepSpeedCPUAdam then: asking for the other would test something else.
-    if optimizer == "fused_adam" and offload_optimizer:
-        _fail("optimizer", optimizer, "with offload_optimizer=True DeepSpeed runs cpu_adam")
-    if optimizer == "cpu_adam" and not offload_optimizer:
-        _fail("optimizer", optimizer, "DeepSpeed uses DeepSpeedCPUAdam only with "
+    if s.optimizer == "fused_adam" and s.offload_optimizer:
+        _fail("optimizer", s.optimizer, "with offload_optimizer=True DeepSpeed runs cpu_adam")
+    if s.optimizer == "cpu_adam" and not s.offload_optimizer:
+        _fail("optimizer", s.optimizer, "DeepSpeed uses DeepSpeedCPUAdam only with "
               "offload_optimizer=True (use fused_adam)")
-    if not (gradient_clipping >= 0 and math.isfinite(gradient_clipping)):
-        _fail("gradient_clipping", gradient_clipping, "must be >= 0 (0 disables clipping)")
-    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
-        _fail("weight_decay", weight_decay, "must be >= 0")
-    if optimizer == "sgd":
-        if not 0 <= momentum < 1:
-            _fail("momentum", momentum, "must be in [0, 1)")
-    elif momentum != 0.0:
-        _fail("momentum", momentum, f"applies to optimizer='sgd' only (optimizer={optimizer!r})")
-    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-        _fail("betas", betas, "must be two numbers in [0, 1)")
-    if not eps > 0:
-        _fail("eps", eps, "must be > 0")
-    if dtype != "fp16":
+    if not (s.gradient_clipping >= 0 and math.isfinite(s.gradient_clipping)):
+        _fail("gradient_clipping", s.gradient_clipping, "must be >= 0 (0 disables clipping)")
+    if not (s.weight_decay >= 0 and math.isfinite(s.weight_decay)):
+        _fail("weight_decay", s.weight_decay, "must be >= 0")
+    if s.optimizer == "sgd":
+        if not 0 <= s.momentum < 1:
+            _fail("momentum", s.momentum, "must be in [0, 1)")
+    elif s.momentum != 0.0:
+        _fail("momentum", s.momentum, f"applies to optimizer='sgd' only (optimizer={s.optimizer!r})")
+    if len(s.betas) != 2 or not all(0 <= b < 1 for b in s.betas):
+        _fail("betas", s.betas, "must be two numbers in [0, 1)")
+    if not s.eps > 0:
+        _fail("eps", s.eps, "must be > 0")
+    if s.dtype != "fp16":
         # Loss scaling is fp16-only in DeepSpeed; a value here would be silently ignored.
-        for name, value, default in (("loss_scale", loss_scale, 0.0),
-                                     ("initial_scale_power", initial_scale_power, 16),
-                                     ("loss_scale_window", loss_scale_window, 1000),
-                                     ("hysteresis", hysteresis, 2),
-                                     ("min_loss_scale", min_loss_scale, 1.0)):
+        for name, value, default in (("loss_scale", s.loss_scale, 0.0),
+                                     ("initial_scale_power", s.initial_scale_power, 16),
+                                     ("loss_scale_window", s.loss_scale_window, 1000),
+                                     ("hysteresis", s.hysteresis, 2),
+                                     ("min_loss_scale", s.min_loss_scale, 1.0)):
             if value != default:
-                _fail(name, value, f"applies to dtype='fp16' only (dtype={dtype!r})")
+                _fail(name, value, f"applies to dtype='fp16' only (dtype={s.dtype!r})")
     else:
-        if not (loss_scale >= 0 and math.isfinite(loss_scale)):
-            _fail("loss_scale", loss_scale, "must be >= 0 (0 means dynamic loss scaling)")
-        if loss_scale_window < 1:
-            _fail("loss_scale_window", loss_scale_window, "must be >= 1")
-        if hysteresis < 1:
-            _fail("hysteresis", hysteresis, "must be >= 1")
-        if not min_loss_scale > 0:
-            _fail("min_loss_scale", min_loss_scale, "must be > 0")
+        if not (s.loss_scale >= 0 and math.isfinite(s.loss_scale)):
+            _fail("loss_scale", s.loss_scale, "must be >= 0 (0 means dynamic loss scaling)")
+        if s.loss_scale_window < 1:
+            _fail("loss_scale_window", s.loss_scale_window, "must be >= 1")
+        if s.hysteresis < 1:
+            _fail("hysteresis", s.hysteresis, "must be >= 1")
+        if not s.min_loss_scale > 0:
+            _fail("min_loss_scale", s.min_loss_scale, "must be > 0")
 
 
-def ds_config(*, stage: int, dtype: str, optimizer: str, lr: float, micro_batch: int,
-              grad_accum: int, world_size: int, offload_optimizer: bool = False,
-              offload_param: bool = False, gradient_clipping: float = 0.0,
-              weight_decay: float = 0.0, momentum: float = 0.0,
-              betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-              loss_scale: float = 0.0, initial_scale_power: int = 16,
-              loss_scale_window: int = 1000, hysteresis: int = 2,
-              min_loss_scale: float = 1.0) -> dict[str, Any]:
+def ds_config(**kwargs: Any) -> dict[str, Any]:
     """Build a validated DeepSpeed config with every maths-relevant value written out.
 
     ``loss_scale=0`` means dynamic loss scaling (DeepSpeed's convention); the fp16 scaler
     arguments are written out even then, so an upstream change of their defaults cannot reach
     a test. ``gradient_clipping=0`` disables clipping (plain DDP has none).
     """
-    validate(stage=stage, dtype=dtype, optimizer=optimizer, lr=lr, micro_batch=micro_batch,
-             grad_accum=grad_accum, world_size=world_size, offload_optimizer=offload_optimizer,
-             offload_param=offload_param, gradient_clipping=gradient_clipping,
-             weight_decay=weight_decay, momentum=momentum, betas=betas, eps=eps,
-             loss_scale=loss_scale, initial_scale_power=initial_scale_power,
-             loss_scale_window=loss_scale_window, hysteresis=hysteresis,
-             min_loss_scale=min_loss_scale)
+    try:
+        s = DsSettings(**kwargs)
+    except TypeError as e:  # unknown or missing keyword: name it as ds_config's
+        raise TypeError(f"ds_config(): {e}".replace("DsSettings.__init__() ", "")) from None
+    validate(s)
 
-    if optimizer == "sgd":
-        opt = {"type": "SGD", "params": {"lr": lr, "momentum": momentum, "dampening": 0.0,
-                                         "nesterov": False, "weight_decay": weight_decay}}
+
+    if s.optimizer == "sgd":
+        opt = {"type": "SGD", "params": {"lr": s.lr, "momentum": s.momentum, "dampening": 0.0,
+                                         "nesterov": False, "weight_decay": s.weight_decay}}
     else:
         # Type "Adam" builds AdamW unless adam_w_mode is false (ADAM_W_MODE_DEFAULT is True), and
         # torch_adam picks torch.optim.Adam over DeepSpeed's kernels.
-        opt = {"type": "Adam", "params": {"lr": lr, "betas": list(betas), "eps": eps,
-                                          "weight_decay": weight_decay, "adam_w_mode": False,
-                                          "torch_adam": optimizer == "adam"}}
+        opt = {"type": "Adam", "params": {"lr": s.lr, "betas": list(s.betas), "eps": s.eps,
+                                          "weight_decay": s.weight_decay, "adam_w_mode": False,
+                                          "torch_adam": s.optimizer == "adam"}}
 
-    zero: dict[str, Any] = {"stage": stage}
-    if stage > 0:
+    zero: dict[str, Any] = {"stage": s.stage}
+    if s.stage > 0:
         # Quantized weights/gradients would change the maths; off is the default, pinned anyway.
         zero.update({"zero_quantized_weights": False, "zero_quantized_gradients": False})
-    if offload_optimizer:
+    if s.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-    if offload_param:
+    if s.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
 
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": grad_accum,
-        "train_batch_size": micro_batch * grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": s.micro_batch,
+        "gradient_accumulation_steps": s.grad_accum,
+        "train_batch_size": s.micro_batch * s.grad_accum * s.world_size,
         "steps_per_print": _QUIET_STEPS,
         "wall_clock_breakdown": False,
         # Default 1.0 since 0.19.3 (0.0 before): the reason this module exists.
-        "gradient_clipping": gradient_clipping,
+        "gradient_clipping": s.gradient_clipping,
         # Gradients are averaged over ranks after the reduction, as DDP does.
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
         # Reduce in the training dtype: what None resolves to today, written out.
-        "communication_data_type": dtype,
+        "communication_data_type": s.dtype,
         # Accumulate gradients in the model dtype: what None resolves to today, written out
         # (fp32 accumulation with bf16 switches stage 0/1 to other optimizer wrappers).
-        "data_types": {"grad_accum_dtype": dtype},
+        "data_types": {"grad_accum_dtype": s.dtype},
         "optimizer": opt,
         "zero_optimization": zero,
         "torch_autocast": {"enabled": False},
     }
-    if stage > 0 and optimizer == "sgd":
+    if s.stage > 0 and s.optimizer == "sgd":
         # torch SGD is not on DeepSpeed's list of ZeRO-tested optimizers.
         cfg["zero_allow_untested_optimizer"] = True
-    if offload_optimizer and optimizer in ("sgd", "adam"):
+    if s.offload_optimizer and s.optimizer in ("sgd", "adam"):
         # Offloading a torch optimizer is refused unless this is off (for client optimizers).
         cfg["zero_force_ds_cpu_optimizer"] = False
-    if dtype == "bf16":
+    if s.dtype == "bf16":
         cfg["bf16"] = {"enabled": True, "immediate_grad_update": False,
                        "check_grad_overflow": True}
-    elif dtype == "fp16":
-        cfg["fp16"] = {"enabled": True, "auto_cast": False, "loss_scale": float(loss_scale),
-                       "initial_scale_power": initial_scale_power,
-                       "loss_scale_window": loss_scale_window, "hysteresis": hysteresis,
-                       "consecutive_hysteresis": False, "min_loss_scale": min_loss_scale}
+    elif s.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "auto_cast": False, "loss_scale": float(s.loss_scale),
+                       "initial_scale_power": s.initial_scale_power,
+                       "loss_scale_window": s.loss_scale_window, "hysteresis": s.hysteresis,
+                       "consecutive_hysteresis": False, "min_loss_scale": s.min_loss_scale}
     return cfg
 
 

@@ -94,7 +94,8 @@ def _cc_tuple(cc: str) -> tuple[int, int]:
     return int(major), int(re.sub(r"\D.*", "", minor) or 0)
 
 
-def _dist_version(name: str) -> str | None:
+def dist_version(name: str) -> str | None:
+    """An installed distribution's version without importing it (None if absent)."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -111,7 +112,8 @@ def _meminfo_bytes() -> int | None:
     return None
 
 
-def _shm_bytes() -> int | None:
+def shm_bytes() -> int | None:
+    """Size of /dev/shm in bytes (None if it cannot be read)."""
     try:
         st = os.statvfs("/dev/shm")
         return st.f_frsize * st.f_blocks
@@ -205,9 +207,9 @@ def probe() -> NodeFacts:
         python=platform.python_version(),
         cpu_cores=os.cpu_count() or 0,
         host_memory_bytes=_meminfo_bytes(),
-        shm_bytes=_shm_bytes(),
-        torch_version=_dist_version("torch"),
-        deepspeed_version=_dist_version("deepspeed"),
+        shm_bytes=shm_bytes(),
+        torch_version=dist_version("torch"),
+        deepspeed_version=dist_version("deepspeed"),
         cuda_version=tf.get("cuda_version"),
         driver_version=_driver_version() if gpus else None,
         nccl_version=tf.get("nccl_version"),

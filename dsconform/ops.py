@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dsconform.dsreport import strip_ansi
+from dsconform.detect import dist_version, shm_bytes
 from dsconform.opdiag import Diagnosis, diagnose, format_failure
 
 GB = 1e9  # GB/s is 1e9 bytes per second everywhere in dsconform
@@ -61,13 +62,6 @@ TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
 # The extensions cache, keyed by environment
 
 
-def _dist_version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _torch_variant(torch_version: str | None, *, installed: bool = True) -> str:
     """cpu / cuXYZ / rocmX.Y / xpu, read without importing torch.
 
@@ -96,8 +90,8 @@ def environment_key(*, torch_version: str | None = None, deepspeed_version: str 
     The arguments describe another environment (default: this one, from package metadata, without
     importing torch or DeepSpeed).
     """
-    torch_v = torch_version or _dist_version("torch")
-    ds_v = deepspeed_version or _dist_version("deepspeed") or "none"
+    torch_v = torch_version or dist_version("torch")
+    ds_v = deepspeed_version or dist_version("deepspeed") or "none"
     major, minor = python or sys.version_info[:2]
     # abiflags: a free-threaded 3.13t interpreter cannot load a 3.13 build
     py = f"py{major}{minor}{sys.abiflags}"
@@ -291,14 +285,6 @@ def _so_path(ext_dir: Path, name: str) -> Path:
     return ext_dir / name / f"{name}{'.pyd' if os.name == 'nt' else '.so'}"
 
 
-def _shm_bytes() -> int | None:
-    try:
-        st = os.statvfs("/dev/shm")
-    except OSError:
-        return None
-    return st.f_frsize * st.f_blocks
-
-
 def load_op(name: str) -> OpLoad:
     """Build (if needed) and load DeepSpeed op `name`; compiler output and failures are recorded."""
     ext_dir = ensure_extensions_dir()
@@ -325,7 +311,7 @@ def load_op(name: str) -> OpLoad:
                     module=module, error=error, log_tail=log_tail(out.text), builder=builder_name,
                     extensions_dir=str(ext_dir))
     if error is not None:
-        result.diagnosis = diagnose(error, out.text, os.environ, shm_bytes=_shm_bytes())
+        result.diagnosis = diagnose(error, out.text, os.environ, shm_bytes=shm_bytes())
     return result
 
 

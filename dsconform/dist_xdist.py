@@ -42,13 +42,21 @@ def xdist_worker() -> tuple[int, int]:
     return index, count
 
 
+def _env_int(name: str) -> int | None:
+    """An integer environment variable, None when unset or empty; a clear error otherwise."""
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer") from None
+
+
 def port_range(worker_index: int) -> range:
     """The rendezvous ports reserved for one xdist worker: disjoint from every other worker's."""
-    base_text = os.environ.get("DSCONFORM_PORT_BASE", str(DEFAULT_PORT_BASE))
-    try:
-        base = int(base_text)
-    except ValueError:
-        raise ValueError(f"DSCONFORM_PORT_BASE={base_text!r} is not an integer") from None
+    base = _env_int("DSCONFORM_PORT_BASE")
+    base = DEFAULT_PORT_BASE if base is None else base
     if worker_index < 0:
         raise ValueError(f"worker_index must be >= 0, got {worker_index}")
     start = base + worker_index * PORT_STRIDE
@@ -109,12 +117,8 @@ def visible_gpus() -> list[str]:
 
 def gpus_per_worker(total_gpus: int, worker_count: int) -> int:
     """GPUs each xdist worker gets: DSCONFORM_GPUS_PER_WORKER, else an even share."""
-    override = os.environ.get("DSCONFORM_GPUS_PER_WORKER")
-    if override:
-        try:
-            value = int(override)
-        except ValueError:
-            raise ValueError(f"DSCONFORM_GPUS_PER_WORKER={override!r} is not an integer") from None
+    value = _env_int("DSCONFORM_GPUS_PER_WORKER")
+    if value is not None:
         if value < 0:
             raise ValueError(f"DSCONFORM_GPUS_PER_WORKER={value} must be >= 0")
         return value

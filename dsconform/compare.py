@@ -35,7 +35,7 @@ class Change:
 
 
 @dataclass
-class Comparison:
+class RunComparison:
     changes: list[Change] = field(default_factory=list)
 
     def of(self, kind: str) -> list[Change]:
@@ -132,8 +132,8 @@ def compare_outcomes(base: dict, new: dict) -> list[Change]:
     return out
 
 
-def compare(base: dict[str, Any], new: dict[str, Any], threshold: float = 0.10) -> Comparison:
-    result = Comparison()
+def compare(base: dict[str, Any], new: dict[str, Any], threshold: float = 0.10) -> RunComparison:
+    result = RunComparison()
     b_by = {b["fullname"]: b for b in base["benchmarks"]}
     n_by = {b["fullname"]: b for b in new["benchmarks"]}
     for name in sorted(set(b_by) | set(n_by)):
@@ -147,15 +147,15 @@ def compare(base: dict[str, Any], new: dict[str, Any], threshold: float = 0.10) 
     return result
 
 
-def _versions(doc: dict[str, Any]) -> str:
+def _environment(doc: dict[str, Any]) -> str:
     mi = doc.get("machine_info") or {}
     return (f"deepspeed {mi.get('deepspeed', '?')}, torch {mi.get('torch', '?')}, "
             f"{mi.get('gpu_count', '?')}x {mi.get('gpu_model') or 'no GPU'}, "
             f"profile {mi.get('profile', '?')}")
 
 
-def report(result: Comparison, base: dict, new: dict) -> list[str]:
-    lines = [f"base: {_versions(base)}", f"new:  {_versions(new)}"]
+def report(result: RunComparison, base: dict, new: dict) -> list[str]:
+    lines = [f"base: {_environment(base)}", f"new:  {_environment(new)}"]
     for kind in ("regression", "improvement", "not comparable", "new", "gone"):
         items = result.of(kind)
         if items:

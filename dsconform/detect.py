@@ -1,8 +1,14 @@
 """Probe the node: what it has, as facts the gates and promise checks compare with a profile.
 
 Probes are cheap and never raise: a probe that cannot answer leaves ``None`` (unknown), which the
-gates report as "found unknown" rather than crashing a run. GPU facts come from torch (which
-honours CUDA_VISIBLE_DEVICES); the driver version from NVML when importable, else nvidia-smi.
+gates report as "found unknown" rather than crashing a run.
+
+GPUs are counted twice, on purpose. The *usable* GPUs come from torch (which honours
+CUDA_VISIBLE_DEVICES and needs a working driver/CUDA pair); the GPUs *present* are counted
+without torch: NVML, else /proc/driver/nvidia/gpus, else the PCI bus (vendor 0x10de, display
+class), the largest count wins. A node whose torch sees fewer GPUs than the hardware has is
+broken, and profile selection (``--profile auto``) goes by the hardware, so a broken node can
+never choose a profile that promises only what still works.
 """
 
 from __future__ import annotations
@@ -33,6 +39,22 @@ class GpuInfo:
 
 
 @dataclass
+class GpuHardware:
+    """The NVIDIA GPUs on the node's buses, counted without torch."""
+    count: int = 0
+    models: list[str] = field(default_factory=list)  # one per GPU where the source names them
+    bus_ids: list[str] = field(default_factory=list)
+    source: str = "none"  # "nvml", "/proc/driver/nvidia", "pci" or "none"
+    # What each source said, for the report: {"nvml": 2, "pci": 2} or {"nvml": "error ..."}
+    seen: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model(self) -> str | None:
+        names = sorted(set(self.models))
+        return " / ".join(names) if names else None
+
+
+@dataclass
 class NvmeDevice:
     device: str  # nvme0n1
     model: str | None
@@ -57,10 +79,39 @@ class NodeFacts:
     # DeepSpeed's CPU accelerator runs fp16 only where oneDNN has fp16 kernels (AVX512-FP16/AMX):
     # the AMD EPYC CI machine does not, though FINDINGS reported fp16 working on "the CPU machine".
     cpu_fp16: bool = False
+    # The GPUs present, counted without torch (see the module docstring).
+    hardware: GpuHardware = field(default_factory=GpuHardware)
 
     @property
     def gpu_count(self) -> int:
+        """GPUs torch can use."""
         return len(self.gpus)
+
+    @property
+    def gpus_present(self) -> int:
+        """GPUs the hardware has; never fewer than torch can use."""
+        return max(self.hardware.count, self.gpu_count)
+
+    @property
+    def is_gpu_node(self) -> bool:
+        """NVIDIA GPUs are present, whether or not torch can use them."""
+        return self.gpus_present > 0
+
+    @property
+    def present_model(self) -> str | None:
+        """The GPU model by the hardware's own account, else torch's."""
+        return self.hardware.model or self.gpu_model
+
+    def unusable_gpus(self) -> str | None:
+        """Why fewer GPUs are usable than present, in one line; None when all are usable."""
+        if self.gpu_count >= self.gpus_present:
+            return None
+        cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+        hint = (f"; CUDA_VISIBLE_DEVICES={cvd!r} is set" if cvd is not None
+                else "; check the driver and CUDA versions (nvidia-smi) and dmesg for Xid errors")
+        return (f"{self.gpus_present} GPUs present ({self.hardware.source}"
+                f"{': ' + self.hardware.model if self.hardware.model else ''}), "
+                f"{self.gpu_count} usable by torch{hint}")
 
     @property
     def accelerator(self) -> str:
@@ -85,7 +136,8 @@ class NodeFacts:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.update(gpu_count=self.gpu_count, accelerator=self.accelerator, gpu_model=self.gpu_model)
+        d.update(gpu_count=self.gpu_count, accelerator=self.accelerator, gpu_model=self.gpu_model,
+                 gpus_present=self.gpus_present)
         return d
 
 
@@ -140,6 +192,82 @@ def _driver_version() -> str | None:
         except (OSError, subprocess.SubprocessError):
             return None
     return None
+
+
+# PCI class codes of GPUs: 0x0300xx VGA controller, 0x0302xx 3D controller. NVIDIA's NVSwitches
+# (0x0680xx) and the audio function of consumer cards (0x0403xx) share the vendor id.
+NVIDIA_PCI_VENDOR = "0x10de"
+_GPU_PCI_CLASSES = ("0x0300", "0x0302")
+
+
+def _nvml_gpus() -> tuple[list[str], list[str]]:
+    """(names, bus ids) from NVML; raises when NVML is missing or cannot initialise."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        names, buses = [], []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            bus = pynvml.nvmlDeviceGetPciInfo(h).busId
+            names.append(name.decode() if isinstance(name, bytes) else name)
+            buses.append(bus.decode() if isinstance(bus, bytes) else bus)
+        return names, buses
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _proc_gpus(root: Path) -> tuple[list[str], list[str]]:
+    """(names, bus ids) from the driver's /proc/driver/nvidia/gpus/<bus id>/information."""
+    names, buses = [], []
+    for d in sorted(root.glob("*")):
+        info = _read(d / "information") or ""
+        m = re.search(r"^Model:\s*(.+)$", info, re.M)
+        names.append(m.group(1).strip() if m else "")
+        buses.append(d.name)
+    return names, buses
+
+
+def _pci_gpus(root: Path) -> list[str]:
+    """Bus ids of NVIDIA display-class PCI functions: what is plugged in, driver or not."""
+    found = []
+    for d in sorted(root.glob("*")):
+        if (_read(d / "vendor") or "").lower() == NVIDIA_PCI_VENDOR and \
+                (_read(d / "class") or "").lower().startswith(_GPU_PCI_CLASSES):
+            found.append(d.name)
+    return found
+
+
+def probe_gpu_hardware(*, nvml: bool = True,
+                       proc_root: Path = Path("/proc/driver/nvidia/gpus"),
+                       pci_root: Path = Path("/sys/bus/pci/devices")) -> GpuHardware:
+    """Count the NVIDIA GPUs present without torch. Every source is asked; the largest count
+    wins (a GPU the driver lost still shows on the PCI bus). Never raises."""
+    hw = GpuHardware()
+    candidates: list[tuple[str, list[str], list[str]]] = []
+    if nvml:
+        try:
+            names, buses = _nvml_gpus()
+            candidates.append(("nvml", names, buses))
+            hw.seen["nvml"] = len(names)
+        except Exception as e:  # no library, no driver: NVML_ERROR_LIBRARY_NOT_FOUND etc.
+            hw.seen["nvml"] = f"unavailable ({type(e).__name__}: {e})"[:200]
+    names, buses = _proc_gpus(proc_root)
+    if buses:
+        candidates.append(("/proc/driver/nvidia", names, buses))
+        hw.seen["/proc/driver/nvidia"] = len(buses)
+    pci = _pci_gpus(pci_root)
+    if pci:
+        candidates.append(("pci", [], pci))
+        hw.seen["pci"] = len(pci)
+    if candidates:
+        # The largest count; among equal counts the first (most descriptive) source.
+        source, names, buses = max(candidates, key=lambda c: len(c[2]))
+        named = next((c[1] for c in candidates if c[1] and any(c[1])), [])
+        hw.count, hw.source, hw.bus_ids = len(buses), source, list(buses)
+        hw.models = [n for n in (names if any(names) else named) if n]
+    return hw
 
 
 def _torch_facts() -> dict[str, Any]:
@@ -202,6 +330,7 @@ def probe() -> NodeFacts:
     beyond what torch.cuda.get_device_properties needs)."""
     tf = _torch_facts()
     gpus = tf.get("gpus", [])
+    hardware = probe_gpu_hardware()
     return NodeFacts(
         hostname=socket.gethostname(),
         python=platform.python_version(),
@@ -211,19 +340,25 @@ def probe() -> NodeFacts:
         torch_version=dist_version("torch"),
         deepspeed_version=dist_version("deepspeed"),
         cuda_version=tf.get("cuda_version"),
-        driver_version=_driver_version() if gpus else None,
+        driver_version=_driver_version() if gpus or hardware.count else None,
         nccl_version=tf.get("nccl_version"),
         gpus=gpus,
         nvme=probe_nvme(),
         cpu_fp16=tf.get("cpu_fp16", False),
+        hardware=hardware,
     )
 
 
 # ------------------------------------------------------------------ profile from facts
 
 def profile_data(facts: NodeFacts, name: str | None = None) -> dict[str, Any]:
-    """A valid profile describing ``facts``: every promise is what was found, no floors."""
-    gpus: dict[str, Any] = {"count": facts.gpu_count}
+    """A valid profile describing ``facts``: every promise is what was found, no floors.
+
+    The GPU count is the hardware's (``gpus_present``), not torch's: a node whose torch lost a
+    GPU must not describe itself as having fewer.
+    """
+    gpus: dict[str, Any] = {"count": facts.gpus_present}
+    model = facts.present_model
     if facts.gpus:
         first = facts.gpus[0]
         gpus.update(
@@ -234,15 +369,18 @@ def profile_data(facts: NodeFacts, name: str | None = None) -> dict[str, Any]:
             bf16=facts.bf16,
             fp16=facts.fp16,
         )
+    elif model and " / " not in model:
+        gpus["model"] = model  # torch sees none: the hardware's name is all there is
     if name is None:
-        if facts.gpus:
-            model = re.sub(r"[^a-z0-9]+", "-", facts.gpus[0].name.lower().replace("nvidia", ""))
-            name = f"detected-{model.strip('-')}-x{facts.gpu_count}"
+        if facts.is_gpu_node:
+            slug = re.sub(r"[^a-z0-9]+", "-", (model or "gpu").lower().replace("nvidia", ""))
+            name = f"detected-{slug.strip('-') or 'gpu'}-x{facts.gpus_present}"
         else:
             name = "detected-cpu"
     desc = f"detected on {facts.hostname}: {facts.cpu_cores} cores"
-    if facts.gpus:
-        desc += f", {facts.gpu_count}x {facts.gpu_model}, driver {facts.driver_version}"
+    if facts.is_gpu_node:
+        desc += (f", {facts.gpus_present}x {model or 'NVIDIA GPU'} ({facts.gpu_count} usable), "
+                 f"driver {facts.driver_version}")
     data: dict[str, Any] = {"profile": {"name": name, "description": desc}, "gpus": gpus}
     if facts.nccl_version:
         data["nccl"] = {"min_version": facts.nccl_version}

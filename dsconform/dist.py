@@ -38,9 +38,10 @@ import tempfile
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import wait as _wait_any
-from typing import Any, Callable
+from typing import Any
 
 from dsconform.dist_rank import (
     RANK_OWNED_ENV,
@@ -264,7 +265,8 @@ class _Pool:
         """Variables the parent set or removed since the ranks started (a test's monkeypatch),
         so a pooled rank sees the same environment a fresh one would."""
         now = os.environ
-        changed = {k: v for k, v in now.items() if self.spawn_env.get(k) != v and k not in RANK_OWNED_ENV}
+        changed = {k: v for k, v in now.items()
+                   if self.spawn_env.get(k) != v and k not in RANK_OWNED_ENV}
         removed = [k for k in self.spawn_env if k not in now and k not in RANK_OWNED_ENV]
         return changed, removed
 
@@ -462,7 +464,7 @@ class _Pool:
             stacks=stacks)
 
 
-_POOLS: "OrderedDict[tuple, _Pool]" = OrderedDict()
+_POOLS: OrderedDict[tuple, _Pool] = OrderedDict()
 _LOCK = threading.RLock()
 
 
@@ -477,15 +479,32 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
+def _clear_build_locks() -> None:
+    """Ranks build DeepSpeed ops (shm_comm inside init_distributed on CPU) in the extensions
+    cache they inherit: a lock left there by a killed build would hold them until
+    STARTUP_TIMEOUT_S with no cause given. Remove it when provably stale, else fail now."""
+    ext = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not ext:
+        return
+    from dsconform.buildlock import StaleBuildLock, clear_stale
+    try:
+        for line in clear_stale(ext):
+            print(f"dsconform.dist: {line}", file=sys.stderr)
+    except StaleBuildLock as exc:
+        raise RankError(f"ranks not started: {exc}") from None
+
+
 def _start_pool(world_size: int, accelerator: str, gpus: tuple[str, ...],
                 pg_timeout_s: float) -> _Pool:
+    _clear_build_locks()
     attempts = 3  # the probed port can be taken between the probe and rank 0's bind
     for attempt in range(attempts):
         pool = _Pool(world_size, accelerator, gpus, pg_timeout_s)
         try:
             pool.collect(time.monotonic() + STARTUP_TIMEOUT_S,
                          "while starting (import deepspeed, init_distributed)",
-                         f"STARTUP_TIMEOUT_S={STARTUP_TIMEOUT_S:g} s (env DSCONFORM_STARTUP_TIMEOUT_S)")
+                         f"STARTUP_TIMEOUT_S={STARTUP_TIMEOUT_S:g} s "
+                         "(env DSCONFORM_STARTUP_TIMEOUT_S)")
             return pool
         except RankError as exc:
             pool.kill()
@@ -508,7 +527,8 @@ def _gpus_for(world_size: int, accelerator: str) -> tuple[str, ...]:
         raise InsufficientGPUs(
             f"run_ranks(world_size={world_size}, accelerator='cuda') needs {world_size} GPUs; "
             f"xdist worker gw{index} of {count} owns {len(mine)} ({','.join(mine) or 'none'}) of "
-            f"{len(visible)} visible; run fewer xdist workers (-n) or set DSCONFORM_GPUS_PER_WORKER",
+            f"{len(visible)} visible; run fewer xdist workers (-n) or set "
+            "DSCONFORM_GPUS_PER_WORKER",
             needed=world_size, available=len(mine))
     return tuple(mine[:world_size])
 
@@ -675,6 +695,7 @@ def run_ranks(fn: Callable, world_size: int | None, *, timeout_s: float, args: t
     if external_rendezvous():
         return _run_external(fn, world_size, timeout_s, tuple(args), kwargs, accelerator)
     if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1 outside torchrun/Slurm, got {world_size!r}")
+        raise ValueError(
+            f"world_size must be an int >= 1 outside torchrun/Slurm, got {world_size!r}")
     return _run_spawned(fn, world_size, float(timeout_s), tuple(args), kwargs,
                         _check_accelerator(accelerator), reuse)

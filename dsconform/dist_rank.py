@@ -21,8 +21,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    import torch
     from multiprocessing.connection import Connection
+
+    import torch
 
 #: Variables the harness sets per rank; the parent's environment never overrides them.
 RANK_OWNED_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE",
@@ -59,7 +60,7 @@ def world() -> int:
     return _require_dist().get_world_size()
 
 
-def device() -> "torch.device":
+def device() -> torch.device:
     """The device this rank computes on: cuda:<local rank> under nccl, else cpu."""
     import torch
 
@@ -210,7 +211,7 @@ def _restore(environ: dict, cwd: str, default_dtype: Any, grad_enabled: bool) ->
         torch.cuda.empty_cache()
 
 
-def rank_main(rank_index: int, world_size: int, env: dict, conn: "Connection", stack_path: str,
+def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, stack_path: str,
               accelerator: str, pg_timeout_s: float, parent_pid: int) -> None:
     """Entry point of a spawned rank: initialise once, then run tasks until told to stop."""
     global _accelerator
@@ -229,14 +230,15 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: "Connection", s
     _exit_when_orphaned(parent_pid)
 
     try:
-        import torch
         import deepspeed  # imported once per rank process: ~1.2 s that pooled calls do not repay
+        import torch
         from deepspeed.accelerator import get_accelerator
 
         chosen = get_accelerator().device_name()
         if chosen != accelerator:
             raise RuntimeError(
-                f"deepspeed picked accelerator {chosen!r} in this rank, not {accelerator!r}: it was "
+                f"deepspeed picked accelerator {chosen!r} in this rank, not {accelerator!r}: "
+                "it was "
                 "imported before DS_ACCELERATOR was set, most likely by the __main__ module that "
                 "spawn re-imports; import deepspeed inside functions or under "
                 "`if __name__ == '__main__':` there")

@@ -136,7 +136,8 @@ def gpu_slice(worker_index: int, gpus_per_worker: int, visible: list[str]) -> li
         raise InsufficientGPUs(
             f"xdist worker gw{worker_index} needs GPUs {start}..{start + gpus_per_worker - 1} "
             f"({gpus_per_worker} per worker) but only {len(visible)} are visible "
-            f"({','.join(visible) or 'none'}); run fewer workers (-n) or lower DSCONFORM_GPUS_PER_WORKER",
+            f"({','.join(visible) or 'none'}); run fewer workers (-n) or lower "
+            "DSCONFORM_GPUS_PER_WORKER",
             needed=gpus_per_worker,
             available=len(chosen),
         )

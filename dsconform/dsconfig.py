@@ -12,8 +12,9 @@ Upstream reference: https://www.deepspeed.ai/docs/config-json/
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
@@ -89,7 +90,8 @@ def validate(s: DsSettings) -> None:
         if not 0 <= s.momentum < 1:
             _fail("momentum", s.momentum, "must be in [0, 1)")
     elif s.momentum != 0.0:
-        _fail("momentum", s.momentum, f"applies to optimizer='sgd' only (optimizer={s.optimizer!r})")
+        _fail("momentum", s.momentum,
+              f"applies to optimizer='sgd' only (optimizer={s.optimizer!r})")
     if len(s.betas) != 2 or not all(0 <= b < 1 for b in s.betas):
         _fail("betas", s.betas, "must be two numbers in [0, 1)")
     if not s.eps > 0:

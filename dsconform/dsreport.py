@@ -18,13 +18,16 @@ from typing import Any
 
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
-# The logging format of DeepSpeed's loggers: "[2026-11-30 05:37:17,985] [WARNING] [file.py:213:fn] msg".
-LOG_RE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(?P<level>[A-Z]+)\] \[(?P<origin>[^\]]*)\] (?P<msg>.*)$")
+# The logging format of DeepSpeed's loggers:
+# "[2026-11-30 05:37:17,985] [WARNING] [file.py:213:fn] msg".
+LOG_RE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+\] "
+                    r"\[(?P<level>[A-Z]+)\] \[(?P<origin>[^\]]*)\] (?P<msg>.*)$")
 SEPARATOR_RE = re.compile(r"^-{10,}$")
 TABLE_HEADER_RE = re.compile(r"^op name \.* installed \.* compatible$")
 # env_report pads the op name with dots to 23 characters; a longer name gets no dots at all
 # ("deepspeed_not_implemented  [NO] ....... [OKAY]"), hence `\.*`.
-OP_ROW_RE = re.compile(r"^(?P<name>[A-Za-z0-9_]+) \.* ?\[(?P<installed>YES|NO)\] \.* ?\[(?P<compatible>OKAY|NO)\]$")
+OP_ROW_RE = re.compile(r"^(?P<name>[A-Za-z0-9_]+) \.* ?\[(?P<installed>YES|NO)\] "
+                       r"\.* ?\[(?P<compatible>OKAY|NO)\]$")
 NINJA_RE = re.compile(r"^ninja \.* \[(?P<status>OKAY|FAIL)\]$")
 # env_report prints `name + " " + "." * (33 - len(name)) + " " + value`.
 ENV_ROW_RE = re.compile(r"^(?P<key>[^.\[].*?) \.{2,} ?(?P<value>.*)$")
@@ -57,7 +60,8 @@ ENV_KEYS = {
 # Always present in the result (None when ds_report did not print them, e.g. the CUDA lines on the
 # CPU accelerator), so callers can index without guessing which accelerator produced the text.
 STANDARD_ENV_KEYS = (
-    "torch_install_path", "torch_version", "torch_cuda_version", "torch_hip_version", "nvcc_version",
+    "torch_install_path", "torch_version", "torch_cuda_version", "torch_hip_version",
+    "nvcc_version",
     "deepspeed_install_path", "deepspeed_version", "deepspeed_git_hash", "deepspeed_git_branch",
     "deepspeed_wheel_compiled", "shm_size_text", "shm_size_bytes",
 )
@@ -115,7 +119,8 @@ def parse_ds_report(text: str) -> dict[str, Any]:
     if not any(TABLE_HEADER_RE.match(line) for line in lines) or not rows:
         first = next((line for line in lines if line), "<empty>")
         raise ValueError("no DeepSpeed op table in this text (expected the header "
-                         f"'op name ... installed .. compatible' followed by op rows); first line: {first[:120]!r}")
+                         "'op name ... installed .. compatible' followed by op rows); "
+                         f"first line: {first[:120]!r}")
     result: dict[str, Any] = {
         "ops": {}, "ninja": None, "env": dict.fromkeys(STANDARD_ENV_KEYS), "warnings": [],
         "accelerator": None, "log": [], "unparsed": [],
@@ -169,14 +174,17 @@ def _take_log_line(result: dict[str, Any], log: re.Match[str]) -> None:
         result["log"].append(log.group(0))
 
 
-def _add_op(result: dict[str, Any], row: re.Match[str], pending: Sequence[str], op_names: Sequence[str]) -> None:
+def _add_op(result: dict[str, Any], row: re.Match[str], pending: Sequence[str],
+            op_names: Sequence[str]) -> None:
     name = row["name"]
-    result["ops"][name] = {"installed": row["installed"] == "YES", "compatible": row["compatible"] == "OKAY",
+    result["ops"][name] = {"installed": row["installed"] == "YES",
+                           "compatible": row["compatible"] == "OKAY",
                            "warnings": []}
     for warning in pending:
         # A warning that names another op of the table (and not this one) is about that op.
         named = [op for op in op_names if re.search(rf"\b{re.escape(op)}\b", warning)]
-        target = named[0] if len(named) == 1 and named[0] != name and named[0] in result["ops"] else name
+        target = (named[0] if len(named) == 1 and named[0] != name and named[0] in result["ops"]
+                  else name)
         result["ops"][target]["warnings"].append(warning)
 
 
@@ -191,7 +199,8 @@ def _add_env(env: dict[str, Any], label: str, value: str) -> None:
     if key == "deepspeed_info":
         # "0.19.8, unknown, unknown": version, git hash, git branch
         parts = [p.strip() for p in value.split(",")]
-        env["deepspeed_version"], env["deepspeed_git_hash"], env["deepspeed_git_branch"] = (parts + [None] * 3)[:3]
+        (env["deepspeed_version"], env["deepspeed_git_hash"],
+         env["deepspeed_git_branch"]) = (parts + [None] * 3)[:3]
     elif key == "shm_size_text":
         env["shm_size_bytes"] = shm_bytes(value)
 

@@ -7,13 +7,19 @@ tensor}`` after the last step). Every element is compared the way ``torch.isclos
 
 A failure names the first diverging step, the parameter, the max abs and rel difference and the
 tolerance it broke, so a red run says where to look without re-running anything.
+
+A comparison that could compare nothing is a failure, never a pass: a trace with no losses, no
+gradients or no parameters on either side, different numbers of them on the two sides, and any
+NaN or inf on either side (a diverged reference proves nothing; NaN == NaN is not agreement).
+Those are ``problems`` of the comparison, each naming the step and the tensor.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -61,16 +67,36 @@ def tensor_difference(actual: torch.Tensor, expected: torch.Tensor,
     return float(diff.max()), float(rel.max()), within
 
 
+def non_finite(t: torch.Tensor) -> str | None:
+    """"3 NaN, 1 inf of 15 elements" when ``t`` has non-finite values, else None."""
+    t = t.detach()
+    if not (t.is_floating_point() or t.is_complex()):
+        return None
+    finite = torch.isfinite(t)
+    if bool(finite.all()):
+        return None
+    nan = int(torch.isnan(t).sum())
+    inf = int(t.numel() - int(finite.sum()) - nan)
+    parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
+    return f"{', '.join(p for p in parts if p)} of {t.numel()} elements"
+
+
 @dataclass
 class Comparison:
-    """Every difference between a candidate run and its reference, under one tolerance."""
+    """Every difference between a candidate run and its reference, under one tolerance.
+
+    ``problems`` are reasons the comparison itself cannot vouch for equivalence (nothing to
+    compare, unequal counts, non-finite values); any problem makes the comparison fail.
+    """
     tol: Tol
     label: str = ""
     differences: list[Difference] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return all(d.within for d in self.differences)
+        return not self.problems and bool(self.differences) and \
+            all(d.within for d in self.differences)
 
     @property
     def failures(self) -> list[Difference]:
@@ -96,16 +122,27 @@ class Comparison:
         return (max((d.max_abs for d in ds), default=0.0),
                 max((d.max_rel for d in ds), default=0.0))
 
-    def extend(self, other: "Comparison") -> "Comparison":
+    def extend(self, other: Comparison) -> Comparison:
         if other.tol != self.tol:
             raise ValueError("cannot merge comparisons made under different tolerances")
         self.differences.extend(other.differences)
+        self.problems.extend(other.problems)
         return self
 
     def report(self, limit: int = 5) -> str:
         tol = (f"tolerance rtol={self.tol.rtol:g} atol={self.tol.atol:g}"
                f" ({self.tol.why})" if self.tol.why else "")
         head = f"{self.label}: " if self.label else ""
+        if self.problems or not self.differences:
+            problems = self.problems or ["nothing was compared"]
+            lines = [f"{head}cannot vouch for equivalence: {problems[0]}"]
+            lines += [f"  {p}" for p in problems[1:limit]]
+            if len(problems) > limit:
+                lines.append(f"  ... {len(problems) - limit} more")
+            if self.failures:
+                lines.append(f"also {len(self.failures)} compared quantities out of tolerance, "
+                             f"first: {self.failures[0].describe()}")
+            return "\n".join(lines)
         first = self.first_divergence
         if first is None:
             return (f"{head}equivalent: worst abs diff {self.worst_abs:.3g}, worst rel diff "
@@ -125,42 +162,75 @@ class Comparison:
             raise AssertionError(self.report())
 
 
+_SIDES = ("candidate", "reference")
+
+
 def compare_traces(actual: Mapping[str, Any], expected: Mapping[str, Any], tol: Tol, *,
                    label: str = "", where: str = "") -> Comparison:
-    """Compare losses per step, gradients per step and final parameters of two traces."""
+    """Compare losses per step, gradients per step and final parameters of two traces.
+
+    Every quantity must be present and finite on both sides, in equal numbers; anything else
+    is a problem of the comparison (see ``Comparison.problems``), never a silent pass.
+    """
     cmp = Comparison(tol=tol, label=label)
-    a_loss: Sequence[float] = actual["losses"]
-    b_loss: Sequence[float] = expected["losses"]
-    if len(a_loss) != len(b_loss):
-        raise ValueError(f"{label or 'traces'}: {len(a_loss)} steps vs {len(b_loss)} in the "
-                         f"reference")
-    for step, (a, b) in enumerate(zip(a_loss, b_loss)):
+    at = f" ({where})" if where else ""
+    sides = {"candidate": actual, "reference": expected}
+    losses = {k: list(v.get("losses") or []) for k, v in sides.items()}
+    grads = {k: list(v.get("grads") or []) for k, v in sides.items()}
+    params = {k: dict(v.get("params") or {}) for k, v in sides.items()}
+    for what, per_side in (("losses", losses), ("gradients", grads), ("parameters", params)):
+        for side in _SIDES:
+            if not per_side[side]:
+                cmp.problems.append(f"the {side} trace has no {what}{at}")
+        n_a, n_b = len(per_side["candidate"]), len(per_side["reference"])
+        if n_a and n_b and n_a != n_b:
+            unit = "tensors" if what == "parameters" else "steps"
+            cmp.problems.append(f"{what}: {n_a} {unit} in the candidate, {n_b} in the "
+                                f"reference{at}")
+    for side in _SIDES:
+        for step, value in enumerate(losses[side]):
+            if not math.isfinite(float(value)):
+                cmp.problems.append(f"step {step}, loss{at}: {float(value)} in the {side}")
+        for step, named in enumerate(grads[side]):
+            _non_finite_problems(cmp, named, side, "grad", step, at)
+        _non_finite_problems(cmp, params[side], side, "param", len(losses["reference"]) - 1, at)
+    for step, (a, b) in enumerate(zip(losses["candidate"], losses["reference"])):
         mabs, mrel, ok = tensor_difference(torch.tensor(float(a)), torch.tensor(float(b)), tol)
         cmp.differences.append(Difference("loss", step, "loss", where, mabs, mrel, ok))
-    a_grads = actual.get("grads") or []
-    b_grads = expected.get("grads") or []
-    if a_grads and len(a_grads) != len(b_grads):
-        raise ValueError(f"{label or 'traces'}: gradients of {len(a_grads)} steps vs "
-                         f"{len(b_grads)} in the reference")
-    for step, (ga, gb) in enumerate(zip(a_grads, b_grads)):
-        cmp.differences.extend(_named(ga, gb, tol, "grad", step, where))
-    last = len(b_loss) - 1
-    cmp.differences.extend(_named(actual["params"], expected["params"], tol, "param", last,
-                                  where))
+    for step, (ga, gb) in enumerate(zip(grads["candidate"], grads["reference"])):
+        _named(cmp, ga, gb, "grad", step, where)
+    if params["candidate"] and params["reference"]:
+        _named(cmp, params["candidate"], params["reference"], "param",
+               len(losses["reference"]) - 1, where)
     return cmp
 
 
-def _named(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor], tol: Tol,
-           quantity: str, step: int, where: str) -> Iterable[Difference]:
-    if set(actual) != set(expected):
-        raise ValueError(f"{quantity} names differ at step {step}: only in candidate "
-                         f"{sorted(set(actual) - set(expected))}, only in reference "
-                         f"{sorted(set(expected) - set(actual))}")
+def _named(cmp: Comparison, actual: Mapping[str, torch.Tensor],
+           expected: Mapping[str, torch.Tensor], quantity: str, step: int,
+           where: str) -> None:
+    at = f" ({where})" if where else ""
+    only_a, only_b = sorted(set(actual) - set(expected)), sorted(set(expected) - set(actual))
+    if only_a or only_b:
+        cmp.problems.append(f"step {step}, {quantity} names differ{at}: only in the candidate "
+                            f"{only_a}, only in the reference {only_b}")
     for name in expected:
-        if actual[name] is None:
-            raise ValueError(f"{quantity} of '{name}' at step {step} is None in the candidate")
-        mabs, mrel, ok = tensor_difference(actual[name], expected[name], tol)
-        yield Difference(quantity, step, name, where, mabs, mrel, ok, expected[name].numel())
+        if name not in actual:
+            continue
+        if actual[name] is None or expected[name] is None:
+            side = "candidate" if actual[name] is None else "reference"
+            cmp.problems.append(f"step {step}, {quantity} of '{name}'{at}: None in the {side}")
+            continue
+        mabs, mrel, ok = tensor_difference(actual[name], expected[name], cmp.tol)
+        cmp.differences.append(Difference(quantity, step, name, where, mabs, mrel, ok,
+                                          expected[name].numel()))
+
+
+def _non_finite_problems(cmp: Comparison, named: Mapping[str, Any], side: str, quantity: str,
+                         step: int, at: str) -> None:
+    for name, t in (named or {}).items():
+        bad = non_finite(t) if isinstance(t, torch.Tensor) else None
+        if bad:
+            cmp.problems.append(f"step {step}, {quantity} of '{name}'{at}: {bad} in the {side}")
 
 
 def compare_rank_results(per_rank: Sequence[Mapping[str, Any]], tol: Tol, *, label: str = "",

@@ -12,13 +12,13 @@ so it is tested without GPUs.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import pytest
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
 
+from dsconform import versions
 from dsconform.detect import NodeFacts
 from dsconform.profile import Profile
 
@@ -114,13 +114,6 @@ def merge_conditions(marks: Iterable[Any], marker_names: Iterable[str]) -> dict[
     return merged
 
 
-def _version(v: str | None) -> Version | None:
-    try:
-        return Version(v) if v else None
-    except InvalidVersion:
-        return None
-
-
 def evaluate(conditions: Mapping[str, Any], node: NodeFacts, profile: Profile, *,
              op_compatible: Callable[[str], bool | None] = lambda op: None,
              multinode: bool = False) -> Verdict:
@@ -150,24 +143,23 @@ def evaluate(conditions: Mapping[str, Any], node: NodeFacts, profile: Profile, *
             unmet.append(Unmet("nvme", "NVMe path in profile", "none", False))
     want = conditions.get("nccl")
     if want:
-        found_v = _version(node.nccl_version)
-        if found_v is None or found_v < Version(want):
-            promised = bool(p.nccl_min_version) and Version(p.nccl_min_version) >= Version(want)
+        if not versions.at_least(node.nccl_version, want):
+            promised = versions.at_least(p.nccl_min_version, want)
             unmet.append(Unmet("nccl", f"NCCL>={want}", node.nccl_version or "none", promised,
                                f"expected NCCL>={p.nccl_min_version}"))
     spec = conditions.get("deepspeed")
     if spec:
         try:
-            specset = SpecifierSet(spec)
-        except InvalidSpecifier:
-            raise ValueError(f"requires(deepspeed={spec!r}): not a version specifier "
-                             "such as '>=0.19,<0.19.7'") from None
-        installed = _version(node.deepspeed_version)
+            specset = versions.specifier(spec)
+        except ValueError as e:
+            raise ValueError(f"requires(deepspeed=...): {e}") from None
+        installed = versions.parse(node.deepspeed_version)
         if installed is None or installed not in specset:
             # A profile's deepspeed.min_version promises only lower bounds it implies.
-            floor = _version(p.deepspeed_min_version)
+            floor = versions.parse(p.deepspeed_min_version)
             promised = floor is not None and all(
-                s.operator in (">=", ">") and floor >= Version(s.version) for s in specset)
+                s.operator in (">=", ">") and floor >= versions.Version(s.version)
+                for s in specset)
             unmet.append(Unmet("deepspeed", f"DeepSpeed{spec}", node.deepspeed_version or "none",
                                promised, f"expected DeepSpeed>={p.deepspeed_min_version}"))
     if conditions.get("multinode") and not multinode:

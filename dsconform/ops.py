@@ -16,9 +16,9 @@ Units: bytes and seconds; GB/s means 1e9 bytes per second.
 from __future__ import annotations
 
 import contextlib
-import json
 import importlib.metadata
 import io
+import json
 import os
 import re
 import sys
@@ -30,33 +30,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsconform.dsreport import strip_ansi
 from dsconform.detect import dist_version, shm_bytes
+from dsconform.dsreport import strip_ansi
 from dsconform.opdiag import Diagnosis, diagnose, format_failure
 
 GB = 1e9  # GB/s is 1e9 bytes per second everywhere in dsconform
 LOG_TAIL_LINES = 40
 LOG_LINE_CHARS = 600  # verbose ninja prints compiler command lines thousands of characters long
-# Lines that start the story of a failed build; not "\berror\b", which matches flags like -Wno-error.
-ERROR_LINE_RE = re.compile(r"\berror:|fatal error|FAILED:|undefined reference|cannot find -l|: not found$", re.I)
-
-# (check, dtype) -> (rtol, atol). Each entry says why it is as loose as it is. Measured on the CPU
-# machine (AVX-512), parameters N(0,1) so |p| < 4.5, 5 steps; max rel differences are large only
-# at elements near zero, which is what atol is for.
-TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
-    # DeepSpeed's SIMD Adam evaluates torch's formula in another order (fused multiply-add,
-    # vectorised sqrt): measured max abs 7.2e-7, a few fp32 ulps. Adam vs AdamW semantics (weight
-    # decay 0.01, lr 1e-2) differ by ~1e-4 after one step, far outside.
-    ("cpu_adam", "fp32"): (1e-5, 1e-6),
-    # The CPU accelerator's fused_adam runs the same kernel family: measured max abs 7.2e-7.
-    ("fused_adam", "fp32"): (1e-5, 1e-6),
-    # Adagrad: measured max abs 1.2e-7.
-    ("cpu_adagrad", "fp32"): (1e-5, 1e-6),
-    # Lion moves each element by exactly lr per step; measured max abs 1.2e-6 (rounding of the
-    # weight-decay product). One flipped sign would differ by 2 * lr = 2e-3.
-    ("cpu_lion", "fp32"): (1e-6, 1e-6),
-}
-
+# Lines that start the story of a failed build; not "\berror\b", which matches flags like
+# -Wno-error.
+ERROR_LINE_RE = re.compile(r"\berror:|fatal error|FAILED:|undefined reference|cannot find -l|"
+                           r": not found$", re.I)
 
 # --------------------------------------------------------------------------------------------
 # The extensions cache, keyed by environment
@@ -73,7 +57,8 @@ def _torch_variant(torch_version: str | None, *, installed: bool = True) -> str:
     if not installed:  # a version string of some other environment, without its label
         return "unknown"
     try:
-        text = Path(importlib.metadata.distribution("torch").locate_file("torch/version.py")).read_text()
+        text = Path(importlib.metadata.distribution("torch")
+                    .locate_file("torch/version.py")).read_text()
     except (importlib.metadata.PackageNotFoundError, OSError):
         return "unknown"
     for attr, prefix in (("hip", "rocm"), ("cuda", "cu")):
@@ -95,7 +80,8 @@ def environment_key(*, torch_version: str | None = None, deepspeed_version: str 
     major, minor = python or sys.version_info[:2]
     # abiflags: a free-threaded 3.13t interpreter cannot load a 3.13 build
     py = f"py{major}{minor}{sys.abiflags}"
-    key = f"{py}-torch{(torch_v or 'none').split('+')[0]}-ds{ds_v}-{_torch_variant(torch_v, installed=torch_version is None)}"
+    key = (f"{py}-torch{(torch_v or 'none').split('+')[0]}-ds{ds_v}-"
+           f"{_torch_variant(torch_v, installed=torch_version is None)}")
     return re.sub(r"[^A-Za-z0-9._-]", "_", key)
 
 
@@ -106,7 +92,8 @@ def extensions_dir() -> Path:
 
 
 def ensure_extensions_dir() -> Path:
-    """Point TORCH_EXTENSIONS_DIR at `extensions_dir()` unless the user set it; create; return it."""
+    """Point TORCH_EXTENSIONS_DIR at `extensions_dir()` unless the user set it; create;
+    return it."""
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())
     path = Path(os.environ["TORCH_EXTENSIONS_DIR"])
@@ -141,7 +128,8 @@ def _create_builder(name: str) -> Any:
     from deepspeed.accelerator import get_accelerator
     builders = op_builders()
     if name not in builders:
-        raise KeyError(f"op {name!r} is not provided by DeepSpeed's {get_accelerator()._name} accelerator "
+        raise KeyError(f"op {name!r} is not provided by DeepSpeed's "
+                       f"{get_accelerator()._name} accelerator "
                        f"(its ops: {', '.join(sorted(builders))})")
     return get_accelerator().create_op_builder(builders[name])
 
@@ -255,7 +243,8 @@ class _FdCapture:
 
 
 def _error_text(exc: BaseException) -> str:
-    """The exception chain, innermost cause first and the raised exception last (traceback order)."""
+    """The exception chain, innermost cause first and the raised exception last
+    (traceback order)."""
     chain: list[BaseException] = []
     cur: BaseException | None = exc
     while cur is not None and cur not in chain:
@@ -293,6 +282,10 @@ def load_op(name: str) -> OpLoad:
     compatible, module, error, builder_name, already, seconds = False, None, None, None, False, 0.0
     with out.capture():
         try:
+            # A lock left by a killed build would make this build wait forever.
+            from dsconform.buildlock import clear_stale
+            for line in clear_stale(ext_dir):
+                print(line)
             builder = _create_builder(name)
             builder_name = type(builder).__name__
             from deepspeed.ops.op_builder.builder import OpBuilder
@@ -307,7 +300,8 @@ def load_op(name: str) -> OpLoad:
             error = _error_text(exc)
     loaded = module is not None
     result = OpLoad(name=name, compatible=compatible, loaded=loaded, seconds=seconds,
-                    built_now=loaded and not existed and not already and _so_path(ext_dir, name).exists(),
+                    built_now=(loaded and not existed and not already
+                               and _so_path(ext_dir, name).exists()),
                     module=module, error=error, log_tail=log_tail(out.text), builder=builder_name,
                     extensions_dir=str(ext_dir))
     if error is not None:
@@ -319,7 +313,8 @@ _LOADED: dict[str, OpLoad] = {}
 
 
 def _require(name: str) -> OpLoad:
-    """load_op once per process for the checks: a warm load still costs seconds (py-cpuinfo, probes)."""
+    """load_op once per process for the checks: a warm load still costs seconds
+    (py-cpuinfo, probes)."""
     if name not in _LOADED:
         load = load_op(name)
         if not load.loaded:
@@ -332,28 +327,19 @@ def _require(name: str) -> OpLoad:
 # Comparisons
 
 
-def _diffs(got: Any, ref: Any) -> tuple[float, float]:
-    """(max abs, max rel) difference; rel is relative to |ref| where |ref| > 0."""
-    import torch
-    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
-    diff = (got - ref).abs()
-    rel = diff / ref.abs().clamp_min(torch.finfo(torch.float32).tiny)
-    return float(diff.max()), float(rel.max())
-
-
 def _assert_close_step(check: str, step: int, params: Sequence[Any], refs: Sequence[Any],
-                       dtype: str = "fp32") -> tuple[float, float]:
-    """Compare every parameter after `step`; AssertionError naming step, parameter and numbers."""
-    import torch
-    rtol, atol = TOLERANCES[(check, dtype)]
+                       tol: Any) -> tuple[float, float]:
+    """Compare every parameter after `step` with the one comparator (dsconform.equivalence) under
+    the one tolerance table's entry; AssertionError naming step, parameter and numbers."""
+    from dsconform.equivalence import tensor_difference
     worst_abs = worst_rel = 0.0
     for i, (p, r) in enumerate(zip(params, refs)):
-        max_abs, max_rel = _diffs(p, r)
+        max_abs, max_rel, ok = tensor_difference(p, r, tol)
         worst_abs, worst_rel = max(worst_abs, max_abs), max(worst_rel, max_rel)
-        if not torch.allclose(p.detach().cpu(), r.detach().cpu(), rtol=rtol, atol=atol):
+        if not ok:
             raise AssertionError(f"{check}: step {step}, parameter {i} ({p.numel()} elements): "
-                                 f"max abs diff {max_abs:.3e}, max rel diff {max_rel:.3e} vs the torch "
-                                 f"reference; tolerance rtol={rtol:g} atol={atol:g} ({dtype})")
+                                 f"max abs diff {max_abs:.3e}, max rel diff {max_rel:.3e} vs the "
+                                 f"torch reference; tolerance {tol} ({tol.why})")
     return worst_abs, worst_rel
 
 
@@ -365,7 +351,8 @@ def _assert_moved(check: str, params: Sequence[Any], initial: Sequence[Any]) -> 
     return moved
 
 
-def _run_optimizer_pair(check: str, make_opt: Callable[[list], Any], make_ref: Callable[[list], Any] | None,
+def _run_optimizer_pair(check: str, make_opt: Callable[[list], Any],
+                        make_ref: Callable[[list], Any] | None,
                         ref_step: Callable[[list, list, int], None] | None, *, steps: int,
                         sizes: Sequence[int], device: str = "cpu", seed: int = 0) -> dict[str, Any]:
     """Step an optimizer and its reference on identical parameters and gradients; compare each step.
@@ -373,6 +360,10 @@ def _run_optimizer_pair(check: str, make_opt: Callable[[list], Any], make_ref: C
     Sizes default to uneven element counts so that SIMD tails and partition padding are exercised.
     """
     import torch
+
+    from dsconform.tolerances import tolerance
+    tol = tolerance("op", "fp32", check, accelerator="cuda" if str(device).startswith("cuda")
+                    else "cpu")
     gen = torch.Generator().manual_seed(seed)
     initial = [torch.randn(n, generator=gen) for n in sizes]
     params = [torch.nn.Parameter(t.clone().to(device)) for t in initial]
@@ -389,23 +380,24 @@ def _run_optimizer_pair(check: str, make_opt: Callable[[list], Any], make_ref: C
             ref_opt.step()
         else:
             ref_step(refs, grads, step)
-        a, r = _assert_close_step(check, step, params, refs)
+        a, r = _assert_close_step(check, step, params, refs, tol)
         worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
     moved = _assert_moved(check, params, initial)
-    rtol, atol = TOLERANCES[(check, "fp32")]
-    return {"steps": steps, "elements": list(sizes), "device": str(device), "max_abs_diff": worst_abs,
-            "max_rel_diff": worst_rel, "rtol": rtol, "atol": atol, "max_param_change": moved}
+    return {"steps": steps, "elements": list(sizes), "device": str(device),
+            "max_abs_diff": worst_abs, "max_rel_diff": worst_rel, "rtol": tol.rtol,
+            "atol": tol.atol, "max_param_change": moved}
 
 
 # --------------------------------------------------------------------------------------------
 # Functional checks
 
 
-def check_cpu_adam(*, steps: int = 5, adamw_mode: bool = True, weight_decay: float = 0.01, lr: float = 1e-2,
-                   sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
+def check_cpu_adam(*, steps: int = 5, adamw_mode: bool = True, weight_decay: float = 0.01,
+                   lr: float = 1e-2, sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
     """DeepSpeedCPUAdam against torch.optim.AdamW (adamw_mode) or Adam, same hyperparameters.
 
-    weight_decay and adamw_mode are passed explicitly on both sides: DeepSpeed defaults to AdamW with
+    weight_decay and adamw_mode are passed explicitly on both sides: DeepSpeed defaults to
+    AdamW with
     weight_decay 0, torch's AdamW to weight_decay 0.01.
     """
     import torch
@@ -414,13 +406,15 @@ def check_cpu_adam(*, steps: int = 5, adamw_mode: bool = True, weight_decay: flo
     hp = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
     ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     result = _run_optimizer_pair(
-        "cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=adamw_mode, bias_correction=True, **hp),
+        "cpu_adam",
+        lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=adamw_mode, bias_correction=True, **hp),
         lambda ps: ref_cls(ps, **hp), None, steps=steps, sizes=sizes)
     return {"op": "cpu_adam", "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp,
             "load_seconds": load.seconds, **result}
 
 
-def check_fused_adam(device: str = "cpu", *, steps: int = 5, adamw_mode: bool = True, weight_decay: float = 0.01,
+def check_fused_adam(device: str = "cpu", *, steps: int = 5, adamw_mode: bool = True,
+                     weight_decay: float = 0.01,
                      lr: float = 1e-2, sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
     """deepspeed.ops.adam.FusedAdam on `device` against torch Adam/AdamW on the same device."""
     import torch
@@ -446,12 +440,15 @@ def check_cpu_adagrad(*, steps: int = 5, weight_decay: float = 0.01, lr: float =
         "cpu_adagrad", lambda ps: DeepSpeedCPUAdagrad(ps, **hp),
         lambda ps: torch.optim.Adagrad(ps, lr_decay=0, initial_accumulator_value=0, **hp), None,
         steps=steps, sizes=sizes)
-    return {"op": "cpu_adagrad", "reference": "Adagrad", **hp, "load_seconds": load.seconds, **result}
+    return {"op": "cpu_adagrad", "reference": "Adagrad", **hp, "load_seconds": load.seconds,
+            **result}
 
 
 def check_cpu_lion(*, steps: int = 5, weight_decay: float = 0.01, lr: float = 1e-3,
-                   betas: tuple[float, float] = (0.9, 0.99), sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
-    """DeepSpeedCPULion against Lion written out (Chen et al. 2023, Algorithm 2); torch has no Lion."""
+                   betas: tuple[float, float] = (0.9, 0.99),
+                   sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
+    """DeepSpeedCPULion against Lion written out (Chen et al. 2023, Algorithm 2);
+    torch has no Lion."""
     import torch
     from deepspeed.ops.lion import DeepSpeedCPULion
     load = _require("cpu_lion")
@@ -467,8 +464,8 @@ def check_cpu_lion(*, steps: int = 5, weight_decay: float = 0.01, lr: float = 1e
                 m.mul_(b2).add_(g, alpha=1 - b2)
 
     result = _run_optimizer_pair(
-        "cpu_lion", lambda ps: DeepSpeedCPULion(ps, lr=lr, betas=betas, weight_decay=weight_decay), None,
-        lion_reference, steps=steps, sizes=sizes)
+        "cpu_lion", lambda ps: DeepSpeedCPULion(ps, lr=lr, betas=betas, weight_decay=weight_decay),
+        None, lion_reference, steps=steps, sizes=sizes)
     return {"op": "cpu_lion", "reference": "Lion (written out)", "lr": lr, "betas": betas,
             "weight_decay": weight_decay, "load_seconds": load.seconds, **result}
 
@@ -479,7 +476,8 @@ def _first_mismatch(a: Any, b: Any) -> str:
     if diff.numel() == 0:
         return "no differing byte"
     i = int(diff[0])
-    return f"{diff.numel()} differing bytes, first at offset {i} (wrote {int(a[i])}, read {int(b[i])})"
+    return (f"{diff.numel()} differing bytes, first at offset {i} "
+            f"(wrote {int(a[i])}, read {int(b[i])})")
 
 
 def _io_roundtrip(handle: Any, wbuf: Any, rbuf: Any, path: Path,
@@ -500,7 +498,8 @@ def _io_roundtrip(handle: Any, wbuf: Any, rbuf: Any, path: Path,
 
 
 def _handle_args(block_size: int, queue_depth: int, intra_op_parallelism: int) -> tuple:
-    # aio_handle / gds_handle(block_size, queue_depth, single_submit, overlap_events, intra_op_parallelism)
+    # aio_handle / gds_handle(block_size, queue_depth, single_submit, overlap_events,
+    # intra_op_parallelism)
     return block_size, queue_depth, False, True, intra_op_parallelism
 
 
@@ -511,14 +510,16 @@ def _check_aligned(op: str, handle: Any, nbytes: int) -> None:
     # whole process (C assert in is_valid_bytes_to_read). Refuse such sizes instead.
     align = handle.get_alignment()
     if nbytes <= 0 or nbytes % align:
-        raise ValueError(f"{op}: nbytes={nbytes} is not a positive multiple of the handle's alignment ({align} "
-                         "bytes); DeepSpeed silently drops an unaligned tail on write and aborts on read")
+        raise ValueError(f"{op}: nbytes={nbytes} is not a positive multiple of the handle's "
+                         f"alignment ({align} bytes); DeepSpeed silently drops an unaligned tail "
+                         "on write and aborts on read")
 
 
 def check_async_io(scratch_dir: str | os.PathLike[str], nbytes: int = 64 * 1024**2, *,
                    block_size: int = 1024**2, queue_depth: int = 32, intra_op_parallelism: int = 1,
                    tamper: Callable[[Path], None] | None = None) -> dict[str, Any]:
-    """aio_handle: write random bytes from a page-locked CPU tensor to a file under scratch_dir, read
+    """aio_handle: write random bytes from a page-locked CPU tensor to a file under scratch_dir,
+    read
     them back into another, compare every byte; report GB/s (1e9 bytes/s). The file is removed.
 
     `tamper(path)` runs between write and read; tests use it to prove the comparison goes red.
@@ -532,23 +533,27 @@ def check_async_io(scratch_dir: str | os.PathLike[str], nbytes: int = 64 * 1024*
     wbuf = handle.new_cpu_locked_tensor(nbytes, example)
     rbuf = handle.new_cpu_locked_tensor(nbytes, example)
     try:
-        wbuf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+        wbuf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(0)))
         rbuf.zero_()
         write_s, read_s = _io_roundtrip(handle, wbuf, rbuf, path, tamper)
         if not torch.equal(wbuf, rbuf):
-            raise AssertionError(f"async_io: data read back from {path} differs from what was written: "
-                                 f"{_first_mismatch(wbuf, rbuf)} of {nbytes}")
+            raise AssertionError(f"async_io: data read back from {path} differs from what was "
+                                 f"written: {_first_mismatch(wbuf, rbuf)} of {nbytes}")
     finally:
         handle.free_cpu_locked_tensor(wbuf)
         handle.free_cpu_locked_tensor(rbuf)
         path.unlink(missing_ok=True)
-    return {"op": "async_io", "bytes": nbytes, "file_dir": str(scratch_dir), "block_size": block_size,
+    return {"op": "async_io", "bytes": nbytes, "file_dir": str(scratch_dir),
+            "block_size": block_size,
             "queue_depth": queue_depth, "intra_op_parallelism": intra_op_parallelism,
             "write_s": write_s, "read_s": read_s, "write_gbps": nbytes / write_s / GB,
-            "read_gbps": nbytes / read_s / GB, "gb": "1e9 bytes", "equal": True, "load_seconds": load.seconds}
+            "read_gbps": nbytes / read_s / GB, "gb": "1e9 bytes", "equal": True,
+            "load_seconds": load.seconds}
 
 
-def check_gds(scratch_dir: str | os.PathLike[str], nbytes: int = 16 * 1024**2, *, block_size: int = 1024**2,
+def check_gds(scratch_dir: str | os.PathLike[str], nbytes: int = 16 * 1024**2, *,
+              block_size: int = 1024**2,
               queue_depth: int = 32, intra_op_parallelism: int = 1, io: bool = True,
               tamper: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """gds_handle creation; with CUDA and io=True, a write/read of a registered CUDA tensor compared
@@ -580,14 +585,15 @@ def check_gds(scratch_dir: str | os.PathLike[str], nbytes: int = 16 * 1024**2, *
         for buf in (wbuf, rbuf):
             handle.unpin_device_tensor(buf)
         path.unlink(missing_ok=True)
-    return {**result, "io": "cuda", "bytes": nbytes, "file_dir": str(scratch_dir), "write_s": write_s,
-            "read_s": read_s, "write_gbps": nbytes / write_s / GB, "read_gbps": nbytes / read_s / GB,
-            "gb": "1e9 bytes", "equal": True}
+    return {**result, "io": "cuda", "bytes": nbytes, "file_dir": str(scratch_dir),
+            "write_s": write_s, "read_s": read_s, "write_gbps": nbytes / write_s / GB,
+            "read_gbps": nbytes / read_s / GB, "gb": "1e9 bytes", "equal": True}
 
 
 def _needs_scratch(name: str, scratch_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
     if scratch_dir is None:
-        raise ValueError(f"check_op({name!r}) writes a file: pass scratch_dir (the suite's --scratch DIR)")
+        raise ValueError(f"check_op({name!r}) writes a file: "
+                         "pass scratch_dir (the suite's --scratch DIR)")
     return scratch_dir
 
 
@@ -601,10 +607,12 @@ FUNCTIONAL_CHECKS: dict[str, Callable[[str, Any], dict[str, Any]]] = {
 }
 
 
-def check_op(name: str, *, device: str = "cpu", scratch_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+def check_op(name: str, *, device: str = "cpu",
+             scratch_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Load op `name` and, where one exists, run its functional check; for other ops, load only.
 
-    Raises OpUnavailable when the op does not build or load, AssertionError when its result is wrong.
+    Raises OpUnavailable when the op does not build or load, AssertionError when its result is
+    wrong.
     The result carries the build time and whether it was a cold build, for the benchmark record.
     """
     load = _require(name)
@@ -619,8 +627,9 @@ def check_op(name: str, *, device: str = "cpu", scratch_dir: str | os.PathLike[s
 def ops_env_report(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
     """The variables that change how ops build, for the report header."""
     env = os.environ if env is None else env
-    keys = ("TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CXX", "CPATH", "LIBRARY_PATH",
-            "LD_LIBRARY_PATH", "CFLAGS", "LDFLAGS", "MAX_JOBS", "DS_SKIP_CUDA_CHECK")
+    keys = ("TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CXX", "CPATH",
+            "LIBRARY_PATH", "LD_LIBRARY_PATH", "CFLAGS", "LDFLAGS", "MAX_JOBS",
+            "DS_SKIP_CUDA_CHECK")
     return {k: env.get(k) for k in keys}
 
 

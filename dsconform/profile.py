@@ -13,9 +13,12 @@ from __future__ import annotations
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
+
+from dsconform import versions
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
 
@@ -98,8 +101,10 @@ def _non_negative(v: Any) -> str | None:
     return None if v >= 0 else "must be >= 0"
 
 
-def _version(v: str) -> str | None:
-    return None if _VERSION_RE.match(v) else "must look like 2.21 or 2.21.5"
+def _version_field(v: str) -> str | None:
+    """A profile field holding a version: parsed the one way (dsconform.versions)."""
+    ok = _VERSION_RE.match(v) and versions.parse(v) is not None
+    return None if ok else "must look like 2.21 or 2.21.5"
 
 
 def _cc(v: str) -> str | None:
@@ -131,7 +136,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "bf16": (bool, False, None),
         "fp16": (bool, False, None),
     },
-    "nccl": {"min_version": (str, False, _version), "floors": (list, False, None)},
+    "nccl": {"min_version": (str, False, _version_field), "floors": (list, False, None)},
     "nccl.floors": {
         "collective": (str, True, _collective),
         "bytes": (int, True, _positive),
@@ -147,7 +152,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "gds": (bool, False, None),
         "bytes": (int, False, _positive),
     },
-    "deepspeed": {"ops": (list, False, None), "min_version": (str, False, _version)},
+    "deepspeed": {"ops": (list, False, None), "min_version": (str, False, _version_field)},
     "system": {
         "min_shm_gib": (_NUM, False, _positive),
         "min_cpu_cores": (int, False, _positive),

@@ -12,24 +12,45 @@ from __future__ import annotations
 
 import datetime as _dt
 import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 FORMAT = "dsconform-records/1"
 BETTER = ("lower", "higher")
 USER_PROPERTY = "dsconform_metric"  # key in pytest's user_properties (travels under xdist)
+#: Units of performance values (times and rates). A performance value held to a limit carries
+#: at least MIN_ROUNDS samples, so a comparison can see its noise and a floor is not decided by
+#: one unlucky round.
+PERFORMANCE_UNITS = ("s", "ms", "GB/s", "TFLOPS", "steps/s", "samples/s")
+MIN_ROUNDS = 3
+
+
+@dataclass
+class Rate:
+    """A rate derived from a timed metric: ``amount / scale / seconds`` per round, e.g. bytes
+    over 1e9 for GB/s. The timed seconds stay the metric's samples (what pytest-benchmark reads
+    as a time); the rate, its direction (higher is better) and its floor live here."""
+    unit: str      # "GB/s", "TFLOPS", ...
+    amount: float  # what one round moved or computed: bytes, flops
+    scale: float   # 1e9 for GB/s (GB = 1e9 bytes), 1e12 for TFLOPS
+    limit: float | None = None  # floor on the median rate
+
+    def of(self, seconds: float) -> float:
+        return self.amount / self.scale / seconds if seconds > 0 else float("inf")
 
 
 @dataclass
 class Metric:
     nodeid: str
-    name: str  # e.g. "max_rel_loss_diff", "build_seconds", "write_gbps"
+    name: str  # e.g. "max_rel_loss_diff", "build_seconds", "all_reduce.busbw"
     samples: list[float]
-    unit: str  # "s", "GB/s", "ratio", ...
+    unit: str  # "s", "1", "ratio", ...
     better: str  # "lower" | "higher"
     limit: float | None = None  # the floor (better=higher) or ceiling (better=lower) enforced
     params: dict[str, Any] = field(default_factory=dict)
     capability: str = ""
+    rate: Rate | None = None  # for timed metrics: the rate derived from each round
 
     def __post_init__(self) -> None:
         if self.better not in BETTER:
@@ -38,6 +59,109 @@ class Metric:
         if not self.samples:
             raise ValueError(f"metric {self.name}: no samples")
         self.samples = [float(s) for s in self.samples]
+        if isinstance(self.rate, dict):  # from JSON (xdist user_properties, records.jsonl)
+            self.rate = Rate(**self.rate)
+        if self.rate is not None and self.unit != "s":
+            raise ValueError(f"metric {self.name}: a rate derives from seconds, unit is "
+                             f"{self.unit!r}")
+
+    @property
+    def value(self) -> float:
+        """The median of the rounds."""
+        return statistics.median(self.samples)
+
+    @property
+    def rate_samples(self) -> list[float]:
+        return [self.rate.of(s) for s in self.samples] if self.rate else []
+
+    def limit_violation(self) -> str | None:
+        """One line naming metric, value, limit and parameters when the median is on the wrong
+        side of the limit (a floor for better="higher" and for rates, a ceiling for
+        better="lower")."""
+        params = ", ".join(f"{k}={val}" for k, val in self.params.items())
+        where = f" [{params}]" if params else ""
+        if self.rate is not None and self.rate.limit is not None:
+            rates = self.rate_samples
+            v = statistics.median(rates)
+            if v >= self.rate.limit:
+                return None
+            return (f"{self.name} = {v:.4g} {self.rate.unit}{_rounds(rates)} is below its floor "
+                    f"{self.rate.limit:.4g} {self.rate.unit}{where}")
+        if self.limit is None:
+            return None
+        v = self.value
+        bad = v < self.limit if self.better == "higher" else v > self.limit
+        if not bad:
+            return None
+        kind = "floor" if self.better == "higher" else "ceiling"
+        return (f"{self.name} = {v:.4g} {self.unit}{_rounds(self.samples)} is beyond its {kind} "
+                f"{self.limit:.4g} {self.unit}{where}")
+
+
+def _rounds(samples: Sequence[float]) -> str:
+    if len(samples) < 2:
+        return ""
+    return f" (median of {len(samples)} rounds: {', '.join(f'{x:.4g}' for x in samples)})"
+
+
+class MetricsRecorder:
+    """Records one test's measured values into the run's benchmark JSON, and holds them to
+    their limits: the ONE place a floor or ceiling is enforced.
+
+    ``record`` keeps every value (a value beyond its limit is recorded too, so the results show
+    it); the plugin fails the test after its body returns if any recorded value broke its limit,
+    listing all of them. ``check()`` does the same at once, for a suite that must stop early.
+    """
+
+    def __init__(self, nodeid: str, capability: str, sink: Callable[[Metric], None]):
+        self.nodeid = nodeid
+        self.capability = capability
+        self._sink = sink
+        self.recorded: list[Metric] = []
+
+    def record(self, name: str, value: float | Sequence[float], *, unit: str, better: str,
+               limit: float | None = None, **params: Any) -> Metric:
+        """Record ``value`` (one number, or one per round). ``better`` is "lower" or "higher";
+        ``limit`` is a floor (higher is better) or a ceiling (lower is better) on the median."""
+        samples = list(value) if isinstance(value, (list, tuple)) else [value]
+        m = Metric(self.nodeid, name, samples, unit, better, limit, params, self.capability)
+        if limit is not None and unit in PERFORMANCE_UNITS:
+            self._need_rounds(m)
+        return self._keep(m)
+
+    def record_rate(self, name: str, seconds: Sequence[float], *, amount: float, unit: str,
+                    scale: float, floor: float | None = None, **params: Any) -> Metric:
+        """Record a timed operation, one time per round, and the rate derived from it:
+        ``amount / scale / seconds`` in ``unit`` (bytes, 1e9, "GB/s"). The times are the
+        benchmark's stats (lower is better); the rate and its ``floor`` (on the median rate)
+        go to extra_info. A floor needs at least MIN_ROUNDS rounds."""
+        rate = Rate(unit=unit, amount=float(amount), scale=float(scale),
+                    limit=None if floor is None else float(floor))
+        m = Metric(self.nodeid, name, list(seconds), "s", "lower", None,
+                   {**params, "amount": amount}, self.capability, rate)
+        if floor is not None:
+            self._need_rounds(m)
+        return self._keep(m)
+
+    @staticmethod
+    def _need_rounds(m: Metric) -> None:
+        if len(m.samples) < MIN_ROUNDS:
+            raise ValueError(f"metric {m.name}: a performance value held to a limit needs at "
+                             f"least {MIN_ROUNDS} rounds, got {len(m.samples)}")
+
+    def _keep(self, m: Metric) -> Metric:
+        self.recorded.append(m)
+        self._sink(m)
+        return m
+
+    def violations(self) -> list[str]:
+        return [v for v in (m.limit_violation() for m in self.recorded) if v]
+
+    def check(self) -> None:
+        """Raise AssertionError listing every recorded value beyond its limit."""
+        found = self.violations()
+        if found:
+            raise AssertionError("; ".join(found))
 
 
 def stats(samples: Sequence[float]) -> dict[str, Any]:
@@ -75,12 +199,23 @@ def benchmark_entry(m: Metric) -> dict[str, Any]:
         "fullname": f"{m.nodeid}::{m.name}",
         "params": m.params or None,
         "param": None,
-        "extra_info": {"metric": m.name, "unit": m.unit, "better": m.better, "limit": m.limit,
-                       "params": m.params, "nodeid": m.nodeid},
+        "extra_info": _extra_info(m),
         "options": {"min_rounds": len(m.samples), "timer": "dsconform", "disable_gc": False,
                     "warmup": False},
         "stats": stats(m.samples),
     }
+
+
+def _extra_info(m: Metric) -> dict[str, Any]:
+    info = {"metric": m.name, "unit": m.unit, "better": m.better, "limit": m.limit,
+            "params": m.params, "nodeid": m.nodeid}
+    if m.rate is not None:
+        rates = m.rate_samples
+        info["rate"] = {"unit": m.rate.unit, "better": "higher", "limit": m.rate.limit,
+                        "amount": m.rate.amount, "scale": m.rate.scale,
+                        "median": statistics.median(rates), "samples": rates,
+                        "stddev": statistics.stdev(rates) if len(rates) > 1 else 0.0}
+    return info
 
 
 @dataclass
@@ -91,18 +226,20 @@ class Outcome:
     reason: str = ""  # skip reason or the failure's first line
     duration_s: float = 0.0
     must: str = ""  # the test's one-line MUST statement (first docstring line)
+    known_issue: str = ""  # id of the known upstream issue that made this case a strict xfail
 
 
 def document(metrics: Iterable[Metric], outcomes: Iterable[Outcome], *,
              machine_info: Mapping[str, Any], commit_info: Mapping[str, Any],
              profile: Mapping[str, Any], extra_benchmarks: Iterable[Mapping] = (),
-             started: str | None = None) -> dict[str, Any]:
+             started: str | None = None,
+             known_issues: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
     try:
         import pytest_benchmark
         pb_version = pytest_benchmark.__version__
     except ImportError:
         pb_version = "unknown"
-    now = _dt.datetime.now(_dt.timezone.utc).isoformat()
+    now = _dt.datetime.now(_dt.UTC).isoformat()
     return {
         "machine_info": dict(machine_info),
         "commit_info": dict(commit_info),
@@ -115,5 +252,6 @@ def document(metrics: Iterable[Metric], outcomes: Iterable[Outcome], *,
             "started": started,
             "finished": now,
             "outcomes": [asdict(o) for o in outcomes],
+            "known_issues": list(known_issues),
         },
     }

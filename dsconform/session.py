@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from dsconform import detect, profile as profiles
+from dsconform import detect
+from dsconform import profile as profiles
 from dsconform.detect import NodeFacts
 from dsconform.profile import Profile, ProfileError
 
@@ -18,29 +19,51 @@ class Selection:
 
 
 def matches(p: Profile, node: NodeFacts) -> bool:
-    """A shipped profile describes this node type: same GPU count and model (substring)."""
-    if (p.gpu_count or 0) != node.gpu_count:
+    """A shipped profile describes this node type: the GPU count and model the *hardware* has
+    (counted without torch), so a node whose torch lost GPUs still picks its real profile and
+    then fails its promises."""
+    if (p.gpu_count or 0) != node.gpus_present:
         return False
-    if p.gpu_model and not all(p.gpu_model.lower() in g.name.lower() for g in node.gpus):
-        return False
+    if p.gpu_model:
+        names = node.hardware.models or [g.name for g in node.gpus]
+        if not names or not all(p.gpu_model.lower() in n.lower() for n in names):
+            return False
     return True
+
+
+#: Printed in the header and the summary whenever auto falls back to a detected profile.
+DETECTED_WARNING = (
+    "only 'what is here works' was checked: the detected profile promises what this node has "
+    "now and sets no floors, so a slow or partly broken node can pass. Pass the profile of this "
+    "node type: --profile NAME (shipped: {shipped}) or --profile PATH.toml "
+    "(start from `dsconform detect > my-node.toml`, add measured floors)")
 
 
 def auto_select(node: NodeFacts) -> tuple[Profile, str]:
     candidates = []
-    for name, path in profiles.shipped().items():
+    for _name, path in profiles.shipped().items():
         p = profiles.load(path)  # a broken shipped profile is a bug: let it raise
         if matches(p, node):
             candidates.append(p)
+    what = (f"{node.gpus_present}x {node.present_model or 'NVIDIA GPU'} present "
+            f"({node.hardware.source if node.hardware.count else 'torch'}), "
+            f"{node.gpu_count} usable" if node.is_gpu_node else "no GPUs")
     if len(candidates) == 1:
         p = candidates[0]
-        what = f"{node.gpu_count}x {node.gpu_model}" if node.gpus else "no GPUs"
         return p, f"auto: node matches shipped {p.source} ({what})"
     data = detect.profile_data(node)
     p = profiles.from_data(data, "detected")
     why = ("several shipped profiles match: " + ", ".join(c.name for c in candidates)
-           if candidates else "no shipped profile matches")
+           if candidates else f"no shipped profile matches ({what})")
     return p, f"auto: {why}; using the detected profile, which has no floors"
+
+
+def is_detected(p: Profile) -> bool:
+    return p.source == "detected"
+
+
+def detected_warning() -> str:
+    return DETECTED_WARNING.format(shipped=", ".join(profiles.shipped()) or "none")
 
 
 def select_profile(spec: str, node: NodeFacts | None = None) -> Selection:

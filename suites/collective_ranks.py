@@ -7,7 +7,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from dsconform.dist import device, rank, world
+from dsconform.suite import device, rank, world
+
 
 # Bus bandwidth factors, as nccl-tests defines them (doc/PERFORMANCE.md): busbw = algbw * factor.
 def bus_factor(collective: str, n: int) -> float:
@@ -57,24 +58,26 @@ def all_reduce_is_exact(numel: int) -> float:
     return float((t - n * (n + 1) / 2).abs().max())
 
 
-def measure_busbw(collective: str, nbytes: int, iters: int, warmup: int = 5) -> dict:
-    """Time `iters` back-to-back collectives; every rank reports the slowest rank's mean time
-    (as nccl-tests does, the job is as fast as its slowest rank)."""
+def measure_busbw(collective: str, nbytes: int, iters: int, rounds: int = 3,
+                  warmup: int = 5) -> dict:
+    """Time ``rounds`` rounds of ``iters`` back-to-back collectives. Each round's time per call
+    is the slowest rank's (as in nccl-tests, the job is as fast as its slowest rank), so every
+    rank returns the same list."""
     dev = device()
     buf, op = _op(collective, nbytes, dev)
     buf.fill_(1.0)
     for _ in range(warmup):
         op()
     _sync(dev)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(iters):
-        op()
-    _sync(dev)
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64,
-                           device=dev)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    seconds = float(elapsed.item())
-    algbw = nbytes / seconds / 1e9
-    return {"seconds": seconds, "algbw_gbps": algbw,
-            "busbw_gbps": algbw * bus_factor(collective, world()), "iters": iters}
+    per_call = []
+    for _ in range(rounds):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            op()
+        _sync(dev)
+        elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64,
+                               device=dev)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        per_call.append(float(elapsed.item()))
+    return {"seconds": per_call, "iters": iters, "bus_factor": bus_factor(collective, world())}

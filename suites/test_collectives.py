@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsconform.dist import run_ranks
-from dsconform.gating import accel_params, requires
+from dsconform.suite import GB, accel_params, requires, run_ranks, run_state
 from suites import collective_ranks
 
 CAPABILITY = "collectives"
@@ -29,9 +28,7 @@ def _iters(nbytes: int) -> int:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "floor" not in metafunc.fixturenames:
         return
-    from fixtures.plugin import STATE
-
-    prof = metafunc.config.stash[STATE].profile
+    prof = run_state(metafunc.config).profile
     params = []
     for fl in prof.nccl_floors:
         ws = fl.world_size or prof.gpus_promised
@@ -57,11 +54,11 @@ def test_busbw_floor(floor, profile, metrics):
     """Bus bandwidth MUST reach the profile's floor for that collective and message size."""
     ws = floor.world_size or profile.gpus_promised
     iters = _iters(floor.bytes)
-    results = run_ranks(collective_ranks.measure_busbw, ws, timeout_s=300,
-                        args=(floor.collective, floor.bytes, iters), accelerator="cuda")
-    busbw = results[0]["busbw_gbps"]
-    metrics.record(f"{floor.collective}.busbw_gbps", busbw, unit="GB/s", better="higher",
-                   limit=floor.busbw_gbps, bytes=floor.bytes, world_size=ws, iters=iters)
-    assert busbw >= floor.busbw_gbps, (
-        f"{floor.collective} of {floor.bytes} bytes on {ws} GPUs: busbw {busbw:.1f} GB/s, "
-        f"floor {floor.busbw_gbps} GB/s ({floor.source or 'profile'})")
+    result = run_ranks(collective_ranks.measure_busbw, ws, timeout_s=300,
+                       args=(floor.collective, floor.bytes, iters), accelerator="cuda")[0]
+    # busbw = bytes * bus factor / time (nccl-tests); the recorder holds the median of 3 rounds
+    # to the floor and names collective, size and world size when it is missed.
+    metrics.record_rate(f"{floor.collective}.busbw", result["seconds"],
+                        amount=floor.bytes * result["bus_factor"], unit="GB/s", scale=GB,
+                        floor=floor.busbw_gbps, bytes=floor.bytes, world_size=ws, iters=iters,
+                        source=floor.source or "profile")

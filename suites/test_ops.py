@@ -16,9 +16,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from packaging.version import Version
 
-from dsconform import dsreport, ops
+from dsconform.suite import (
+    OpCrashed,
+    OpUnavailableText,
+    check_op_isolated,
+    parse_ds_report,
+    run_ds_report,
+    run_state,
+    versions,
+)
 
 CAPABILITY = "ops"
 pytestmark = pytest.mark.anynode  # ops are built for this node's accelerator: `-m gpu` on GPUs
@@ -26,9 +33,7 @@ pytestmark = pytest.mark.anynode  # ops are built for this node's accelerator: `
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "promised_op" in metafunc.fixturenames:
-        from fixtures.plugin import STATE
-
-        prof = metafunc.config.stash[STATE].profile
+        prof = run_state(metafunc.config).profile
         params = [pytest.param(op, id=op) for op in prof.ops] or [pytest.param(
             None, id="none", marks=pytest.mark.skip(
                 reason=f"profile {prof.name} promises no deepspeed.ops"))]
@@ -36,13 +41,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="module")
-def report(request) -> dict:
+def report(run) -> dict:
     """ds_report, run once and parsed; also written to --results/ds_report.json."""
-    from fixtures.plugin import STATE
-
-    text = dsreport.run_ds_report()
-    parsed = dsreport.parse_ds_report(text)
-    results = request.config.stash[STATE].results
+    parsed = parse_ds_report(run_ds_report())
+    results = run.results
     if results is not None:
         (results / "ds_report.json").write_text(json.dumps(parsed, indent=2, sort_keys=True))
     return parsed
@@ -53,10 +55,11 @@ def test_ds_report_describes_this_install(report, node):
     assert report["ops"], "ds_report listed no ops"
     env = report["env"]
     assert env.get("deepspeed_version", "").startswith(node.deepspeed_version or "?"), \
-        f"expected DeepSpeed {node.deepspeed_version}, ds_report says {env.get('deepspeed_version')}"
+        (f"expected DeepSpeed {node.deepspeed_version}, "
+         f"ds_report says {env.get('deepspeed_version')}")
     # The package metadata may omit the local build tag ("2.11.0" vs torch's "2.11.0+cu130").
-    found = Version(str(env.get("torch_version"))).public
-    assert found == Version(node.torch_version or "0").public, \
+    found = versions.public(str(env.get("torch_version")))
+    assert found is not None and found == versions.public(node.torch_version), \
         f"expected torch {node.torch_version}, ds_report says {env.get('torch_version')}"
 
 
@@ -80,8 +83,8 @@ def test_promised_op(promised_op, report, node, scratch, metrics, profile):
         problems.append(f"ds_report: {promised_op} not compatible: "
                         f"{'; '.join(status['warnings']) or 'no reason printed'}")
     try:  # in a child process: a native crash fails this test, not the whole run
-        result = ops.check_op_isolated(promised_op, device=node.accelerator, scratch_dir=scratch)
-    except (ops.OpUnavailableText, ops.OpCrashed) as e:
+        result = check_op_isolated(promised_op, device=node.accelerator, scratch_dir=scratch)
+    except (OpUnavailableText, OpCrashed) as e:
         result = None
         problems.append(str(e))
     if result is None:  # outside the except: no "during handling" chain in the report

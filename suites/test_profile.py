@@ -12,9 +12,8 @@ import shutil
 import subprocess
 
 import pytest
-from packaging.version import Version
 
-from dsconform.detect import GIB
+from dsconform.suite import GIB, versions
 
 CAPABILITY = "profile"
 
@@ -23,6 +22,17 @@ def _promised(value, field: str, profile):
     if value is None:
         pytest.skip(f"profile {profile.name} makes no promise about {field}")
     return value
+
+
+@pytest.mark.anynode
+def test_gpus_usable(node):
+    """PROF-GPU-0: torch MUST be able to use every NVIDIA GPU the node has (counted without
+    torch: NVML, the driver's /proc entries, the PCI bus)."""
+    if not node.is_gpu_node:
+        pytest.skip("no NVIDIA GPU on this node (NVML, /proc/driver/nvidia and the PCI bus "
+                    "show none)")
+    problem = node.unusable_gpus()
+    assert problem is None, problem
 
 
 @pytest.mark.gpu
@@ -84,7 +94,7 @@ def test_nccl_version(profile, node):
     """torch's NCCL MUST be at least the promised minimum version."""
     want = _promised(profile.nccl_min_version, "nccl.min_version", profile)
     assert node.nccl_version, "expected NCCL, found none (torch built without NCCL?)"
-    assert Version(node.nccl_version) >= Version(want), \
+    assert versions.at_least(node.nccl_version, want), \
         f"expected NCCL >= {want}, found {node.nccl_version}"
 
 
@@ -105,7 +115,7 @@ def test_cuda_driver_supports_torch(profile, node):
     driver_cuda = _driver_cuda_version()
     assert driver_cuda, "expected nvidia-smi to report the driver's CUDA version, found none"
     assert node.cuda_version, "expected a CUDA build of torch, found a CPU build"
-    assert Version(driver_cuda) >= Version(node.cuda_version), (
+    assert versions.at_least(driver_cuda, node.cuda_version), (
         f"expected a driver supporting CUDA {node.cuda_version} (torch's), found driver "
         f"{node.driver_version} supporting CUDA {driver_cuda}")
 
@@ -138,16 +148,14 @@ def test_deepspeed_version(profile, node):
     """The installed DeepSpeed MUST be at least the promised minimum version."""
     want = _promised(profile.deepspeed_min_version, "deepspeed.min_version", profile)
     assert node.deepspeed_version, "expected DeepSpeed installed, found none"
-    assert Version(node.deepspeed_version) >= Version(want), \
+    assert versions.at_least(node.deepspeed_version, want), \
         f"expected DeepSpeed >= {want}, found {node.deepspeed_version}"
 
 
 @pytest.mark.nvme
-def test_nvme_paths_writable(profile, request):
+def test_nvme_paths_writable(profile, run):
     """Every promised NVMe path MUST exist and be writable."""
-    from fixtures.plugin import STATE
-
-    scratch = request.config.stash[STATE].scratch
+    scratch = run.scratch
     bad = []
     for entry in profile.nvme_paths:
         path = entry.resolve(scratch)

@@ -25,11 +25,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsconform.dist import run_ranks
-from dsconform.dsconfig import ASSUMED_DEFAULTS, OPTIMIZER_OPS, defaults_mismatches
-from dsconform.equivalence import Comparison, compare_rank_results
-from dsconform.gating import accel_params, requires
-from dsconform.tolerances import tolerance
+from dsconform.suite import (
+    ASSUMED_DEFAULTS,
+    OPTIMIZER_OPS,
+    Comparison,
+    accel_params,
+    compare_rank_results,
+    defaults_mismatches,
+    requires,
+    run_ranks,
+    tolerance,
+)
 from suites.zero_ranks import ZeroCase, matrix, read_effective_defaults, train_zero_and_ddp
 
 CAPABILITY = "zero"

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsconform.dsconfig import ds_config
+from dsconform.suite import ds_config
 
 # fp16 runs with a static loss scale so plain DDP can apply exactly the same one (a power of two:
 # scaling and unscaling are exact). The dynamic scaler is the loss-scaling suite's business.
@@ -63,7 +63,7 @@ class ZeroCase:
         return (f"z{self.stage}-off_{self.offload}-{self.dtype}-{self.optimizer}"
                 f"-gas{self.grad_accum}-ws{self.world_size}")
 
-    def with_(self, **changes: Any) -> "ZeroCase":
+    def with_(self, **changes: Any) -> ZeroCase:
         return replace(self, **changes)
 
     def config(self) -> dict[str, Any]:
@@ -241,7 +241,7 @@ def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0,
     import pytest
     from deepspeed.accelerator import get_accelerator
 
-    from dsconform.dist import device, rank, seed_everything
+    from dsconform.suite import device, rank, seed_everything
 
     if case.dtype == "fp16" and not get_accelerator().is_fp16_supported():
         # Decided identically on every rank. DeepSpeed's CPU accelerator needs mkldnn fp16
@@ -272,7 +272,8 @@ def read_effective_defaults() -> dict[str, Any]:
     import deepspeed
     from deepspeed.runtime import config as ds_cfg
     from deepspeed.runtime import constants
-    from dsconform.dist import device, seed_everything
+
+    from dsconform.suite import device, seed_everything
 
     seed_everything(0)
     model = nn.Linear(4, 4).to(device())

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from dsconform import compare, records
 from dsconform.cli import main
 
@@ -85,7 +83,8 @@ def test_cli_exit_codes(tmp_path, capsys):
 
 
 def test_reads_a_real_results_file():
-    ref = Path(__file__).parent.parent / "results/reference/h200-x2/zero-fp16-after-fix/benchmarks.json"
+    ref = (Path(__file__).parent.parent
+           / "results/reference/h200-x2/zero-fp16-after-fix/benchmarks.json")
     d = compare.load(ref)
     result = compare.compare(d, d)
     assert not result.regressed and result.of("unchanged")

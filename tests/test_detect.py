@@ -89,3 +89,92 @@ def test_rendezvous_nodes():
     assert rendezvous_nodes({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}) == 2
     assert rendezvous_nodes({"SLURM_NNODES": "4", "MASTER_ADDR": "n0"}) == 4
     assert rendezvous_nodes({"SLURM_NNODES": "4"}) == 1  # an allocation, not a rendezvous
+
+
+# ------------------------------------------------------------------ GPUs present, without torch
+
+def _pci_tree(root, devices):
+    """devices: {bus id: (vendor, class)}"""
+    for bus, (vendor, cls) in devices.items():
+        d = root / bus
+        d.mkdir(parents=True)
+        (d / "vendor").write_text(vendor + "\n")
+        (d / "class").write_text(cls + "\n")
+
+
+def _proc_tree(root, gpus):
+    for bus, model in gpus.items():
+        d = root / bus
+        d.mkdir(parents=True)
+        (d / "information").write_text(f"Model: \t\t {model}\nIRQ:   42\nBus Location: {bus}\n")
+
+
+def test_pci_counts_nvidia_display_functions_only(tmp_path):
+    _pci_tree(tmp_path / "pci", {
+        "0000:18:00.0": ("0x10de", "0x030200"),   # H200: 3D controller
+        "0000:2a:00.0": ("0x10de", "0x030000"),   # VGA controller
+        "0000:05:00.0": ("0x10de", "0x068000"),   # NVSwitch: a bridge, not a GPU
+        "0000:19:00.1": ("0x10de", "0x040300"),   # a consumer card's audio function
+        "0000:00:02.0": ("0x1af4", "0x010000"),   # virtio disk
+    })
+    hw = detect.probe_gpu_hardware(nvml=False, proc_root=tmp_path / "none",
+                                   pci_root=tmp_path / "pci")
+    assert (hw.count, hw.source, hw.bus_ids) == (2, "pci", ["0000:18:00.0", "0000:2a:00.0"])
+    assert hw.models == [] and hw.model is None
+
+
+def test_largest_count_wins_and_names_come_from_the_driver(tmp_path):
+    """One GPU fell off the driver (NVML and /proc see 1) but is still on the PCI bus: 2."""
+    _proc_tree(tmp_path / "proc", {"0000:18:00.0": "NVIDIA H200"})
+    _pci_tree(tmp_path / "pci", {"0000:18:00.0": ("0x10de", "0x030200"),
+                                 "0000:2a:00.0": ("0x10de", "0x030200")})
+    hw = detect.probe_gpu_hardware(nvml=False, proc_root=tmp_path / "proc",
+                                   pci_root=tmp_path / "pci")
+    assert hw.count == 2 and hw.source == "pci" and hw.model == "NVIDIA H200"
+    assert hw.seen == {"/proc/driver/nvidia": 1, "pci": 2}
+
+
+def test_no_nvidia_hardware(tmp_path):
+    hw = detect.probe_gpu_hardware(nvml=False, proc_root=tmp_path / "a", pci_root=tmp_path / "b")
+    assert (hw.count, hw.source) == (0, "none")
+
+
+def test_real_probe_never_raises_and_counts_at_least_torch():
+    facts = detect.probe()
+    assert facts.gpus_present >= facts.gpu_count
+    assert facts.is_gpu_node == (facts.gpus_present > 0)
+
+
+def broken_node(present=2, usable=0):
+    """2x H200 on the bus, torch sees `usable` of them."""
+    node = fake_node(usable)
+    node.hardware = detect.GpuHardware(count=present, models=["NVIDIA H200"] * present,
+                                       bus_ids=[f"0000:{i:02x}:00.0" for i in range(present)],
+                                       source="nvml", seen={"nvml": present})
+    return node
+
+
+def test_auto_is_not_self_fulfilling_on_a_broken_node(monkeypatch):
+    """torch sees no GPU, the hardware has 2 H200: auto picks h200-x2 (whose promises will
+    fail), not cpu-ci and not a detected profile of 0 GPUs."""
+    node = broken_node()
+    assert node.gpu_count == 0 and node.gpus_present == 2 and node.is_gpu_node
+    p, how = auto_select(node)
+    assert p.name == "h200-x2", how
+    assert "2x NVIDIA H200 present (nvml), 0 usable" in how
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert node.unusable_gpus() == ("2 GPUs present (nvml: NVIDIA H200), 0 usable by torch; "
+                                    "CUDA_VISIBLE_DEVICES='' is set")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert "check the driver" in broken_node(2, 1).unusable_gpus()
+    assert fake_node(2).unusable_gpus() is None
+
+
+def test_detected_fallback_promises_the_hardware_count():
+    """A 4-GPU node matches no shipped profile; with 3 usable its detected profile still
+    promises 4, so the promise test fails instead of passing what is left."""
+    p, how = auto_select(broken_node(4, 3))
+    assert p.source == "detected" and p.gpu_count == 4 and p.name == "detected-h200-x4"
+    assert "no shipped profile matches (4x NVIDIA H200 present (nvml), 3 usable)" in how
+    p = roundtrip(broken_node(2, 0))  # torch sees none: the hardware's model is promised
+    assert (p.gpu_count, p.gpu_model) == (2, "NVIDIA H200")

@@ -188,7 +188,8 @@ def test_rank_that_dies_fails_the_call(fn, args, expected):
     elapsed = time.monotonic() - start
     assert str(info.value).startswith(expected), str(info.value)
     if fn is rank_fns.segfault_on:  # faulthandler's fatal-signal dump names the crashing line
-        assert "Fatal-signal stacks of rank 1" in str(info.value) and "segfault_on" in str(info.value)
+        assert ("Fatal-signal stacks of rank 1" in str(info.value)
+                and "segfault_on" in str(info.value))
     assert elapsed < FAIL_FAST_S, f"took {elapsed:.1f} s to notice a dead rank"
     assert_no_leftovers(pids)
 
@@ -209,7 +210,8 @@ def test_hang_times_out_with_every_rank_stack_and_next_call_works():
     assert "hang_on" in info.value.stacks[0]  # its peer waits in the barrier inside hang_on
     assert isinstance(info.value, AssertionError)
     assert_no_leftovers(pids)
-    assert [r["sum"] for r in dist.run_ranks(rank_fns.rank_and_sum, 2, timeout_s=TIMEOUT_S)] == [3.0, 3.0]
+    assert [r["sum"] for r in dist.run_ranks(rank_fns.rank_and_sum, 2,
+                                              timeout_s=TIMEOUT_S)] == [3.0, 3.0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,10 +333,12 @@ def test_external_rendezvous_detection(monkeypatch):
 def test_torchrun_two_nodes_each_rank_gets_the_same_list(tmp_path):
     before = {p.pid for p in rank_processes()}  # a pool from earlier tests may be alive
     port = dist.free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "RANK", "LOCAL_RANK"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "RANK", "LOCAL_RANK"))}
     agents = []
     for node in (0, 1):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+        command = [sys.executable, "-m", "torch.distributed.run",
+                   "--nnodes=2", "--nproc-per-node=1",
                    f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}",
                    os.path.join(HERE, "torchrun_probe.py"), str(tmp_path)]
         log = open(tmp_path / f"agent{node}.log", "w")
@@ -390,7 +394,8 @@ def test_overhead_pooled_call(benchmark):
 def test_overhead_fresh_call_and_fresh_ranks_leave_nothing(benchmark):
     pooled = warm_pids()
     fresh = benchmark.pedantic(dist.run_ranks, args=(rank_fns.pid, 2),
-                               kwargs={"timeout_s": TIMEOUT_S, "reuse": False}, rounds=2, iterations=1)
+                               kwargs={"timeout_s": TIMEOUT_S, "reuse": False},
+                               rounds=2, iterations=1)
     benchmark.extra_info.update(metric="fresh run_ranks call (spawn, import, init)", unit="s",
                                 direction="lower is better", world_size=2)
     assert set(fresh).isdisjoint(pooled)

@@ -19,31 +19,34 @@ from dsconform.dsreport import parse_ds_report, run_ds_report, shm_bytes, strip_
 DATA = Path(__file__).parent / "data" / "ds_report"
 CAPTURES = sorted(DATA.glob("*.txt"))
 
-CPU_OPS_0198 = ["deepspeed_not_implemented", "async_io", "deepspeed_ccl_comm", "deepspeed_shm_comm", "cpu_adagrad",
-                "cpu_adam", "cpu_lion", "fused_adam", "pin_memory"]
+CPU_OPS_0198 = ["deepspeed_not_implemented", "async_io", "deepspeed_ccl_comm", "deepspeed_shm_comm",
+                "cpu_adagrad", "cpu_adam", "cpu_lion", "fused_adam", "pin_memory"]
 # 0.19.6's CPU accelerator has no cpu_adagrad / cpu_lion builders.
 CPU_OPS_0196 = [op for op in CPU_OPS_0198 if op not in ("cpu_adagrad", "cpu_lion")]
-ACCEL_WARNING = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+ACCEL_WARNING = ("Setting accelerator to CPU. "
+                 "If you have GPU or other accelerator, we were unable to detect it.")
 LIBAIO_WARNINGS = [
     "async_io requires the dev libaio .so object and headers but these were not found.",
     "async_io: please install the libaio-dev package with apt",
-    "If libaio is already installed (perhaps from source), try setting the CFLAGS and LDFLAGS environment "
-    "variables to where it can be found.",
+    "If libaio is already installed (perhaps from source), try setting the CFLAGS and LDFLAGS "
+    "environment variables to where it can be found.",
 ]
-CUTLASS_WARNING = ("Unable to locate CUTLASS. Install nvidia-cutlass, clone CUTLASS next to DeepSpeed, "
-                   "or set CUTLASS_PATH to the CUTLASS checkout.")
+CUTLASS_WARNING = ("Unable to locate CUTLASS. Install nvidia-cutlass, clone CUTLASS next to "
+                   "DeepSpeed, or set CUTLASS_PATH to the CUTLASS checkout.")
 CPU_SHM = {"shm_size_text": "23.54 GB", "shm_size_bytes": round(23.54 * 1024**3)}
 
 EXPECTED = {
     "cpu-0.19.8.txt": {
         "ops": CPU_OPS_0198, "incompatible": [], "op_warnings": {}, "accelerator": "cpu",
-        "env": {"deepspeed_version": "0.19.8", "torch_version": "2.13.0+cpu", "torch_cuda_version": None,
+        "env": {"deepspeed_version": "0.19.8", "torch_version": "2.13.0+cpu",
+                "torch_cuda_version": None,
                 "nvcc_version": None, "deepspeed_wheel_compiled": "torch 0.0", **CPU_SHM},
     },
     "cpu-0.19.6.txt": {
         "ops": CPU_OPS_0196, "incompatible": [], "op_warnings": {}, "accelerator": "cpu",
         "env": {"deepspeed_version": "0.19.6", "torch_version": "2.13.0+cpu",
-                "deepspeed_install_path": "/tmp/ds0196/lib/python3.11/site-packages/deepspeed", **CPU_SHM},
+                "deepspeed_install_path": "/tmp/ds0196/lib/python3.11/site-packages/deepspeed",
+                **CPU_SHM},
     },
     # 2xH200, TORCH_CUDA_ARCH_LIST=9.0a: async_io, fused_adam, gds all [OKAY] although none of them
     # builds there (results/reference/h200-x2/ops-arch-9.0a): compatible is not loads.
@@ -58,15 +61,18 @@ EXPECTED = {
         "ops": None, "incompatible": ["evoformer_attn", "fp_quantizer", "sparse_attn"],
         "accelerator": "cuda", "warnings": [], "op_warnings": {
             "evoformer_attn": [CUTLASS_WARNING],
-            "fp_quantizer": ["FP Quantizer is using an untested triton version (3.6.0), only 2.3.(0, 1) "
-                             "and 3.0.0 are known to be compatible with these kernels"],
-            "sparse_attn": ["sparse_attn requires a torch version >= 1.5 and < 2.0 but detected 2.11",
-                            "using untested triton version (3.6.0), only 1.0.0 is known to be compatible"]},
+            "fp_quantizer": [
+                "FP Quantizer is using an untested triton version (3.6.0), only 2.3.(0, 1) "
+                "and 3.0.0 are known to be compatible with these kernels"],
+            "sparse_attn": [
+                "sparse_attn requires a torch version >= 1.5 and < 2.0 but detected 2.11",
+                "using untested triton version (3.6.0), only 1.0.0 is known to be compatible"]},
         "env": {"deepspeed_version": "0.19.6", "torch_version": "2.11.0+cu130",
                 "torch_cuda_version": "13.0", "nvcc_version": "13.0"},
     },
     "cpu-0.19.8-no-libaio-dev.txt": {
-        "ops": CPU_OPS_0198, "incompatible": ["async_io"], "op_warnings": {"async_io": LIBAIO_WARNINGS},
+        "ops": CPU_OPS_0198, "incompatible": ["async_io"],
+        "op_warnings": {"async_io": LIBAIO_WARNINGS},
         "accelerator": "cpu", "env": {"deepspeed_version": "0.19.8", **CPU_SHM},
     },
 }
@@ -88,7 +94,8 @@ def test_capture_parses_completely(path: Path) -> None:
     for name, op in report["ops"].items():
         assert isinstance(op["installed"], bool) and isinstance(op["compatible"], bool), (name, op)
     assert report["ninja"] in (True, False), f"{path.name}: ninja line not parsed"
-    assert report["unparsed"] == [], f"{path.name}: lines the parser does not know: {report['unparsed']}"
+    assert report["unparsed"] == [], \
+        f"{path.name}: lines the parser does not know: {report['unparsed']}"
     env = report["env"]
     assert env["torch_version"] and env["deepspeed_version"], env
     m = re.search(r"-(\d+\.\d+\.\d+)", path.name)
@@ -109,7 +116,8 @@ def test_capture_matches_expectations(name: str) -> None:
         assert list(report["ops"]) == want["ops"]
     assert [n for n, op in report["ops"].items() if not op["compatible"]] == want["incompatible"]
     assert not any(op["installed"] for op in report["ops"].values()), "captures are all JIT ops"
-    assert {n: op["warnings"] for n, op in report["ops"].items() if op["warnings"]} == want["op_warnings"]
+    assert {n: op["warnings"] for n, op in report["ops"].items()
+            if op["warnings"]} == want["op_warnings"]
     assert report["warnings"] == want.get("warnings", [ACCEL_WARNING]), \
         "only the CPU accelerator fallback is a general warning"
     assert report["accelerator"] == want["accelerator"]
@@ -146,7 +154,8 @@ def test_unknown_lines_are_kept_not_fatal() -> None:
     lines.insert(env_at + 1, "something new in a later DeepSpeed")
     lines.insert(2, "a stray line in the preamble")
     report = parse_ds_report("\n".join(lines))
-    assert report["unparsed"] == ["a stray line in the preamble", "something new in a later DeepSpeed"]
+    assert report["unparsed"] == ["a stray line in the preamble",
+                                  "something new in a later DeepSpeed"]
     assert list(report["ops"]) == CPU_OPS_0198
 
 
@@ -154,7 +163,8 @@ def test_probe_output_attaches_to_the_op_it_names() -> None:
     # A probe prints before its op's row; a warning that names another op of the table goes there.
     lines = (DATA / "cpu-0.19.8.txt").read_text().splitlines()
     row = next(i for i, ln in enumerate(lines) if strip_ansi(ln).startswith("fused_adam "))
-    lines[row:row] = [" [WARNING]  fused_adam needs a newer compiler", " [WARNING]  cpu_adam shares this kernel"]
+    lines[row:row] = [" [WARNING]  fused_adam needs a newer compiler",
+                      " [WARNING]  cpu_adam shares this kernel"]
     ops = parse_ds_report("\n".join(lines))["ops"]
     assert ops["fused_adam"]["warnings"] == ["fused_adam needs a newer compiler"]
     assert ops["cpu_adam"]["warnings"] == ["cpu_adam shares this kernel"]
@@ -162,8 +172,10 @@ def test_probe_output_attaches_to_the_op_it_names() -> None:
 
 
 @pytest.mark.parametrize("text", [
-    "", "hello\nworld\n", "Traceback (most recent call last):\nModuleNotFoundError: No module named 'deepspeed'",
-    (DATA / "no_op_table" / "cpu-0.19.8-hide-operator-status.txt").read_text(),  # ds_report --hide_operator_status
+    "", "hello\nworld\n",
+    "Traceback (most recent call last):\nModuleNotFoundError: No module named 'deepspeed'",
+    # ds_report --hide_operator_status
+    (DATA / "no_op_table" / "cpu-0.19.8-hide-operator-status.txt").read_text(),
 ])
 def test_text_without_op_table_is_an_error(text: str) -> None:
     with pytest.raises(ValueError, match="no DeepSpeed op table"):

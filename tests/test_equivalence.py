@@ -123,20 +123,72 @@ def test_worst_per_quantity_and_merge():
         merged.extend(Comparison(tol=EXACT))
 
 
-def test_structural_mismatches_are_errors_not_differences():
+def test_structural_mismatches_fail_naming_what_differs():
     ref = _trace(steps=3)
     short = _clone(ref)
     short["losses"].pop()
-    with pytest.raises(ValueError, match="2 steps vs 3"):
-        compare_traces(short, ref, EXACT)
+    cmp = compare_traces(short, ref, EXACT)
+    assert not cmp.ok and "losses: 2 steps in the candidate, 3 in the reference" in cmp.report()
     renamed = _clone(ref)
     renamed["params"]["fc.w"] = renamed["params"].pop("fc.weight")
-    with pytest.raises(ValueError, match="only in candidate \\['fc.w'\\]"):
-        compare_traces(renamed, ref, EXACT)
+    cmp = compare_traces(renamed, ref, EXACT)
+    assert not cmp.ok and "only in the candidate ['fc.w']" in cmp.report()
     missing = _clone(ref)
     missing["grads"][0]["fc.bias"] = None
-    with pytest.raises(ValueError, match="'fc.bias' at step 0 is None"):
-        compare_traces(missing, ref, EXACT)
+    cmp = compare_traces(missing, ref, EXACT)
+    assert not cmp.ok and "step 0, grad of 'fc.bias': None in the candidate" in cmp.report()
+    with pytest.raises(AssertionError, match="cannot vouch for equivalence"):
+        cmp.assert_ok()
+
+
+@pytest.mark.parametrize("side", ["candidate", "reference"])
+@pytest.mark.parametrize("what", ["losses", "grads", "params"])
+def test_an_empty_trace_is_a_failure(side, what):
+    """Before: an empty candidate gradient list silently dropped the gradient check and the
+    comparison passed. Now nothing to compare on either side fails, naming what is missing."""
+    ref = _trace()
+    cand = _clone(ref)
+    target = cand if side == "candidate" else ref
+    target[what] = [] if what != "params" else {}
+    cmp = compare_traces(cand, ref, LOOSE, label="z2")
+    assert not cmp.ok
+    word = {"losses": "losses", "grads": "gradients", "params": "parameters"}[what]
+    assert f"the {side} trace has no {word}" in cmp.report()
+    assert cmp.report().startswith("z2: cannot vouch for equivalence")
+
+
+def test_gradient_step_counts_must_match():
+    ref = _trace(steps=3)
+    cand = _clone(ref)
+    cand["grads"].pop()
+    cmp = compare_traces(cand, ref, LOOSE)
+    assert not cmp.ok and "gradients: 2 steps in the candidate, 3 in the reference" in cmp.report()
+
+
+def test_nothing_compared_is_not_ok():
+    assert not Comparison(tol=EXACT).ok
+
+
+@pytest.mark.parametrize("side", ["candidate", "reference"])
+def test_nan_in_the_reference_or_candidate_fails_naming_step_and_tensor(side):
+    """Before: NaN == NaN passed, so a diverged reference matched a diverged candidate. Both
+    sides carry the same NaN here; it still fails."""
+    ref = _trace(steps=4)
+    cand = _clone(ref)
+    for t in (ref, cand) if side == "reference" else (cand,):
+        t["grads"][2]["fc.weight"][0, 1] = math.nan
+    cmp = compare_traces(cand, ref, LOOSE, where="rank 1")
+    assert not cmp.ok
+    assert (f"step 2, grad of 'fc.weight' (rank 1): 1 NaN of 15 elements in the {side}"
+            in cmp.report())
+
+
+def test_inf_loss_fails():
+    ref = _trace(steps=2)
+    cand = _clone(ref)
+    ref["losses"][1] = cand["losses"][1] = math.inf
+    cmp = compare_traces(cand, ref, LOOSE)
+    assert not cmp.ok and "step 1, loss: inf in the reference" in cmp.report()
 
 
 # ------------------------------------------------------------------ the tolerance table
@@ -160,7 +212,7 @@ def test_table_covers_every_matrix_cell_with_a_reason():
 def test_fp32_sgd_is_bit_exact_and_low_precision_is_looser():
     assert tolerance("zero", "fp32", "sgd", accelerator="cpu") == \
         tolerance("zero", "fp32", "sgd", accelerator="cuda")
-    exact = tolerance("zero", "fp32", "sgd")
+    exact = tolerance("zero", "fp32", "sgd", accelerator="cuda")
     assert (exact.rtol, exact.atol) == (0.0, 0.0)
     for accel in tolerances.ACCELERATORS:
         adam = tolerance("zero", "fp32", "adam", accelerator=accel)
@@ -182,17 +234,18 @@ def test_known_keys_are_check_dtype_optimizer():
 def test_profile_override_replaces_only_what_it_names():
     base = tolerance("zero", "bf16", "adam", accelerator="cuda")
     tol = tolerance("zero", "bf16", "adam",
-                    {"zero.bf16.adam": {"rtol": 0.05, "why": "measured on h200-x8"}})
+                    {"zero.bf16.adam": {"rtol": 0.05, "why": "measured on h200-x8"}},
+                    accelerator="cuda")
     assert (tol.rtol, tol.atol) == (0.05, base.atol)
     assert "measured on h200-x8" in tol.why and "zero.bf16.adam" in tol.why
     # Overrides of other keys leave this one alone.
-    assert tolerance("zero", "bf16", "sgd", {"zero.bf16.adam": {"atol": 1.0}}) == \
-        tolerance("zero", "bf16", "sgd")
+    assert tolerance("zero", "bf16", "sgd", {"zero.bf16.adam": {"atol": 1.0}},
+                     accelerator="cuda") == tolerance("zero", "bf16", "sgd", accelerator="cuda")
 
 
 def test_unknown_override_key_names_it_and_the_known_keys():
     with pytest.raises(ValueError) as err:
-        tolerance("zero", "fp32", "sgd", {"zero.bf16.lamb": {"rtol": 0.1}})
+        tolerance("zero", "fp32", "sgd", {"zero.bf16.lamb": {"rtol": 0.1}}, accelerator="cpu")
     msg = str(err.value)
     assert "'zero.bf16.lamb'" in msg and "zero.bf16.adam" in msg and "known keys" in msg
 
@@ -206,12 +259,20 @@ def test_unknown_override_key_names_it_and_the_known_keys():
 ])
 def test_bad_override_values(value, match):
     with pytest.raises(ValueError, match=match):
-        tolerance("zero", "fp32", "sgd", {"zero.fp32.sgd": value})
+        tolerance("zero", "fp32", "sgd", {"zero.fp32.sgd": value}, accelerator="cpu")
 
 
 def test_unknown_lookup_and_accelerator():
     with pytest.raises(ValueError, match="no tolerance for 'zero.fp8.sgd'"):
-        tolerance("zero", "fp8", "sgd")
+        tolerance("zero", "fp8", "sgd", accelerator="cpu")
+    with pytest.raises(TypeError, match="accelerator"):
+        tolerance("zero", "bf16", "sgd")  # no default: the looser value is never picked silently
     with pytest.raises(ValueError, match="accelerator must be one of"):
         tolerance("zero", "fp32", "sgd", accelerator="xpu")
 
+
+
+def test_ops_checks_use_the_one_table():
+    for op in ("cpu_adam", "fused_adam", "cpu_adagrad", "cpu_lion"):
+        tol = tolerance("op", "fp32", op, accelerator="cpu")
+        assert tol.why and tol.rtol <= 1e-5 and tol.atol <= 1e-6

@@ -22,8 +22,20 @@ import pytest
 
 from dsconform import ops
 from dsconform.opdiag import LIBAIO_FIX, Diagnosis, diagnose, first_compiler_error, format_failure
-from dsconform.ops import (OpLoad, OpUnavailable, check_async_io, check_cpu_adagrad, check_cpu_adam, check_cpu_lion,
-                           check_fused_adam, check_op, ensure_extensions_dir, environment_key, extensions_dir, load_op)
+from dsconform.ops import (
+    OpLoad,
+    OpUnavailable,
+    check_async_io,
+    check_cpu_adagrad,
+    check_cpu_adam,
+    check_cpu_lion,
+    check_fused_adam,
+    check_op,
+    ensure_extensions_dir,
+    environment_key,
+    extensions_dir,
+    load_op,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data" / "ds_report"
@@ -35,7 +47,8 @@ PY = f"py{sys.version_info.major}{sys.version_info.minor}{sys.abiflags}"
 # The extensions cache
 
 
-def test_extensions_dir_is_keyed_by_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_extensions_dir_is_keyed_by_environment(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
     monkeypatch.setenv("DSCONFORM_CACHE", str(tmp_path))
     torch_v = importlib.metadata.version("torch")
     ds_v = importlib.metadata.version("deepspeed")
@@ -46,25 +59,31 @@ def test_extensions_dir_is_keyed_by_environment(monkeypatch: pytest.MonkeyPatch,
     if variant:
         assert key.endswith(f"-{variant}")
     # another DeepSpeed, torch or Python gets another directory
-    assert len({key, environment_key(deepspeed_version="0.19.6"), environment_key(torch_version="2.11.0+cu130"),
+    assert len({key, environment_key(deepspeed_version="0.19.6"),
+                environment_key(torch_version="2.11.0+cu130"),
                 environment_key(python=(3, 12))}) == 4
-    assert environment_key(torch_version="2.11.0+cu130", deepspeed_version="0.19.6", python=(3, 12)) == \
+    assert environment_key(torch_version="2.11.0+cu130", deepspeed_version="0.19.6",
+                           python=(3, 12)) == \
         f"py312{sys.abiflags}-torch2.11.0-ds0.19.6-cu130"
 
 
 def test_extensions_dir_does_not_import_torch() -> None:
-    code = "import sys; from dsconform.ops import extensions_dir; extensions_dir(); print('torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    code = ("import sys; from dsconform.ops import extensions_dir; extensions_dir(); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_extensions_dir_default_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("DSCONFORM_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert extensions_dir() == tmp_path / ".cache" / "dsconform" / "torch_extensions" / environment_key()
+    assert extensions_dir() == (tmp_path / ".cache" / "dsconform" / "torch_extensions"
+                                / environment_key())
 
 
-def test_ensure_extensions_dir_sets_and_creates(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_ensure_extensions_dir_sets_and_creates(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
     monkeypatch.setenv("DSCONFORM_CACHE", str(tmp_path))
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     path = ensure_extensions_dir()
@@ -72,7 +91,8 @@ def test_ensure_extensions_dir_sets_and_creates(monkeypatch: pytest.MonkeyPatch,
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(path)
 
 
-def test_ensure_extensions_dir_respects_the_user(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_ensure_extensions_dir_respects_the_user(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
     mine = tmp_path / "my_extensions"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(mine))
     assert ensure_extensions_dir() == mine and mine.is_dir()
@@ -98,10 +118,12 @@ def test_arch_suffix_real_deepspeed_error(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_arch_suffix_findings_line_and_proactive() -> None:
-    findings_line = "ValueError: invalid literal for int() with base 10: '0a'"  # FINDINGS.md, H200 node
+    # FINDINGS.md, H200 node
+    findings_line = "ValueError: invalid literal for int() with base 10: '0a'"
     assert diagnose(findings_line, "", {})[0].fix.startswith("export TORCH_CUDA_ARCH_LIST=9.0")
     # The variable alone is enough, whatever the error says.
-    found = diagnose("RuntimeError: Error building extension 'fused_adam'", "", {"TORCH_CUDA_ARCH_LIST": "8.0;9.0a+PTX"})
+    found = diagnose("RuntimeError: Error building extension 'fused_adam'", "",
+                     {"TORCH_CUDA_ARCH_LIST": "8.0;9.0a+PTX"})
     assert [d.fix for d in found] == ["export TORCH_CUDA_ARCH_LIST=8.0;9.0+PTX"]
     assert diagnose("RuntimeError: x", "", {"TORCH_CUDA_ARCH_LIST": "8.0;9.0+PTX"}) == []
 
@@ -109,9 +131,11 @@ def test_arch_suffix_findings_line_and_proactive() -> None:
 def test_cuda_home_real_deepspeed_error() -> None:
     # Real: DeepSpeed's installed_cuda_version() with CUDA_HOME pointing nowhere.
     code = ("from deepspeed.ops.op_builder.builder import installed_cuda_version\n"
-            "try:\n    installed_cuda_version()\nexcept Exception as e:\n    print(type(e).__name__ + ': ' + str(e))")
+            "try:\n    installed_cuda_version()\nexcept Exception as e:\n"
+            "    print(type(e).__name__ + ': ' + str(e))")
     env = {**os.environ, "CUDA_HOME": "/nonexistent/cuda"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120).stdout
     assert "MissingCUDAException" in out, out
     found = diagnose(out, "", {"CUDA_HOME": "/nonexistent/cuda"})
     assert [d.cause for d in found] == ["no usable nvcc: CUDA_HOME=/nonexistent/cuda"]
@@ -126,18 +150,23 @@ def test_cuda_mismatch_torch_message() -> None:
     (found,) = diagnose(text, "", {"CUDA_HOME": "/usr/local/cuda-13.0"})
     assert "nvcc is CUDA 13.0" in found.cause and "torch was built with CUDA 12.8" in found.cause
     # and DeepSpeed's own check (text fixture from op_builder/builder.py's CUDAMismatchException)
-    ds_text = (">- DeepSpeed Op Builder: Installed CUDA version 12.4 does not match the version torch was compiled "
-               "with 13.0, unable to compile cuda/cpp extensions without a matching cuda version.")
+    ds_text = (">- DeepSpeed Op Builder: Installed CUDA version 12.4 does not match the version "
+               "torch was compiled with 13.0, unable to compile cuda/cpp extensions without a "
+               "matching cuda version.")
     (found,) = diagnose(ds_text, "", {})
     assert "nvcc is CUDA 12.4" in found.cause and "CUDA 13.0" in found.cause
 
 
 def test_shm_threshold_and_text() -> None:
-    assert diagnose("RuntimeError: x", "", {}, shm_bytes=64 * 1024**2)[0].cause.startswith("/dev/shm is 67108864 bytes")
-    assert diagnose("RuntimeError: x", "", {}, shm_bytes=64 * 1024**2, min_shm_bytes=32 * 1024**2) == []
+    assert diagnose("RuntimeError: x", "", {}, shm_bytes=64 * 1024**2)[0].cause.startswith(
+        "/dev/shm is 67108864 bytes")
+    assert diagnose("RuntimeError: x", "", {}, shm_bytes=64 * 1024**2,
+                    min_shm_bytes=32 * 1024**2) == []
     # Text: env_report's warning and NCCL's shared-memory failure.
-    assert diagnose("[WARNING] /dev/shm size might be too small, if running in docker increase", "", {})
-    assert diagnose("", "NCCL WARN Error while creating shared memory segment /dev/shm/nccl-x (size 9637888)", {})
+    assert diagnose("[WARNING] /dev/shm size might be too small, if running in docker increase",
+                    "", {})
+    assert diagnose("", "NCCL WARN Error while creating shared memory segment /dev/shm/nccl-x "
+                        "(size 9637888)", {})
 
 
 def test_unrecognised_failure_gives_no_diagnosis() -> None:
@@ -146,28 +175,33 @@ def test_unrecognised_failure_gives_no_diagnosis() -> None:
 
 def test_format_failure_names_op_error_causes_and_tail() -> None:
     load = OpLoad(name="async_io", compatible=True, loaded=False, seconds=12.5, built_now=False,
-                  error="CalledProcessError: Command '['ninja', '-v']' returned non-zero exit status 1.\n"
+                  error="CalledProcessError: Command '['ninja', '-v']' returned non-zero exit "
+                        "status 1.\n"
                         "RuntimeError: Error building extension 'async_io'",
-                  log_tail="[1/12] c++ -c a.cpp\nx.cpp:1:10: fatal error: libaio.h: No such file or directory\n"
+                  log_tail="[1/12] c++ -c a.cpp\n"
+                           "x.cpp:1:10: fatal error: libaio.h: No such file or directory\n"
                            "ninja: build stopped: subcommand failed.",
                   diagnosis=[Diagnosis("the compiler cannot find libaio.h", LIBAIO_FIX)])
     text = format_failure(load)
     lines = text.splitlines()
     assert lines[0].startswith("op async_io did not load")
     assert lines[1] == "error: RuntimeError: Error building extension 'async_io'"
-    assert "first compiler error: x.cpp:1:10: fatal error: libaio.h: No such file or directory" in lines
+    assert ("first compiler error: x.cpp:1:10: fatal error: libaio.h: No such file or directory"
+            in lines)
     assert "cause: the compiler cannot find libaio.h" in lines and f"  fix: {LIBAIO_FIX}" in lines
     assert lines[-1] == "    ninja: build stopped: subcommand failed."
 
 
 def test_first_compiler_error() -> None:
-    assert first_compiler_error("ok\n/usr/bin/ld: cannot find -laio: No such file or directory\n") == \
+    assert first_compiler_error("ok\n"
+                                "/usr/bin/ld: cannot find -laio: No such file or directory\n") == \
         "/usr/bin/ld: cannot find -laio: No such file or directory"
     assert first_compiler_error("all good") is None
 
 
 BUILD_LOGS = DATA / "build_logs"
-# Real failed loads captured on the CPU machine (build_logs/README.md): file -> (cause contains, fix starts with)
+# Real failed loads captured on the CPU machine (build_logs/README.md):
+# file -> (cause contains, fix starts with)
 CAPTURED_FAILURES = {
     "async_io-libaio-prefix-cflags.json": ("cannot find libaio.h", "install libaio-dev"),
     "async_io-libaio-prefix-link.json": ("cannot find libaio.so (-laio)", "install libaio-dev"),
@@ -230,7 +264,8 @@ def test_op_builders_follow_the_accelerator() -> None:
     assert builders["cpu_adam"] == "CPUAdamBuilder" and builders["async_io"] == "AsyncIOBuilder"
     assert builders["fused_adam"] == "FusedAdamBuilder"
     if get_accelerator()._name == "cpu":  # the CPU accelerator's fused_adam is a CPU implementation
-        assert type(ops._create_builder("fused_adam")).__module__.endswith("op_builder.cpu.fused_adam")
+        assert type(ops._create_builder("fused_adam")).__module__.endswith(
+            "op_builder.cpu.fused_adam")
         assert "gds" not in builders
         with pytest.raises(OpUnavailable, match="not provided by DeepSpeed's cpu accelerator"):
             check_op("gds", device="cpu", scratch_dir="/nonexistent")
@@ -243,7 +278,8 @@ def test_op_builders_follow_the_accelerator() -> None:
 @pytest.mark.parametrize("adamw_mode", [True, False])
 def test_cpu_adam_matches_torch(adamw_mode: bool) -> None:
     result = check_cpu_adam(adamw_mode=adamw_mode, weight_decay=0.01)
-    print(f"cpu_adam adamw_mode={adamw_mode}: max abs {result['max_abs_diff']:.2e} rel {result['max_rel_diff']:.2e}")
+    print(f"cpu_adam adamw_mode={adamw_mode}: max abs {result['max_abs_diff']:.2e} "
+          f"rel {result['max_rel_diff']:.2e}")
     assert result["reference"] == ("AdamW" if adamw_mode else "Adam")
     assert result["max_param_change"] > 0
 
@@ -281,10 +317,12 @@ def test_cpu_lion_matches_reference() -> None:
     assert check_cpu_lion()["max_param_change"] > 0
 
 
-@pytest.mark.parametrize("nbytes", [64 * 1024**2, 1024**2 + 512])  # whole blocks, and a partial last block
+# whole blocks, and a partial last block
+@pytest.mark.parametrize("nbytes", [64 * 1024**2, 1024**2 + 512])
 def test_async_io_roundtrip(tmp_path: Path, nbytes: int) -> None:
     result = check_async_io(tmp_path, nbytes)
-    print(f"async_io {nbytes} bytes: write {result['write_gbps']:.2f} GB/s, read {result['read_gbps']:.2f} GB/s")
+    print(f"async_io {nbytes} bytes: write {result['write_gbps']:.2f} GB/s, "
+          f"read {result['read_gbps']:.2f} GB/s")
     assert result["equal"] and result["bytes"] == nbytes
     assert result["write_gbps"] > 0 and result["read_gbps"] > 0
     assert list(tmp_path.iterdir()) == [], "the check must remove its file"
@@ -348,29 +386,35 @@ def test_ninja_missing_real(tmp_path: Path) -> None:
     result = _load_in_subprocess("cpu_adam", {**os.environ, "PATH": str(bin_dir)})
     assert not result["loaded"]
     assert "ninja" in result["error"]
-    assert any("ninja" in d["cause"] and "pip install ninja" in d["fix"] for d in result["diagnosis"]), result
+    assert any("ninja" in d["cause"] and "pip install ninja" in d["fix"]
+               for d in result["diagnosis"]), result
 
 
 def test_compiler_missing_real(tmp_path: Path) -> None:
-    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CXX": "/nonexistent/bin/c++"}
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+           "CXX": "/nonexistent/bin/c++"}
     result = _load_in_subprocess("cpu_adam", env)
     assert not result["loaded"], result
-    assert any("was not found" in d["cause"] and "build-essential" in d["fix"] for d in result["diagnosis"]), result
+    assert any("was not found" in d["cause"] and "build-essential" in d["fix"]
+               for d in result["diagnosis"]), result
 
 
 def _can_hide_libaio_dev() -> str | None:
     if os.geteuid() != 0 or not shutil.which("unshare"):
         return "needs root and unshare to hide libaio-dev in a mount namespace"
     probe = subprocess.run([str(WITHOUT_LIBAIO_DEV), "true"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"cannot hide libaio-dev here: {probe.stderr.strip()[-200:]}"
+    return (None if probe.returncode == 0
+            else f"cannot hide libaio-dev here: {probe.stderr.strip()[-200:]}")
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(bool(_can_hide_libaio_dev()), reason=str(_can_hide_libaio_dev()))
 def test_libaio_outside_system_paths_real(tmp_path: Path) -> None:
-    """libaio in a private prefix with CFLAGS/LDFLAGS: DeepSpeed's probe passes, the JIT build fails."""
+    """libaio in a private prefix with CFLAGS/LDFLAGS: DeepSpeed's probe passes,
+    the JIT build fails."""
     prefix = tmp_path / "libaio"
-    env = {**os.environ, "LIBAIO_PREFIX": str(prefix), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+    env = {**os.environ, "LIBAIO_PREFIX": str(prefix),
+           "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
            "CFLAGS": f"-I{prefix}/include", "LDFLAGS": f"-L{prefix}/lib"}
     result = _load_in_subprocess("async_io", env, prefix=[str(WITHOUT_LIBAIO_DEV)])
     assert result["compatible"] and not result["loaded"], result

@@ -156,3 +156,29 @@ def test_plugin_overhead_beyond_importing_deepspeed():
     print(f"plugin overhead: {overhead:.2f} s (pytest --collect-only {full:.2f} s, "
           f"import baseline {base:.2f} s)")
     assert overhead < 3.0, f"plugin overhead {overhead:.2f} s, limit 3 s"
+
+
+LIMITS = '''
+def test_floor_missed(metrics):
+    """A floor MUST be met."""
+    metrics.record_rate("copy", [1.0, 1.1, 0.9], amount=1e9, unit="GB/s", scale=1e9, floor=5.0,
+                        size=1)
+    metrics.record("other", [3.0, 3.0, 3.0], unit="s", better="lower", limit=1.0)
+
+def test_floor_met(metrics):
+    metrics.record_rate("copy", [0.1, 0.1, 0.1], amount=1e9, unit="GB/s", scale=1e9, floor=5.0)
+'''
+
+
+def test_recorder_limits_fail_the_test_after_recording_everything(pytester, tmp_path):
+    """No suite can record a floor and forget to assert it: the plugin fails the test."""
+    pytester.makepyfile(test_limits=LIMITS)
+    result = pytester.runpytest("-p", "fixtures.plugin", "--profile",
+                                str(profile_file(tmp_path, 0)), "--results",
+                                str(pytester.path / "res"))
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*recorded beyond its limit: copy = 1 GB/s (median of 3 rounds: 1, 0.9091, 1.111) is "
+        "below its floor 5 GB/s ?size=1, amount=1000000000.0?; other = 3 s*ceiling 1 s*"])
+    doc = json.loads((pytester.path / "res" / "benchmarks.json").read_text())
+    assert len(doc["benchmarks"]) == 3  # the failing values are recorded too

@@ -47,3 +47,63 @@ def test_toml_roundtrip():
     assert tomllib.loads(toml_out.dumps(data)) == data
     with pytest.raises(ValueError):
         toml_out.dumps({"t": {"x": float("nan")}})
+
+
+# ------------------------------------------------------------------ limits, enforced in one place
+
+def _recorder():
+    kept = []
+    return records.MetricsRecorder("suites/test_x.py::test_a", "x", kept.append), kept
+
+
+def test_a_floor_is_held_to_the_median_and_named_with_value_and_parameters():
+    rec, kept = _recorder()
+    m = rec.record_rate("all_reduce.busbw", [0.010, 0.011, 0.012], amount=4e9, unit="GB/s",
+                        scale=1e9, floor=380.0, bytes=4 << 30, world_size=2)
+    assert kept == [m] and m.unit == "s" and m.better == "lower"  # stats hold the times
+    assert [round(r, 1) for r in m.rate_samples] == [400.0, 363.6, 333.3]
+    [v] = rec.violations()
+    assert v.startswith("all_reduce.busbw = 363.6 GB/s (median of 3 rounds: 400, 363.6, 333.3) "
+                        "is below its floor 380 GB/s")
+    assert "bytes=4294967296, world_size=2" in v
+    with pytest.raises(AssertionError, match="below its floor 380"):
+        rec.check()
+    ok, _ = _recorder()
+    ok.record_rate("all_reduce.busbw", [0.010, 0.010, 0.011], amount=4e9, unit="GB/s",
+                   scale=1e9, floor=380.0)
+    assert ok.violations() == []
+
+
+def test_a_ceiling_and_a_floor_on_plain_values():
+    rec, _ = _recorder()
+    rec.record("step_seconds", [0.2, 0.3, 0.9], unit="s", better="lower", limit=0.25)
+    rec.record("zero.grad_max_abs_diff", 1e-3, unit="1", better="lower", limit=1e-2)
+    rec.record("tflops", [700.0, 705.0, 690.0], unit="TFLOPS", better="higher", limit=720.0)
+    found = rec.violations()
+    assert len(found) == 2
+    assert "step_seconds = 0.3 s" in found[0] and "ceiling 0.25 s" in found[0]
+    assert "tflops = 700 TFLOPS" in found[1] and "floor 720 TFLOPS" in found[1]
+
+
+def test_a_performance_limit_needs_three_rounds():
+    rec, kept = _recorder()
+    with pytest.raises(ValueError, match="at least 3 rounds, got 1"):
+        rec.record("write_gbps", 2.0, unit="GB/s", better="higher", limit=1.0)
+    with pytest.raises(ValueError, match="at least 3 rounds, got 2"):
+        rec.record_rate("read", [1.0, 1.0], amount=1e9, unit="GB/s", scale=1e9, floor=0.5)
+    assert kept == []
+    rec.record("build_seconds", 40.0, unit="s", better="lower")  # no limit: one value is fine
+
+
+def test_rate_travels_as_json_and_back():
+    from dataclasses import asdict
+
+    rec, kept = _recorder()
+    m = rec.record_rate("read", [1.0, 2.0, 4.0], amount=8e9, unit="GB/s", scale=1e9, floor=1.0)
+    again = records.Metric(**asdict(m))
+    assert again.rate == m.rate and again.rate_samples == [8.0, 4.0, 2.0]
+    entry = records.benchmark_entry(again)
+    assert entry["stats"]["median"] == 2.0  # seconds: what pytest-benchmark reads
+    rate = entry["extra_info"]["rate"]
+    assert (rate["unit"], rate["better"], rate["limit"], rate["median"]) == ("GB/s", "higher",
+                                                                             1.0, 4.0)

@@ -14,6 +14,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repo root (dsconform) and tests/ (rank_fns)
 
 import rank_fns  # noqa: E402
+
 from dsconform import dist  # noqa: E402
 
 

@@ -1,0 +1,118 @@
+"""Known upstream issues: DeepSpeed defects that a node cannot fix, in ONE registry.
+
+A known issue turns the cases it covers into strict xfails, for the DeepSpeed versions it was
+verified to affect and no others:
+
+- on an affected version the case is expected to fail (with ``raises``, an assertion: a crash of
+  another kind still fails the run); the summary and the results JSON list the issue once, with
+  the number of cases it covered;
+- where it unexpectedly passes (a patched build), the strict xfail FAILS and says to narrow or
+  drop the entry;
+- on a version outside ``deepspeed``, the case runs as a normal test. A release that is still
+  broken then fails red until someone verifies it and widens the range: the registry only ever
+  holds what was seen.
+
+Tolerances are never loosened for a known issue: the case keeps its check and fails it.
+
+Cases are patterns over ``FILE::TEST[PARAMS]`` (the test file's name, not its directory) in
+which only ``*`` is special (brackets are the literal brackets of a parametrized id), so the
+registry names cells of a matrix without listing them one by one.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dsconform import versions
+
+
+@dataclass(frozen=True)
+class KnownIssue:
+    id: str          # stable, upper case: DS-8393-Z0-FP16-UNSCALED
+    title: str       # one line: what goes wrong
+    deepspeed: str   # the versions it was verified on, as a specifier: ">=0.19.6,<=0.19.8"
+    link: str        # the upstream issue or pull request
+    cases: tuple[str, ...]
+    seen: str        # where and how it was observed
+    raises: type[BaseException] = AssertionError
+
+    def affects(self, deepspeed_version: str | None) -> bool:
+        v = versions.parse(deepspeed_version)
+        return v is not None and v in versions.specifier(self.deepspeed)
+
+    def covers(self, case: str) -> bool:
+        return any(_pattern(p).fullmatch(case) for p in self.cases)
+
+    @property
+    def reason(self) -> str:
+        """The xfail reason: also what an unexpected pass prints, so it says what to do then."""
+        return (f"known upstream issue {self.id}: {self.title} ({self.link}); verified on "
+                f"DeepSpeed {self.deepspeed}. If this case passes, this build is fixed: narrow "
+                f"or drop the entry in dsconform/known_issues.py")
+
+
+KNOWN_ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        id="DS-8393-Z0-FP16-UNSCALED",
+        title="ZeRO stage 0 fp16 never scales the loss but unscales the gradients: updates are "
+              "1/loss_scale too small",
+        deepspeed=">=0.19.6,<=0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/8393",
+        cases=(
+            # every stage-0 fp16 cell of the ZeRO-vs-DDP matrix, on any accelerator with fp16
+            "test_zero.py::test_zero_matches_ddp[*-z0-off_none-fp16-*]",
+        ),
+        seen="2xH200, DeepSpeed 0.19.6 and 0.19.8: engine.backward scales the loss only for "
+             "ZeROOptimizer; FP16_Optimizer / FP16_UnfusedOptimizer still divide by cur_scale "
+             "in step(); relative gradient difference 0.999 = 1 - 1/1024 in all 12 stage-0 fp16 "
+             "cells (results/reference/h200-x2/zero-fp16-after-fix)",
+    ),
+)
+
+_ID_RE = re.compile(r"^[A-Z0-9][A-Z0-9-]+$")
+
+
+def _pattern(case: str) -> re.Pattern[str]:
+    return re.compile(".*".join(re.escape(part) for part in case.split("*")))
+
+
+def check_registry(issues: tuple[KnownIssue, ...] = KNOWN_ISSUES) -> list[str]:
+    """Every defect of the registry, one line each (empty: sound)."""
+    problems, ids = [], set()
+    for ki in issues:
+        if not _ID_RE.match(ki.id):
+            problems.append(f"{ki.id!r}: id must be upper case letters, digits and dashes")
+        if ki.id in ids:
+            problems.append(f"{ki.id}: duplicate id")
+        ids.add(ki.id)
+        try:
+            spec = versions.specifier(ki.deepspeed)
+            if not any(s.operator in ("<", "<=", "==") for s in spec):
+                problems.append(f"{ki.id}: deepspeed {ki.deepspeed!r} has no upper bound: scope "
+                                "it to the versions it was verified on")
+        except ValueError as e:
+            problems.append(f"{ki.id}: deepspeed: {e}")
+        if not ki.link.startswith("https://"):
+            problems.append(f"{ki.id}: link must be an https URL, found {ki.link!r}")
+        if not ki.cases or not all("::" in c for c in ki.cases):
+            problems.append(f"{ki.id}: cases must be FILE::TEST[PARAMS] patterns")
+    return problems
+
+
+def case_name(path_name: str, test_name: str) -> str:
+    """The string cases are matched against: ``test_zero.py::test_zero_matches_ddp[cpu-z0-...]``."""
+    return f"{path_name}::{test_name}"
+
+
+def issues_for(case: str, deepspeed_version: str | None,
+               issues: tuple[KnownIssue, ...] = KNOWN_ISSUES) -> list[KnownIssue]:
+    """The registry's issues that cover ``case`` on this DeepSpeed version."""
+    return [ki for ki in issues if ki.covers(case) and ki.affects(deepspeed_version)]
+
+
+def by_id(issue_id: str, issues: tuple[KnownIssue, ...] = KNOWN_ISSUES) -> KnownIssue:
+    for ki in issues:
+        if ki.id == issue_id:
+            return ki
+    raise KeyError(f"no known issue {issue_id!r} (known: {', '.join(k.id for k in issues)})")

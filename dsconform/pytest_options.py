@@ -1,0 +1,48 @@
+"""dsconform's pytest entry point (``pytest11``): only what must exist before argument parsing.
+
+pytest parses the command line before it reads a project's conftest.py: an option that a
+conftest registers is unknown at that moment, so ``--scratch /mnt/nvme`` (value after a space)
+made pytest take ``/mnt/nvme`` for a test path, pick ``/`` as rootdir and never read the suite's
+tox.ini or conftest.py. Options registered here, from the installed package, are known first.
+
+This module is loaded by every pytest run of an environment where dsconform is installed, so it
+MUST stay inert outside the suite: it registers options and does nothing else. No import of
+torch or DeepSpeed, no header, no summary, no results directory, no hypothesis profile. The suite
+itself (markers, gating, fixtures, results) is ``fixtures/plugin.py``, loaded by the checkout's
+conftest.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+#: The name under which pytest registers this module
+#: (pyproject.toml, [project.entry-points.pytest11]).
+ENTRY_POINT = "dsconform"
+
+
+def add_options(parser: pytest.Parser) -> None:
+    """Register the options once, whoever comes first: this entry point, or the suite's plugin
+    loaded with ``-p`` before entry points (pytester, PYTEST_DISABLE_PLUGIN_AUTOLOAD)."""
+    g = parser.getgroup("dsconform", "DeepSpeed conformance (active in the dsconform suite only)")
+    if any("--profile" in opt.names() for opt in g.options):
+        return
+    g.addoption("--profile", default=os.environ.get("DSCONFORM_PROFILE", "auto"),
+                help="hardware profile: a shipped NAME, a PATH to a .toml, or auto (count the "
+                     "node's GPUs without torch and pick the shipped profile of that model and "
+                     "count, else a detected profile with no floors). Env: DSCONFORM_PROFILE. "
+                     "Default: auto")
+    g.addoption("--scratch", default=os.environ.get("DSCONFORM_SCRATCH"),
+                help="existing writable directory where DeepNVMe and checkpoint tests may write "
+                     "(nowhere else). Env: DSCONFORM_SCRATCH. Default: a temporary directory "
+                     "removed at the end")
+    g.addoption("--results", default=os.environ.get("DSCONFORM_RESULTS", "dsconform-results"),
+                help="directory for benchmarks.json (pytest-benchmark format), junit.xml, "
+                     "summary.json/.txt and records.jsonl; created if missing. Env: "
+                     "DSCONFORM_RESULTS. Default: ./dsconform-results")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    add_options(parser)

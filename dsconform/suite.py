@@ -1,0 +1,54 @@
+"""The ONE module suites import: gates, the rank harness, configs, comparisons, tolerances,
+records, known issues and this run's state.
+
+Suites read like specifications (build a config, run ranks, compare, record) and depend on this
+surface only, never on the plugin's internals; what a suite needs that is not here belongs here.
+
+Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` (NodeFacts),
+``scratch`` (a fresh directory under --scratch), ``metrics`` (MetricsRecorder).
+"""
+
+from __future__ import annotations
+
+from dsconform import versions
+from dsconform.detect import GIB, NodeFacts
+from dsconform.dist import (
+    InsufficientGPUs,
+    RankError,
+    RankTimeout,
+    all_agree,
+    device,
+    gather,
+    rank,
+    run_ranks,
+    seed_everything,
+    world,
+)
+from dsconform.dsconfig import ASSUMED_DEFAULTS, OPTIMIZER_OPS, defaults_mismatches, ds_config
+from dsconform.dsreport import parse_ds_report, run_ds_report
+from dsconform.equivalence import (
+    Comparison,
+    compare_rank_results,
+    compare_traces,
+    non_finite,
+    tensor_difference,
+)
+from dsconform.gating import accel_params, requires
+from dsconform.known_issues import KNOWN_ISSUES, KnownIssue
+from dsconform.ops import OpCrashed, OpUnavailableText, check_op_isolated
+from dsconform.profile import NcclFloor, NvmePath, Profile
+from dsconform.records import MetricsRecorder
+from dsconform.runstate import RunState, run_state
+from dsconform.tolerances import Tol, tolerance
+
+GB = 1e9  # GB/s means 1e9 bytes per second, everywhere
+
+__all__ = [
+    "ASSUMED_DEFAULTS", "GB", "GIB", "KNOWN_ISSUES", "OPTIMIZER_OPS", "Comparison",
+    "InsufficientGPUs", "KnownIssue", "MetricsRecorder", "NcclFloor", "NodeFacts", "NvmePath",
+    "OpCrashed", "OpUnavailableText", "Profile", "check_op_isolated", "parse_ds_report",
+    "run_ds_report", "RankError", "RankTimeout", "RunState", "Tol", "accel_params", "all_agree",
+    "compare_rank_results", "compare_traces", "defaults_mismatches", "device", "ds_config",
+    "gather", "non_finite", "rank", "requires", "run_ranks", "run_state", "seed_everything",
+    "tensor_difference", "tolerance", "versions", "world",
+]

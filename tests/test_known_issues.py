@@ -1,0 +1,96 @@
+"""The known-issues registry: version-scoped strict xfails with their upstream link."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dsconform import known_issues
+from dsconform.known_issues import KnownIssue, check_registry, issues_for
+
+Z0 = "test_zero.py::test_zero_matches_ddp[cuda-z0-off_none-fp16-sgd-gas1-ws2]"
+Z2 = "test_zero.py::test_zero_matches_ddp[cuda-z2-off_none-fp16-sgd-gas1-ws2]"
+
+
+def test_the_shipped_registry_is_sound():
+    assert check_registry() == []
+
+
+def test_stage0_fp16_is_covered_on_the_versions_it_was_seen_on_only():
+    for v in ("0.19.6", "0.19.7", "0.19.8"):
+        assert [k.id for k in issues_for(Z0, v)] == ["DS-8393-Z0-FP16-UNSCALED"]
+    for v in ("0.19.5", "0.19.9", "0.19.10", "0.20.0", None, "not-a-version"):
+        assert issues_for(Z0, v) == [], v  # 0.19.10 is not 0.19.1: parsed, not compared as text
+    assert issues_for(Z2, "0.19.8") == []
+    assert issues_for(Z0.replace("cuda-", "cpu-"), "0.19.8")  # the bug is not the GPU's
+
+
+def test_reason_carries_link_versions_and_what_to_do_when_fixed():
+    ki = known_issues.by_id("DS-8393-Z0-FP16-UNSCALED")
+    assert "https://github.com/deepspeedai/DeepSpeed/pull/8393" in ki.reason
+    assert ">=0.19.6,<=0.19.8" in ki.reason and "narrow or drop the entry" in ki.reason
+
+
+@pytest.mark.parametrize("change, problem", [
+    ({"id": "lower-case"}, "upper case"),
+    ({"deepspeed": ">=0.19"}, "no upper bound"),
+    ({"deepspeed": "0.19.x"}, "not a version specifier"),
+    ({"link": "github.com/x"}, "https URL"),
+    ({"cases": ()}, "FILE::TEST"),
+])
+def test_registry_defects_are_named(change, problem):
+    base = dict(id="X-1", title="t", deepspeed="<=0.19.8", link="https://x", cases=("a.py::b",),
+                seen="here")
+    [found] = check_registry((KnownIssue(**{**base, **change}),))
+    assert problem in found
+
+
+# A stand-in suite file named like the real one, so the shipped registry's pattern covers it.
+FAKE_ZERO = '''
+import pytest
+
+@pytest.mark.parametrize("cell", ["cuda-z0-off_none-fp16-sgd-gas1-ws2",
+                                  "cuda-z0-off_none-fp16-adam-gas4-ws1",
+                                  "cuda-z1-off_none-fp16-sgd-gas1-ws2"])
+def test_zero_matches_ddp(cell, request):
+    fixed = request.config.getoption("--fixed", default=False)
+    if "-z0-" in cell and not fixed:
+        raise AssertionError("first diverging step 0: max rel diff 0.999")
+
+@pytest.mark.parametrize("cell", ["cuda-z0-off_none-fp16-sgd-gas4-ws2"])
+def test_zero_matches_ddp_crash(cell):
+    raise TypeError("not the known bug")
+'''
+
+
+def test_plugin_turns_covered_cases_into_strict_xfails_and_reports_them(pytester, tmp_path):
+    pytester.makepyfile(test_zero=FAKE_ZERO)
+    prof = tmp_path / "p.toml"
+    prof.write_text('[profile]\nname = "p"\n[gpus]\ncount = 0\n')
+    result = pytester.runpytest("-p", "fixtures.plugin", "--profile", str(prof), "--results",
+                                str(pytester.path / "res"), "-rx")
+    # installed DeepSpeed is 0.19.8 (affected): two z0 cells xfail, z1 passes
+    result.assert_outcomes(passed=1, xfailed=2, failed=1)
+    result.stdout.fnmatch_lines(["*known upstream issues hit*",
+                                 "*2 x DS-8393-Z0-FP16-UNSCALED*pull/8393*"])
+    doc = json.loads((pytester.path / "res" / "benchmarks.json").read_text())
+    [hit] = doc["dsconform"]["known_issues"]
+    assert hit["id"] == "DS-8393-Z0-FP16-UNSCALED" and hit["count"] == 2
+    assert "deepspeedai/DeepSpeed/pull/8393" in hit["link"]
+    summary = json.loads((pytester.path / "res" / "summary.json").read_text())
+    assert summary["known_issues"][0]["count"] == 2
+
+
+def test_a_fixed_build_makes_the_strict_xfail_fail_and_says_so(pytester, tmp_path):
+    pytester.makeconftest("def pytest_addoption(parser):\n"
+                          "    parser.addoption('--fixed', action='store_true')\n")
+    pytester.makepyfile(test_zero=FAKE_ZERO.replace("test_zero_matches_ddp_crash",
+                                                    "_not_collected"))
+    prof = tmp_path / "p.toml"
+    prof.write_text('[profile]\nname = "p"\n[gpus]\ncount = 0\n')
+    result = pytester.runpytest("-p", "fixtures.plugin", "--profile", str(prof), "--results",
+                                "", "--fixed")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(["*XPASS(strict)*DS-8393-Z0-FP16-UNSCALED*narrow or drop the "
+                                 "entry*"])

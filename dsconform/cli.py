@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from dsconform import detect, profile, toml_out
 
@@ -59,16 +60,53 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from dsconform import compare
+    from dsconform import compare, compare_plot, compare_report
 
+    def unusable(msg: object) -> int:
+        print(f"dsconform compare: {msg}", file=sys.stderr)
+        return 2
+
+    if not args.threshold >= 0:
+        return unusable(f"--threshold {args.threshold}: must be a number >= 0 (0.1 = 10%)")
+    if args.plot:  # before any work: a missing extra is said at once, in one line
+        try:
+            compare_plot.require()
+        except compare_plot.PlotUnavailable as e:
+            print(e, file=sys.stderr)
+            return 2
     try:
         base, new = compare.load(args.base), compare.load(args.new)
     except compare.CompareInputError as e:
-        print(f"dsconform compare: {e}", file=sys.stderr)
-        return 2
-    result = compare.compare(base, new, threshold=args.threshold)
-    print("\n".join(compare.report(result, base, new)))
+        return unusable(e)
+    result = compare.compare(base, new, threshold=args.threshold, base_label=args.base,
+                             new_label=args.new)
+    if args.markdown == "-":
+        print(compare_report.markdown(result))
+        for w in result.warnings:  # stdout is the markdown: say it where a person sees it
+            print(f"dsconform compare: WARNING: {w}", file=sys.stderr)
+    else:
+        print("\n".join(compare_report.terminal(result)))
+    try:
+        if args.markdown and args.markdown != "-":
+            Path(args.markdown).write_text(compare_report.markdown(result) + "\n")
+            print(f"markdown: {args.markdown}", file=sys.stderr)
+        if args.plot:
+            compare_plot.draw(result, args.plot)
+            print(f"chart: {args.plot}", file=sys.stderr)
+    except OSError as e:
+        return unusable(f"cannot write {e.filename}: {e.strerror or e}")
+    if args.strict and result.different_hardware:
+        return unusable("--strict: the runs are of different hardware ("
+                        + "; ".join(result.warnings) + ")")
     return 1 if result.regressed else 0
+
+
+def cmd_aggregate(args: argparse.Namespace) -> int:
+    from dsconform import aggregate_report
+
+    expect = [n for n in (args.expect or "").replace(",", " ").split() if n]
+    return aggregate_report.main(args.dirs, out=args.out, outlier_pct=args.outlier_pct,
+                                 plot=not args.no_plot, expect=expect)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,12 +123,44 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=cmd_report)
     c = sub.add_parser("compare", help="compare two benchmarks.json: exit 0 no regression, "
                                        "1 regression, 2 unreadable input")
-    c.add_argument("base", help="benchmarks.json of the reference run (e.g. the old DeepSpeed)")
-    c.add_argument("new", help="benchmarks.json of the run under test")
+    c.add_argument("base", help="benchmarks.json (or the --results directory) of the reference "
+                                "run (e.g. the old DeepSpeed)")
+    c.add_argument("new", help="benchmarks.json (or the --results directory) of the run under "
+                               "test")
     c.add_argument("--threshold", type=float, default=0.10,
                    help="relative change below which a metric is unchanged (default 0.10); "
                         "sample noise can widen it")
+    c.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
+                   help="write the comparison as markdown to FILE (for a pull request or a "
+                        "wiki page); without FILE print it instead of the table. Put it after "
+                        "BASE and NEW")
+    c.add_argument("--plot", metavar="FILE.png",
+                   help="draw the relative change of every metric with its noise band, "
+                        "regressions in red (needs matplotlib: pip install 'dsconform[plot]')")
+    c.add_argument("--strict", action="store_true",
+                   help="exit 2 when the runs are of different profiles or GPUs (default: a "
+                        "warning)")
     c.set_defaults(func=cmd_compare)
+    g = sub.add_parser("aggregate", help="merge many nodes' results into one cluster report: "
+                                         "exit 0 all passed, 1 a node failed, 2 unusable input")
+    g.add_argument("dirs", nargs="+", metavar="DIR",
+                   help="a node's --results folder, or a folder holding them (the shared "
+                        "results directory of a nightly run)")
+    g.add_argument("--out", default="dsconform-cluster", metavar="DIR",
+                   help="where cluster.md, cluster.json, junit.xml and heatmap.png go "
+                        "(default ./dsconform-cluster)")
+    g.add_argument("--outlier-pct", type=float, default=90.0, metavar="PCT",
+                   help="a node below PCT%% of the fleet median on a performance metric is an "
+                        "outlier, even above its floor (default 90)")
+    g.add_argument("--no-plot", action="store_true", help="do not draw heatmap.png")
+    g.add_argument("--expect", metavar="NODES",
+                   help="the nodes that should have results (comma-separated, e.g. the job's "
+                        "node list): one without a folder fails too")
+    g.set_defaults(func=cmd_aggregate)
+    from dsconform import nvme_tune  # its command and arguments live with the sweep
+    nvme_tune.add_cli(sub)
+    from dsconform import bundle  # air-gapped nodes: its command lives with it
+    bundle.add_cli(sub)
     return ap
 
 

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dsconform.nvme import AioSettings
+
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
 # "adam" is torch.optim.Adam built by DeepSpeed (torch_adam); "fused_adam" is DeepSpeed's FusedAdam
@@ -24,6 +26,13 @@ DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adam", "fused_adam", "cpu_adam")
 # The DeepSpeed op each optimizer must be able to load (for requires(op=...)).
 OPTIMIZER_OPS = {"sgd": None, "adam": None, "fused_adam": "fused_adam", "cpu_adam": "cpu_adam"}
+# DeepSpeed's 1-bit optimizers, by the config "type" DeepSpeed knows them as. GPU-only (their NCCL
+# backend compresses with cupy), never with ZeRO, and removed in DeepSpeed 0.19.7 (PR #8490;
+# dsconform/removed.py). They need no op of their own.
+ONEBIT_TYPES = {"onebit_adam": "OneBitAdam", "zero_one_adam": "ZeroOneAdam",
+                "onebit_lamb": "OneBitLamb"}
+ONEBIT_COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
+OPTIMIZER_OPS.update({name: None for name in ONEBIT_TYPES})
 
 # A steps_per_print larger than any run keeps DeepSpeed's per-step log lines out of test output.
 _QUIET_STEPS = 1 << 30
@@ -55,6 +64,96 @@ class DsSettings:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    # Refill the hysteresis budget on every clean step (DeepSpeed's default: only when the window
+    # raises the scale). DeepSpeed has no keys for the raise/lower factors: both are 2.0 in code.
+    consecutive_hysteresis: bool = False
+    # 1-bit optimizers only (None/defaults elsewhere). freeze_step: uncompressed warmup steps of
+    # onebit_adam and onebit_lamb (DeepSpeed's default, 100000, would never compress in a test,
+    # so it must be given); var_freeze_step: zero_one_adam's last variance update. The rest are
+    # DeepSpeed's defaults, written out into every 1-bit config.
+    freeze_step: int | None = None
+    var_freeze_step: int | None = None
+    var_update_scaler: int = 16
+    local_step_scaler: int = 32678
+    local_step_clipper: int = 16
+    max_coeff: float = 10.0
+    min_coeff: float = 0.01
+    comm_backend_name: str = "nccl"
+    cuda_aware: bool = False
+    # ZeRO-Infinity: where offload_optimizer/offload_param put their tensors. "nvme" needs
+    # nvme_path (a directory the caller owns: DeepSpeed writes zero_stage_3/... under it) and
+    # writes an "aio" section (dsconform.nvme.AioSettings; None: DeepSpeed's defaults, written
+    # out). nvme_buffer_elements: elements per parameter swap buffer (5 buffers), at least the
+    # largest parameter partition; DeepSpeed's default 1e8 allocates 5 x 1e8 elements per rank.
+    offload_device: str = "cpu"
+    nvme_path: str | None = None
+    aio: AioSettings | None = None
+    nvme_buffer_elements: int = 100_000_000
+
+
+def _validate_onebit(s: DsSettings) -> None:
+    """The 1-bit arguments: each given only to the optimizer that reads it."""
+    onebit = s.optimizer in ONEBIT_TYPES
+    if onebit and s.stage != 0:
+        _fail("stage", s.stage, f"optimizer={s.optimizer!r} is not compatible with ZeRO "
+              f"(DeepSpeed asserts it): use stage=0")
+    if onebit and s.dtype == "bf16":
+        _fail("dtype", s.dtype, f"optimizer={s.optimizer!r} runs in fp32 or fp16 (DeepSpeed "
+              f"documents and verified those only)")
+    wants = {"freeze_step": s.optimizer in ("onebit_adam", "onebit_lamb"),
+             "var_freeze_step": s.optimizer == "zero_one_adam"}
+    for name, wanted in wants.items():
+        value = getattr(s, name)
+        if wanted and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            _fail(name, value, f"optimizer={s.optimizer!r} needs an integer >= 1 (DeepSpeed's "
+                  f"default 100000 would never leave the uncompressed warmup)")
+        if not wanted and value is not None:
+            _fail(name, value, f"does not apply to optimizer={s.optimizer!r}")
+    only = {"zero_one_adam": (("var_update_scaler", 16), ("local_step_scaler", 32678),
+                              ("local_step_clipper", 16)),
+            "onebit_lamb": (("max_coeff", 10.0), ("min_coeff", 0.01))}
+    for owner, fields in only.items():
+        for name, default in fields:
+            value = getattr(s, name)
+            if s.optimizer != owner and value != default:
+                _fail(name, value, f"applies to optimizer={owner!r} only "
+                      f"(optimizer={s.optimizer!r})")
+            if isinstance(default, int) and (isinstance(value, bool) or not isinstance(value, int)
+                                             or value < 1):
+                _fail(name, value, "must be an integer >= 1")
+    if not 0 < s.min_coeff <= s.max_coeff:
+        _fail("min_coeff", s.min_coeff, f"must be > 0 and <= max_coeff ({s.max_coeff})")
+    if s.comm_backend_name not in ONEBIT_COMM_BACKENDS:
+        _fail("comm_backend_name", s.comm_backend_name,
+              f"must be one of {ONEBIT_COMM_BACKENDS}")
+    if not isinstance(s.cuda_aware, bool):
+        _fail("cuda_aware", s.cuda_aware, "must be True or False")
+    if not onebit and (s.comm_backend_name != "nccl" or s.cuda_aware):
+        name, value = (("cuda_aware", s.cuda_aware) if s.cuda_aware
+                       else ("comm_backend_name", s.comm_backend_name))
+        _fail(name, value, f"applies to the 1-bit optimizers only (optimizer={s.optimizer!r})")
+    if s.optimizer == "onebit_lamb" and s.dtype == "fp16" and s.loss_scale != 0:
+        _fail("loss_scale", s.loss_scale, "optimizer='onebit_lamb' needs dynamic loss scaling "
+              "(loss_scale=0; DeepSpeed asserts it)")
+
+
+def _validate_scaler(s: DsSettings) -> None:
+    """The fp16 scaler arguments DeepSpeed would reject late, or accept and then misbehave on."""
+    if not isinstance(s.consecutive_hysteresis, bool):
+        # pydantic turns "yes"/1 into True: a typo would silently change the semantics.
+        _fail("consecutive_hysteresis", s.consecutive_hysteresis, "must be True or False")
+    if isinstance(s.initial_scale_power, bool) or not isinstance(s.initial_scale_power, int) \
+            or s.initial_scale_power < 0:
+        _fail("initial_scale_power", s.initial_scale_power, "must be an integer >= 0 (the "
+              "first dynamic scale is 2**initial_scale_power)")
+    if isinstance(s.min_loss_scale, bool) or float(s.min_loss_scale) != int(s.min_loss_scale):
+        # DeepSpeed's fp16.min_loss_scale is an integer field; 0.5 fails deepspeed.initialize.
+        _fail("min_loss_scale", s.min_loss_scale, "must be a whole number (DeepSpeed's "
+              "fp16.min_loss_scale is an integer)")
+    if s.loss_scale == 0 and 2 ** s.initial_scale_power < s.min_loss_scale:
+        # DeepSpeed accepts it, and its first overflow then RAISES the scale to the floor.
+        _fail("initial_scale_power", s.initial_scale_power, f"2**{s.initial_scale_power} is "
+              f"below min_loss_scale={s.min_loss_scale}")
 
 
 def validate(s: DsSettings) -> None:
@@ -63,8 +162,8 @@ def validate(s: DsSettings) -> None:
         _fail("stage", s.stage, f"must be one of {STAGES}")
     if s.dtype not in DTYPES:
         _fail("dtype", s.dtype, f"must be one of {DTYPES}")
-    if s.optimizer not in OPTIMIZERS:
-        _fail("optimizer", s.optimizer, f"must be one of {OPTIMIZERS}")
+    if s.optimizer not in OPTIMIZERS and s.optimizer not in ONEBIT_TYPES:
+        _fail("optimizer", s.optimizer, f"must be one of {OPTIMIZERS + tuple(ONEBIT_TYPES)}")
     for name, value in (("micro_batch", s.micro_batch), ("grad_accum", s.grad_accum),
                         ("world_size", s.world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -102,7 +201,9 @@ def validate(s: DsSettings) -> None:
                                      ("initial_scale_power", s.initial_scale_power, 16),
                                      ("loss_scale_window", s.loss_scale_window, 1000),
                                      ("hysteresis", s.hysteresis, 2),
-                                     ("min_loss_scale", s.min_loss_scale, 1.0)):
+                                     ("min_loss_scale", s.min_loss_scale, 1.0),
+                                     ("consecutive_hysteresis", s.consecutive_hysteresis,
+                                      False)):
             if value != default:
                 _fail(name, value, f"applies to dtype='fp16' only (dtype={s.dtype!r})")
     else:
@@ -114,6 +215,52 @@ def validate(s: DsSettings) -> None:
             _fail("hysteresis", s.hysteresis, "must be >= 1")
         if not s.min_loss_scale > 0:
             _fail("min_loss_scale", s.min_loss_scale, "must be > 0")
+        _validate_scaler(s)
+    _validate_onebit(s)
+    _validate_nvme(s)
+
+
+def _validate_nvme(s: DsSettings) -> None:
+    """The ZeRO-Infinity arguments: nvme needs something offloaded and an absolute path."""
+    if s.offload_device not in ("cpu", "nvme"):
+        _fail("offload_device", s.offload_device, "must be 'cpu' or 'nvme'")
+    nvme = s.offload_device == "nvme"
+    if nvme and not (s.offload_optimizer or s.offload_param):
+        _fail("offload_device", s.offload_device, "needs offload_optimizer=True and/or "
+              "offload_param=True")
+    if nvme and not (isinstance(s.nvme_path, str) and s.nvme_path.startswith("/")):
+        _fail("nvme_path", s.nvme_path, "offload_device='nvme' needs an absolute directory")
+    for name, value, default in (("nvme_path", s.nvme_path, None), ("aio", s.aio, None),
+                                 ("nvme_buffer_elements", s.nvme_buffer_elements, 100_000_000)):
+        if not nvme and value != default:
+            _fail(name, value, f"applies to offload_device='nvme' only "
+                  f"(offload_device={s.offload_device!r})")
+    if s.aio is not None and not isinstance(s.aio, AioSettings):
+        _fail("aio", s.aio, "must be a dsconform.nvme.AioSettings (its block() is what the "
+              "runtime reads)")
+    if isinstance(s.nvme_buffer_elements, bool) or not isinstance(s.nvme_buffer_elements, int) \
+            or s.nvme_buffer_elements < 1:
+        _fail("nvme_buffer_elements", s.nvme_buffer_elements, "must be an integer >= 1")
+
+
+def _onebit_params(s: DsSettings) -> dict[str, Any]:
+    """Every parameter the 1-bit optimizer reads, written out (DeepSpeed 0.19.6's signatures)."""
+    params: dict[str, Any] = {
+        "lr": s.lr, "betas": list(s.betas), "eps": s.eps, "weight_decay": s.weight_decay,
+        "bias_correction": True, "eps_inside_sqrt": False, "amsgrad": False,
+        "cuda_aware": s.cuda_aware, "comm_backend_name": s.comm_backend_name}
+    if s.optimizer == "zero_one_adam":
+        params.update({"var_freeze_step": s.var_freeze_step,
+                       "var_update_scaler": s.var_update_scaler,
+                       "local_step_scaler": s.local_step_scaler,
+                       "local_step_clipper": s.local_step_clipper})
+    else:
+        params["freeze_step"] = s.freeze_step
+    if s.optimizer == "onebit_lamb":
+        # coeff_beta and the factor bounds at DeepSpeed's defaults, written out.
+        params.update({"max_coeff": s.max_coeff, "min_coeff": s.min_coeff, "coeff_beta": 0.9,
+                       "factor_max": 4.0, "factor_min": 0.5, "factor_threshold": 0.1})
+    return params
 
 
 def ds_config(**kwargs: Any) -> dict[str, Any]:
@@ -133,6 +280,8 @@ def ds_config(**kwargs: Any) -> dict[str, Any]:
     if s.optimizer == "sgd":
         opt = {"type": "SGD", "params": {"lr": s.lr, "momentum": s.momentum, "dampening": 0.0,
                                          "nesterov": False, "weight_decay": s.weight_decay}}
+    elif s.optimizer in ONEBIT_TYPES:
+        opt = {"type": ONEBIT_TYPES[s.optimizer], "params": _onebit_params(s)}
     else:
         # Type "Adam" builds AdamW unless adam_w_mode is false (ADAM_W_MODE_DEFAULT is True), and
         # torch_adam picks torch.optim.Adam over DeepSpeed's kernels.
@@ -148,6 +297,8 @@ def ds_config(**kwargs: Any) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if s.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    if s.offload_device == "nvme":
+        _nvme_offload(s, zero)
 
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": s.micro_batch,
@@ -182,8 +333,27 @@ def ds_config(**kwargs: Any) -> dict[str, Any]:
         cfg["fp16"] = {"enabled": True, "auto_cast": False, "loss_scale": float(s.loss_scale),
                        "initial_scale_power": s.initial_scale_power,
                        "loss_scale_window": s.loss_scale_window, "hysteresis": s.hysteresis,
-                       "consecutive_hysteresis": False, "min_loss_scale": s.min_loss_scale}
+                       "consecutive_hysteresis": s.consecutive_hysteresis,
+                       "min_loss_scale": s.min_loss_scale}
+    if s.offload_device == "nvme":
+        cfg["aio"] = (s.aio or AioSettings()).block()
     return cfg
+
+
+def _nvme_offload(s: DsSettings, zero: dict[str, Any]) -> None:
+    """ZeRO-Infinity sections, DeepSpeed's defaults written out except where noted. DeepSpeed
+    swaps only tensors of at least max(1 MiB, aio block_size) bytes (MIN_AIO_BYTES in
+    runtime/swap_tensor/utils.py): smaller ones stay in CPU memory."""
+    if s.offload_optimizer:
+        zero["offload_optimizer"].update({
+            "device": "nvme", "nvme_path": s.nvme_path, "buffer_count": 4,
+            "pipeline_read": False, "pipeline_write": False, "fast_init": False})
+    if s.offload_param:
+        # max_in_cpu 0 (DeepSpeed's default is 1e9 elements): every swappable parameter
+        # partition lives on NVMe, not in CPU memory.
+        zero["offload_param"].update({
+            "device": "nvme", "nvme_path": s.nvme_path, "buffer_count": 5,
+            "buffer_size": s.nvme_buffer_elements, "max_in_cpu": 0})
 
 
 # What the suite assumes DeepSpeed does when a config says nothing, for the installed release
@@ -212,6 +382,12 @@ ASSUMED_DEFAULTS: dict[str, Any] = {
     "fp16.hysteresis": 2,
     "fp16.consecutive_hysteresis": False,
     "fp16.min_loss_scale": 1,
+    # No config key reaches these (dsconform/lossscale.py): ZeRO 1-3's DynamicLossScaler (as
+    # CreateLossScaler builds it) raises and lowers by 2 and raises an error at min_loss_scale;
+    # stage 0's LossScaleConfig (FP16_Optimizer / FP16_UnfusedOptimizer) also uses factor 2.
+    "fp16.scaler.scale_factor": 2.0,
+    "fp16.scaler.raise_error_at_min_scale": True,
+    "fp16.stage0.scale_factor": 2.0,
     "fp16.auto_cast": False,
     "bf16.immediate_grad_update": False,
     "bf16.check_grad_overflow": True,

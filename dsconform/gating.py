@@ -18,12 +18,13 @@ from typing import Any
 
 import pytest
 
-from dsconform import versions
+from dsconform import removed, versions
 from dsconform.detect import NodeFacts
 from dsconform.profile import Profile
 
 MARK = "requires"
-CONDITIONS = ("min_gpus", "bf16", "fp16", "op", "nvme", "nccl", "deepspeed", "multinode")
+CONDITIONS = ("min_gpus", "bf16", "fp16", "op", "nvme", "nccl", "deepspeed", "multinode",
+              "onebit")
 # Markers that imply a condition, so `@pytest.mark.gpu` alone already gates correctly.
 IMPLIED = {"gpu": {"min_gpus": 1}, "multigpu": {"min_gpus": 2}, "nvme": {"nvme": True},
            "multinode": {"multinode": True}}
@@ -33,7 +34,8 @@ def requires(**conditions: Any) -> pytest.MarkDecorator:
     """Gate a test (decorator) or one parameter (``pytest.param(..., marks=requires(...))``).
 
     min_gpus=int, bf16=True, fp16=True, op="name" or ["a", "b"], nvme=True, nccl="2.21",
-    deepspeed=">=0.19,<0.19.7", multinode=True.
+    deepspeed=">=0.19,<0.19.7", multinode=True, onebit="OneBitAdam" or [...] (a 1-bit optimizer
+    DeepSpeed removed in 0.19.7: dsconform/removed.py).
     """
     unknown = set(conditions) - set(CONDITIONS)
     if unknown:
@@ -104,8 +106,8 @@ def merge_conditions(marks: Iterable[Any], marker_names: Iterable[str]) -> dict[
         for key, value in cond.items():
             if key == "min_gpus":
                 merged[key] = max(merged.get(key, 0), value)
-            elif key == "op":
-                ops = merged.setdefault("op", [])
+            elif key in ("op", "onebit"):
+                ops = merged.setdefault(key, [])
                 ops += [o for o in ([value] if isinstance(value, str) else value) if o not in ops]
             elif key == "deepspeed" and key in merged:
                 merged[key] = f"{merged[key]},{value}"
@@ -162,6 +164,14 @@ def evaluate(conditions: Mapping[str, Any], node: NodeFacts, profile: Profile, *
                 for s in specset)
             unmet.append(Unmet("deepspeed", f"DeepSpeed{spec}", node.deepspeed_version or "none",
                                promised, f"expected DeepSpeed>={p.deepspeed_min_version}"))
+    features = conditions.get("onebit") or []
+    for feature in [features] if isinstance(features, str) else features:
+        gone = removed.removal(feature, node.deepspeed_version)
+        if gone is not None:
+            unmet.append(Unmet("onebit", gone.text,
+                               f"DeepSpeed {node.deepspeed_version or 'none'}",
+                               feature in p.onebit,
+                               f"expected {feature} to train (deepspeed.onebit)"))
     if conditions.get("multinode") and not multinode:
         unmet.append(Unmet("multinode", "multi-node rendezvous", "single node", False))
     return Verdict(tuple(unmet), p.name)

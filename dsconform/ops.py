@@ -323,6 +323,12 @@ def _require(name: str) -> OpLoad:
     return _LOADED[name]
 
 
+def require_op(name: str) -> OpLoad:
+    """The loaded op `name`, built and loaded once per process; OpUnavailable when it does not
+    load. For library code that calls an op's module (dsconform.nvme_io)."""
+    return _require(name)
+
+
 # --------------------------------------------------------------------------------------------
 # Comparisons
 

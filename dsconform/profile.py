@@ -20,7 +20,16 @@ from typing import Any
 
 from dsconform import versions
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "hardware_profiles"
+
+def _profiles_dir() -> Path:
+    """The checkout's hardware_profiles/ (where profiles are edited), else the copy a wheel
+    install ships inside the package (pyproject.toml: dsconform.hardware_profiles)."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "hardware_profiles"
+    return checkout if checkout.is_dir() else here / "hardware_profiles"
+
+
+PROFILES_DIR = _profiles_dir()
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 # A profile's NVMe path may name the run's --scratch directory instead of a fixed mount.
@@ -54,6 +63,12 @@ class NvmePath:
     write_gbps: float
     gds: bool = False
     bytes: int = 1 << 30  # transfer size the floors were measured with
+    # read_gbps/write_gbps hold transfers from page-locked CPU memory; these hold transfers from
+    # GPU memory (through DeepNVMe's bounce buffer, or GDS where gds = true). None: recorded,
+    # not floored.
+    gpu_read_gbps: float | None = None
+    gpu_write_gbps: float | None = None
+    source: str = ""  # where the floors came from
 
     def resolve(self, scratch: Path | None) -> Path:
         if self.path == SCRATCH_TOKEN:
@@ -74,11 +89,19 @@ class Profile:
     gpu_compute_capability: str | None = None
     bf16: bool | None = None
     fp16: bool | None = None
+    # Per-GPU health (suites/test_collectives.py): a GPU, link or rank (CPU ranks too) more
+    # than this many percent slower than its peers' median is a straggler (None: the default,
+    # dsconform/gpu_health.py DEFAULT_STRAGGLER_PCT).
+    straggler_pct: float | None = None
+    # Dense matmul floors per GPU, TFLOPS = 1e12 flop/s (M = N = K = 8192).
+    matmul_bf16_tflops: float | None = None
+    matmul_fp16_tflops: float | None = None
     nccl_min_version: str | None = None
     nccl_floors: tuple[NcclFloor, ...] = ()
     nvme_paths: tuple[NvmePath, ...] = ()
     ops: tuple[str, ...] = ()
     deepspeed_min_version: str | None = None
+    onebit: tuple[str, ...] = ()  # 1-bit optimizers that must train (dsconform/removed.py)
     min_shm_gib: float | None = None
     min_cpu_cores: int | None = None
     min_host_memory_gib: float | None = None
@@ -95,6 +118,10 @@ class Profile:
 
 def _positive(v: Any) -> str | None:
     return None if v > 0 else "must be > 0"
+
+
+def _percent(v: Any) -> str | None:
+    return None if 0 < v < 100 else "must be a percentage, > 0 and < 100"
 
 
 def _non_negative(v: Any) -> str | None:
@@ -135,6 +162,9 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "compute_capability": (str, False, _cc),
         "bf16": (bool, False, None),
         "fp16": (bool, False, None),
+        "straggler_pct": (_NUM, False, _percent),  # percent slower than the peers' median
+        "matmul_bf16_tflops": (_NUM, False, _positive),  # TFLOPS = 1e12 flop/s, per GPU
+        "matmul_fp16_tflops": (_NUM, False, _positive),
     },
     "nccl": {"min_version": (str, False, _version_field), "floors": (list, False, None)},
     "nccl.floors": {
@@ -151,8 +181,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "write_gbps": (_NUM, True, _positive),
         "gds": (bool, False, None),
         "bytes": (int, False, _positive),
+        "gpu_read_gbps": (_NUM, False, _positive),
+        "gpu_write_gbps": (_NUM, False, _positive),
+        "source": (str, False, None),
     },
-    "deepspeed": {"ops": (list, False, None), "min_version": (str, False, _version_field)},
+    "deepspeed": {"ops": (list, False, None), "min_version": (str, False, _version_field),
+                  "onebit": (list, False, None)},
     "system": {
         "min_shm_gib": (_NUM, False, _positive),
         "min_cpu_cores": (int, False, _positive),
@@ -216,8 +250,17 @@ def validate_data(data: Mapping[str, Any], src: str = "<profile>") -> list[str]:
             for i, item in enumerate(items):
                 _check_fields(f"{parent}.{child}[{i}]", item, f"{parent}.{child}", problems, src)
     gpus = data.get("gpus", {})
+    paths = data.get("nvme", {}).get("paths", []) if isinstance(data.get("nvme"), dict) else []
+    if isinstance(gpus, dict) and gpus.get("count") == 0 and isinstance(paths, list):
+        for i, entry in enumerate(paths):
+            for key in ("gpu_read_gbps", "gpu_write_gbps"):
+                if isinstance(entry, dict) and key in entry:
+                    problems.append(f"{src}: nvme.paths[{i}].{key}: makes no sense with "
+                                    "gpus.count = 0")
     if isinstance(gpus, dict) and gpus.get("count") == 0:
-        for key in ("model", "min_memory_gib", "compute_capability"):
+        # straggler_pct stays meaningful without GPUs: it also holds CPU ranks to each other.
+        for key in ("model", "min_memory_gib", "compute_capability", "matmul_bf16_tflops",
+                    "matmul_fp16_tflops"):
             if key in gpus:
                 problems.append(f"{src}: gpus.{key}: makes no sense with gpus.count = 0")
     floors = data.get("nccl", {}).get("floors", []) if isinstance(data.get("nccl"), dict) else []
@@ -244,9 +287,24 @@ def validate_data(data: Mapping[str, Any], src: str = "<profile>") -> list[str]:
         for op, known in unknown:
             problems.append(f"{src}: deepspeed.ops: unknown op {op!r} (this DeepSpeed knows: "
                             f"{', '.join(known)})")
+    if isinstance(ds, dict) and isinstance(ds.get("onebit"), list):
+        problems.extend(_check_onebit(ds["onebit"], src))
     tol = data.get("tolerances")
     if isinstance(tol, dict):
         problems.extend(_check_tolerances(tol, src))
+    return problems
+
+
+def _check_onebit(names: list[Any], src: str) -> list[str]:
+    """deepspeed.onebit: 1-bit optimizers by their DeepSpeed config type, each once."""
+    from dsconform.removed import ONEBIT_OPTIMIZERS
+    problems = []
+    for i, name in enumerate(names):
+        if name not in ONEBIT_OPTIMIZERS:
+            problems.append(f"{src}: deepspeed.onebit[{i}]: expected one of "
+                            f"{', '.join(ONEBIT_OPTIMIZERS)}, found {name!r}")
+        elif names.index(name) != i:
+            problems.append(f"{src}: deepspeed.onebit[{i}]: {name!r} is listed twice")
     return problems
 
 
@@ -313,11 +371,15 @@ def from_data(data: Mapping[str, Any], source: str) -> Profile:
         gpu_compute_capability=g.get("compute_capability"),
         bf16=g.get("bf16"),
         fp16=g.get("fp16"),
+        straggler_pct=g.get("straggler_pct"),
+        matmul_bf16_tflops=g.get("matmul_bf16_tflops"),
+        matmul_fp16_tflops=g.get("matmul_fp16_tflops"),
         nccl_min_version=nccl.get("min_version"),
         nccl_floors=tuple(NcclFloor(**f) for f in nccl.get("floors", [])),
         nvme_paths=tuple(NvmePath(**n) for n in nvme.get("paths", [])),
         ops=tuple(ds.get("ops", [])),
         deepspeed_min_version=ds.get("min_version"),
+        onebit=tuple(ds.get("onebit", [])),
         min_shm_gib=system.get("min_shm_gib"),
         min_cpu_cores=system.get("min_cpu_cores"),
         min_host_memory_gib=system.get("min_memory_gib"),

@@ -42,6 +42,11 @@ def add_options(parser: pytest.Parser) -> None:
                 help="directory for benchmarks.json (pytest-benchmark format), junit.xml, "
                      "summary.json/.txt and records.jsonl; created if missing. Env: "
                      "DSCONFORM_RESULTS. Default: ./dsconform-results")
+    g.addoption("--nightly", action="store_true",
+                default=os.environ.get("DSCONFORM_NIGHTLY", "") not in ("", "0"),
+                help="the nightly tier: also run the tests marked `slow` (the full matrices) "
+                     "that -m selects. Without it `slow` tests run only when -m names them "
+                     "(-m slow, -m 'gpu and slow'). Env: DSCONFORM_NIGHTLY=1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

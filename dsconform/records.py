@@ -5,12 +5,14 @@ Each metric becomes one entry of ``benchmarks`` with ``stats`` computed from its
 and pytest-benchmark does not know: metric name, unit, which direction is better, the limit the
 suite enforced, and the parameters. Bandwidths are GB/s with GB = 1e9 bytes; times are seconds.
 ``dsconform`` at top level carries every test's outcome so a comparison can say "passed on
-0.19.6, skipped (unavailable) on 0.19.8".
+0.19.6, skipped (unavailable) on 0.19.8", and the facts tests recorded (non-numeric observations
+such as DeepSpeed's effective defaults) so it can say what silently changed.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -19,6 +21,7 @@ from typing import Any
 FORMAT = "dsconform-records/1"
 BETTER = ("lower", "higher")
 USER_PROPERTY = "dsconform_metric"  # key in pytest's user_properties (travels under xdist)
+FACT_PROPERTY = "dsconform_fact"  # the same, for facts
 #: Units of performance values (times and rates). A performance value held to a limit carries
 #: at least MIN_ROUNDS samples, so a comparison can see its noise and a floor is not decided by
 #: one unlucky round.
@@ -219,6 +222,47 @@ def _extra_info(m: Metric) -> dict[str, Any]:
 
 
 @dataclass
+class Fact:
+    """A non-numeric observation a test records so that two runs can be compared: an effective
+    DeepSpeed default, the class an optimizer type builds. Not a check: the test asserts what
+    must hold; the fact says what was found, and `dsconform compare` names the ones that
+    changed between two runs ("what silently changed")."""
+    nodeid: str
+    name: str  # e.g. "default.gradient_clipping"
+    value: Any  # JSON: str, number, bool, None, and lists/dicts of them
+    capability: str = ""
+
+
+def _as_json(name: str, value: Any) -> Any:
+    """``value`` as JSON will hold it (tuples become lists), so a fact read back from a results
+    file compares equal to the one recorded. Objects without a JSON form (a torch.dtype) are
+    kept as their ``str``; a value JSON cannot hold at all is an error naming the fact."""
+    try:
+        return json.loads(json.dumps(value, default=str, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"fact {name}: value {value!r} cannot be recorded as JSON: {e}") from None
+
+
+class FactsRecorder:
+    """Records one test's facts into the run's benchmark JSON (``dsconform.facts``)."""
+
+    def __init__(self, nodeid: str, capability: str, sink: Callable[[Fact], None]):
+        self.nodeid = nodeid
+        self.capability = capability
+        self._sink = sink
+        self.recorded: list[Fact] = []
+
+    def record(self, name: str, value: Any) -> Fact:
+        """Record that ``name`` was found to be ``value`` (JSON-representable)."""
+        if not name or not isinstance(name, str):
+            raise ValueError(f"fact name must be a non-empty string, not {name!r}")
+        f = Fact(self.nodeid, name, _as_json(name, value), self.capability)
+        self.recorded.append(f)
+        self._sink(f)
+        return f
+
+
+@dataclass
 class Outcome:
     nodeid: str
     outcome: str  # passed | failed | skipped | error | xfailed | xpassed
@@ -233,7 +277,8 @@ def document(metrics: Iterable[Metric], outcomes: Iterable[Outcome], *,
              machine_info: Mapping[str, Any], commit_info: Mapping[str, Any],
              profile: Mapping[str, Any], extra_benchmarks: Iterable[Mapping] = (),
              started: str | None = None,
-             known_issues: Iterable[Mapping[str, Any]] = ()) -> dict[str, Any]:
+             known_issues: Iterable[Mapping[str, Any]] = (),
+             facts: Iterable[Fact] = ()) -> dict[str, Any]:
     try:
         import pytest_benchmark
         pb_version = pytest_benchmark.__version__
@@ -253,5 +298,6 @@ def document(metrics: Iterable[Metric], outcomes: Iterable[Outcome], *,
             "finished": now,
             "outcomes": [asdict(o) for o in outcomes],
             "known_issues": list(known_issues),
+            "facts": [asdict(f) for f in facts],
         },
     }

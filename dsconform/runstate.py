@@ -37,6 +37,9 @@ class RunState:
     multinode: bool = False
     notices: list[str] = field(default_factory=list)  # printed in the header and the summary
     known_issue_cases: dict[str, str] = field(default_factory=dict)  # nodeid -> issue id
+    facts: list[records.Fact] = field(default_factory=list)  # `facts` fixture, for compare
+    # The promised ops' builds, started in parallel after collection (dsconform.opbuild).
+    op_builds: Any = None
 
     @property
     def node(self) -> NodeFacts:

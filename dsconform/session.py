@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from dsconform import detect
 from dsconform import profile as profiles
@@ -90,3 +92,52 @@ def rendezvous_nodes(env: dict[str, str] | None = None) -> int:
     except ValueError:
         pass
     return 1
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """The job a launcher (torchrun, the DeepSpeed launcher, Slurm) made this process a rank of.
+    ``job`` names the job the same way on every rank, so per-rank results can be grouped."""
+    launcher: str         # "torchrun" or "slurm"
+    job: str              # TORCHELASTIC_RUN_ID, SLURM_JOB_ID.SLURM_STEP_ID, else MASTER_ADDR:PORT
+    world_size: int
+    rank: int
+    local_rank: int
+    nodes: int
+    node_rank: int | None  # torchrun's GROUP_RANK, Slurm's SLURM_NODEID
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rendezvous_info(env: Mapping[str, str] | None = None) -> Rendezvous | None:
+    """This process's place in an already-provided rendezvous, or None outside one. Detected the
+    way dsconform.dist.run_ranks detects it (torchrun or Slurm variables)."""
+    from dsconform.dist import _SLURM_VARS, _TORCHRUN_VARS
+
+    env = os.environ if env is None else env
+    torchrun = all(v in env for v in _TORCHRUN_VARS)
+    if not torchrun and not all(v in env for v in _SLURM_VARS):
+        return None
+
+    def number(*names: str) -> int | None:
+        for name in names:
+            value = env.get(name, "")
+            if value.strip().isdigit():
+                return int(value)
+        return None
+
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    if env.get("SLURM_JOB_ID"):
+        job = env["SLURM_JOB_ID"] + (f".{env['SLURM_STEP_ID']}" if env.get("SLURM_STEP_ID")
+                                     else "")
+    elif run_id and run_id != "none":  # torchrun's default when --rdzv-id is not given
+        job = run_id
+    else:
+        job = f"{env.get('MASTER_ADDR', '?')}:{env.get('MASTER_PORT', '?')}"
+    return Rendezvous(
+        launcher="torchrun" if torchrun else "slurm", job=job,
+        world_size=number("WORLD_SIZE", "SLURM_NTASKS") or 1,
+        rank=number("RANK", "SLURM_PROCID") or 0,
+        local_rank=number("LOCAL_RANK", "SLURM_LOCALID") or 0,
+        nodes=rendezvous_nodes(env), node_rank=number("GROUP_RANK", "SLURM_NODEID"))

@@ -5,12 +5,23 @@ Suites read like specifications (build a config, run ranks, compare, record) and
 surface only, never on the plugin's internals; what a suite needs that is not here belongs here.
 
 Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` (NodeFacts),
-``scratch`` (a fresh directory under --scratch), ``metrics`` (MetricsRecorder).
+``scratch`` (a fresh directory under --scratch), ``metrics`` (MetricsRecorder), ``facts``
+(FactsRecorder: non-numeric observations, e.g. effective defaults, that compare diffs).
 """
 
 from __future__ import annotations
 
-from dsconform import versions
+from dsconform import (
+    collectives,
+    gpu_health,
+    nccl_tests,
+    nvme,
+    nvme_io,
+    nvme_tune,
+    nvme_xcheck,
+    onebit_reference,
+    versions,
+)
 from dsconform.detect import GIB, NodeFacts
 from dsconform.dist import (
     InsufficientGPUs,
@@ -22,9 +33,16 @@ from dsconform.dist import (
     rank,
     run_ranks,
     seed_everything,
+    worker_gpus,
     world,
 )
-from dsconform.dsconfig import ASSUMED_DEFAULTS, OPTIMIZER_OPS, defaults_mismatches, ds_config
+from dsconform.dsconfig import (
+    ASSUMED_DEFAULTS,
+    ONEBIT_TYPES,
+    OPTIMIZER_OPS,
+    defaults_mismatches,
+    ds_config,
+)
 from dsconform.dsreport import parse_ds_report, run_ds_report
 from dsconform.equivalence import (
     Comparison,
@@ -35,20 +53,29 @@ from dsconform.equivalence import (
 )
 from dsconform.gating import accel_params, requires
 from dsconform.known_issues import KNOWN_ISSUES, KnownIssue
+from dsconform.lossscale import ModelStep, ScalerModel, ScalerSettings, ScalerState, read_scaler
 from dsconform.ops import OpCrashed, OpUnavailableText, check_op_isolated
 from dsconform.profile import NcclFloor, NvmePath, Profile
-from dsconform.records import MetricsRecorder
+from dsconform.records import FactsRecorder, MetricsRecorder
+from dsconform.removed import ONEBIT_OPTIMIZERS
 from dsconform.runstate import RunState, run_state
+from dsconform.session import Rendezvous, rendezvous_info
+from dsconform.tiers import pairwise, uncovered_pairs
 from dsconform.tolerances import Tol, tolerance
 
 GB = 1e9  # GB/s means 1e9 bytes per second, everywhere
 
 __all__ = [
     "ASSUMED_DEFAULTS", "GB", "GIB", "KNOWN_ISSUES", "OPTIMIZER_OPS", "Comparison",
+    "FactsRecorder", "Rendezvous", "rendezvous_info",
     "InsufficientGPUs", "KnownIssue", "MetricsRecorder", "NcclFloor", "NodeFacts", "NvmePath",
     "OpCrashed", "OpUnavailableText", "Profile", "check_op_isolated", "parse_ds_report",
     "run_ds_report", "RankError", "RankTimeout", "RunState", "Tol", "accel_params", "all_agree",
     "compare_rank_results", "compare_traces", "defaults_mismatches", "device", "ds_config",
-    "gather", "non_finite", "rank", "requires", "run_ranks", "run_state", "seed_everything",
+    "gather", "non_finite", "pairwise", "rank", "uncovered_pairs", "requires", "run_ranks", "run_state", "seed_everything",
     "tensor_difference", "tolerance", "versions", "world",
+    "ModelStep", "ScalerModel", "ScalerSettings", "ScalerState", "read_scaler",
+    "collectives", "gpu_health", "nccl_tests", "worker_gpus",
+    "ONEBIT_OPTIMIZERS", "ONEBIT_TYPES", "onebit_reference",
+    "nvme", "nvme_io", "nvme_tune", "nvme_xcheck",
 ]

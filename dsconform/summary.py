@@ -30,18 +30,28 @@ def case_id(nodeid: str) -> str:
     return m.group(1) if m else ""
 
 
+def _without_case_id(reason: str, nodeid: str) -> str:
+    """The reason with its case id taken out: as a leading label ("cuda-z0-...: first ..."),
+    and anywhere when the id is a compound one (has a dash). A short id such as "fp16" is a word
+    the reason may need ("expected fp16 support"): it is only removed as a label."""
+    cid = case_id(nodeid)
+    if not cid:
+        return reason
+    text = reason
+    if text.startswith(cid):
+        text = text[len(cid):]
+    if "-" in cid:
+        text = text.replace(cid, "")
+    return re.sub(r"^[\s:,-]+", "", text) or reason
+
+
 def reason_key(reason: str, nodeid: str) -> str:
     """What groups a reason: the case id taken out, measured numbers masked."""
-    cid = case_id(nodeid)
-    text = reason.replace(cid, "") if cid else reason
-    text = re.sub(r"^[\s:,-]+", "", text)
-    return _NUMBER.sub("#", text)
+    return _NUMBER.sub("#", _without_case_id(reason, nodeid))
 
 
 def _shown(reason: str, nodeid: str) -> str:
-    cid = case_id(nodeid)
-    text = reason.replace(cid, "") if cid else reason
-    return re.sub(r"^[\s:,-]+", "", text) or reason
+    return _without_case_id(reason, nodeid)
 
 
 def group(entries: Iterable[tuple[str, str]]) -> list[dict[str, Any]]:

@@ -1,24 +1,133 @@
-"""Code run inside ranks by suites/test_collectives.py (module-level: picklable by reference)."""
+"""Code run inside ranks by suites/test_collectives.py (module-level: picklable by reference).
+
+Every function here runs on real collectives (gloo on the CPU accelerator, NCCL on GPUs) and
+returns plain data for the parent to check and record. Fault injection for the project's own red
+tests (tests/test_collectives_*.py), off by default:
+- ``perturb={"rank": r, "numel": m, "index": i}``: on rank r, the deepspeed.comm call for size m
+  returns its output with element i off by one (a wrapper around the real call).
+- ``delay_rank=r, delay_s=d``: rank r sleeps d seconds before every collective call or transfer
+  it starts (it arrives late), or once per round inside its timed matmuls (its GPU is slow).
+"""
 
 from __future__ import annotations
 
+import os
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dsconform.suite import device, rank, world
+from dsconform.suite import collectives, device, gather, rank, world
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-# Bus bandwidth factors, as nccl-tests defines them (doc/PERFORMANCE.md): busbw = algbw * factor.
-def bus_factor(collective: str, n: int) -> float:
-    return {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-            "reduce_scatter": (n - 1) / n, "all_to_all": (n - 1) / n, "broadcast": 1.0}[collective]
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
-def _op(collective: str, nbytes: int, dev: torch.device):
-    """Buffers and a callable for one collective moving `nbytes` (nccl-tests' "size": the
-    total buffer, i.e. the output of all_gather and the input of reduce_scatter), fp32."""
+def identity() -> dict[str, Any]:
+    """What this rank computes on. On GPUs the PCI address comes from the device itself, so it
+    is right whatever CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER did to torch's numbering; the
+    parent maps it to nvidia-smi's index (dsconform/gpu_health.py)."""
+    dev = device()
+    info: dict[str, Any] = {"rank": rank(), "device": "cpu", "bus_id": None, "visible": None}
+    if dev.type != "cuda":
+        return info
+    props = torch.cuda.get_device_properties(dev)
+    bus = getattr(props, "pci_bus_id", None)  # torch >= 2.2
+    if bus is not None:
+        info["bus_id"] = (f"{getattr(props, 'pci_domain_id', 0) or 0:04x}:{bus:02x}:"
+                          f"{getattr(props, 'pci_device_id', 0) or 0:02x}.0")
+    listed = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    index = dev.index or 0
+    info["device"] = f"cuda:{index}"
+    info["visible"] = listed[index] if index < len(listed) and listed[index] else str(index)
+    return info
+
+
+# ------------------------------------------------------------------ exactness
+
+def all_reduce_is_exact(numel: int) -> float:
+    """Sum of rank+1 over ranks, in fp32: small integers, so every backend must be exact.
+    Returns the largest deviation seen on this rank (0.0 when correct)."""
+    dev = device()
+    t = torch.full((numel,), float(rank() + 1), dtype=torch.float32, device=dev)
+    dist.all_reduce(t)
+    n = world()
+    return float((t - n * (n + 1) / 2).abs().max())
+
+
+def _with_fault(call: Callable, index: int) -> Callable:
+    """The real deepspeed.comm call, then element ``index`` of its output (the first argument,
+    as in every call used here) off by one: a rank whose collective returns one wrong value."""
+    def faulty(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = call(out, *args, **kwargs)
+        out.view(-1)[index] += 1
+        return result
+    return faulty
+
+
+def _ds_calls() -> dict[str, Callable]:
+    """The deepspeed.comm entry points ZeRO uses for each collective."""
+    import deepspeed.comm as dc
+
+    return {"all_reduce": dc.all_reduce, "all_gather": dc.allgather_fn,
+            "reduce_scatter": dc.reduce_scatter_fn, "broadcast": dc.broadcast,
+            "all_to_all": dc.all_to_all_single}
+
+
+def _run_exact(collective: str, case: Any, dtype: torch.dtype, call: Callable,
+               dev: torch.device) -> torch.Tensor:
+    inp = case.input.to(dtype)
+    if collective == "all_reduce":
+        out = inp.clone()
+        call(out)
+    elif collective == "broadcast":
+        out = inp.clone()
+        call(out, src=case.src)
+    elif collective == "all_to_all":
+        out = torch.empty(sum(case.output_splits), dtype=dtype, device=dev)
+        call(out, inp, output_split_sizes=case.output_splits,
+             input_split_sizes=case.input_splits)
+    else:  # all_gather, reduce_scatter: (output, input)
+        out = torch.empty(case.expected.numel(), dtype=dtype, device=dev)
+        call(out, inp)
+    return out
+
+
+def check_exact(collective: str, dtype: str, sizes: Sequence[int],
+                perturb: dict[str, int] | None = None) -> dict[str, Any]:
+    """Run ``collective`` through deepspeed.comm on known data at every size; this rank's
+    identity and the mismatches it saw (every size runs on every rank, so no rank is left
+    waiting in a collective when another one found a wrong value)."""
+    dev, n, me = device(), world(), rank()
+    mismatches = []
+    for numel in sizes:
+        call = _ds_calls()[collective]
+        if perturb and perturb["rank"] == me and perturb["numel"] == numel:
+            call = _with_fault(call, perturb["index"])
+        case = collectives.exact_case(collective, me, n, numel, dev)
+        out = _run_exact(collective, case, DTYPES[dtype], call, dev)
+        found = collectives.find_mismatch(out, case.expected.to(DTYPES[dtype]))
+        if found is not None:
+            index, expected, value, wrong = found
+            mismatches.append(dict(collective=collective, dtype=dtype, numel=numel, rank=me,
+                                   index=index, expected=expected, found=value, wrong=wrong,
+                                   total=out.numel(), layout=case.layout))
+        del out, case
+    return {"identity": identity(), "mismatches": mismatches}
+
+
+# ------------------------------------------------------------------ bandwidth
+
+def _op(collective: str, nbytes: int, dev: torch.device) -> tuple[torch.Tensor, Callable]:
+    """Buffers and a callable for one collective moving ``nbytes`` (nccl-tests' "size": the
+    total buffer, i.e. the output of all_gather and the input of reduce_scatter), fp32, through
+    torch.distributed (the way the profile's floors were measured)."""
     n = world()
     count = nbytes // 4
     per_rank = count // n
@@ -43,41 +152,158 @@ def _op(collective: str, nbytes: int, dev: torch.device):
     raise ValueError(f"unknown collective {collective!r}")
 
 
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+class _CallTimer:
+    """Time this rank spends inside each call: CUDA events around the call on the GPU (no host
+    synchronisation per call, so back-to-back timing is unchanged), the host clock on the CPU.
+    A rank its peers wait for spends the least time inside (dsconform/gpu_health.py)."""
+
+    def __init__(self, dev: torch.device, iters: int) -> None:
+        self.cuda = dev.type == "cuda"
+        self.events = ([(torch.cuda.Event(enable_timing=True),
+                         torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+                       if self.cuda else [])
+        self.spent = 0.0
+        self._t = 0.0
+
+    def reset(self) -> None:
+        self.spent = 0.0
+
+    def begin(self, i: int) -> None:
+        if self.cuda:
+            self.events[i][0].record()
+        else:
+            self._t = time.perf_counter()
+
+    def end(self, i: int) -> None:
+        if self.cuda:
+            self.events[i][1].record()
+        else:
+            self.spent += time.perf_counter() - self._t
+
+    def total(self) -> float:
+        """Seconds inside the calls of this round (after the device was synchronised)."""
+        if self.cuda:
+            return sum(a.elapsed_time(b) for a, b in self.events) / 1e3
+        return self.spent
 
 
-def all_reduce_is_exact(numel: int) -> float:
-    """Sum of rank+1 over ranks, in fp32: small integers, so every backend must be exact.
-    Returns the largest deviation seen on this rank (0.0 when correct)."""
+def measure(collective: str, points: Sequence[tuple[int, int]], rounds: int = 3,
+            warmup: int = 5, delay_rank: int | None = None,
+            delay_s: float = 0.0) -> dict[str, Any]:
+    """For each (bytes, iters) point: ``rounds`` rounds of ``iters`` back-to-back calls.
+
+    ``seconds[k]``: round k's time per call, the slowest rank's (as in nccl-tests, the job is
+    as fast as its slowest rank), the same on every rank. ``inside[r][k]``: the time per call
+    rank r spent inside the calls in round k. Every rank returns the same dict."""
     dev = device()
-    t = torch.full((numel,), float(rank() + 1), dtype=torch.float32, device=dev)
-    dist.all_reduce(t)
-    n = world()
-    return float((t - n * (n + 1) / 2).abs().max())
-
-
-def measure_busbw(collective: str, nbytes: int, iters: int, rounds: int = 3,
-                  warmup: int = 5) -> dict:
-    """Time ``rounds`` rounds of ``iters`` back-to-back collectives. Each round's time per call
-    is the slowest rank's (as in nccl-tests, the job is as fast as its slowest rank), so every
-    rank returns the same list."""
-    dev = device()
-    buf, op = _op(collective, nbytes, dev)
-    buf.fill_(1.0)
-    for _ in range(warmup):
-        op()
-    _sync(dev)
-    per_call = []
-    for _ in range(rounds):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(iters):
+    late = delay_s if rank() == delay_rank else 0.0
+    out = []
+    for nbytes, iters in points:
+        buf, op = _op(collective, nbytes, dev)
+        buf.fill_(1.0)
+        for _ in range(warmup):
             op()
         _sync(dev)
-        elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64,
-                               device=dev)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        per_call.append(float(elapsed.item()))
-    return {"seconds": per_call, "iters": iters, "bus_factor": bus_factor(collective, world())}
+        timer = _CallTimer(dev, iters)
+        seconds, inside = [], []
+        for _ in range(rounds):
+            timer.reset()
+            dist.barrier()
+            start = time.perf_counter()
+            for i in range(iters):
+                if late:
+                    time.sleep(late)
+                timer.begin(i)
+                op()
+                timer.end(i)
+            _sync(dev)
+            elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64,
+                                   device=dev)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            seconds.append(float(elapsed.item()))
+            inside.append(timer.total() / iters)
+        del buf, op, timer
+        out.append({"bytes": nbytes, "iters": iters, "seconds": seconds,
+                    "inside": gather(inside)})
+    return {"identities": gather(identity()), "points": out, "world_size": world()}
+
+
+def measure_pairs(nbytes: int, iters: int, rounds: int = 3, warmup: int = 3,
+                  delay_rank: int | None = None, delay_s: float = 0.0) -> dict[str, Any]:
+    """Point-to-point bandwidth of every ordered pair (src -> dst) of ranks, one pair at a time
+    while the others wait: ``rounds`` rounds of ``iters`` sends of ``nbytes``. A link's time per
+    round is the slower of its two ends. Every rank returns the same dict."""
+    dev, n, me = device(), world(), rank()
+    buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=dev)
+    mine: dict[str, list[float]] = {}
+    for src in range(n):
+        for dst in range(n):
+            if src == dst:
+                continue
+            dist.barrier()
+            if me not in (src, dst):
+                continue
+            late = delay_s if me == src == delay_rank else 0.0
+
+            def transfer(src: int = src, dst: int = dst) -> None:
+                if me == src:
+                    dist.send(buf, dst)
+                else:
+                    dist.recv(buf, src)
+
+            for _ in range(warmup):
+                transfer()
+            _sync(dev)
+            times = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                for _ in range(iters):
+                    if late:
+                        time.sleep(late)
+                    transfer()
+                _sync(dev)
+                times.append((time.perf_counter() - start) / iters)
+            mine[f"{src}->{dst}"] = times
+    dist.barrier()
+    per_rank = gather(mine)
+    links = []
+    for src in range(n):
+        for dst in range(n):
+            if src != dst:
+                key = f"{src}->{dst}"
+                links.append({"src": src, "dst": dst,
+                              "seconds": [max(a, b) for a, b in zip(per_rank[src][key],
+                                                                    per_rank[dst][key])]})
+    return {"identities": gather(identity()), "links": links, "bytes": buf.numel() * 4,
+            "iters": iters}
+
+
+# ------------------------------------------------------------------ compute
+
+def matmul_seconds(dtype: str, size: int, iters: int, rounds: int = 3, warmup: int = 10,
+                   delay_rank: int | None = None, delay_s: float = 0.0) -> dict[str, Any]:
+    """Dense (size x size) @ (size x size) products in ``dtype`` on this rank's device, all
+    ranks at once (as in training, every GPU busy): seconds per product, per round."""
+    dev = device()
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device=dev).manual_seed(1234 + rank())
+    a = torch.randn(size, size, generator=gen, device=dev).to(dt)
+    b = torch.randn(size, size, generator=gen, device=dev).to(dt)
+    c = torch.empty(size, size, dtype=dt, device=dev)
+    for _ in range(warmup):  # also lets the clocks ramp up
+        torch.matmul(a, b, out=c)
+    _sync(dev)
+    late = delay_s if rank() == delay_rank else 0.0
+    seconds = []
+    for _ in range(rounds):
+        dist.barrier()
+        _sync(dev)
+        start = time.perf_counter()
+        if late:
+            time.sleep(late)
+        for _ in range(iters):
+            torch.matmul(a, b, out=c)
+        _sync(dev)
+        seconds.append((time.perf_counter() - start) / iters)
+    del a, b, c
+    return {"identity": identity(), "seconds": seconds, "size": size, "iters": iters}

@@ -1,28 +1,77 @@
-"""Collectives: torch.distributed collectives MUST be correct on every backend the node uses,
-and MUST reach the bus bandwidth floors the profile promises, at the message size each floor
-was measured with.
+"""Collectives and per-GPU health: collectives MUST be exact on every backend the node uses,
+MUST reach the bus bandwidth floors the profile promises at the size each floor states, and no
+GPU, link or rank of the node MUST lag its peers.
 
-Bandwidths are GB/s (1e9 bytes/s); busbw follows nccl-tests (all_reduce: algbw * 2(n-1)/n;
-all_gather, reduce_scatter, all_to_all: (n-1)/n; broadcast: 1). Floors are measured the way they
-are checked: through torch.distributed, fp32, back-to-back calls (FINDINGS: at 1 MiB
-torch.distributed reaches less than half of nccl-tests, so a floor from one tool does not
-transfer to the other at small sizes).
-Upstream: https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md
+- Exactness (COLL-EXACT-0, COLL-EXACT-1). all_reduce, all_gather, reduce_scatter, broadcast and
+  all_to_all, called through ``deepspeed.comm`` the way ZeRO calls them (``all_reduce``,
+  ``allgather_fn``, ``reduce_scatter_fn``, ``broadcast``, ``all_to_all_single``), MUST return
+  exactly the expected result on known integer-valued data, in fp32, bf16 and fp16, at sizes
+  1, 53 and 65537 elements (and 2**24 + 3 on GPUs): odd sizes, not multiples of the world
+  size, padded as ZeRO pads partitions, all_to_all with uneven splits (dsconform/collectives.py).
+  gloo (CI) and NCCL (GPUs) both run every collective in every dtype here.
+- Bandwidth (COLL-BW-1, COLL-BW-2). Through torch.distributed, fp32, back-to-back calls, 3
+  rounds per point, each point recorded as algbw and busbw (nccl-tests' formulas; GB/s = 1e9
+  bytes/s): a sweep per collective from 1 MiB to the largest floor's size (else 4 GiB; 64 MiB on
+  the CPU accelerator), a few sizes in the acceptance tier and every 4x step in the ``slow``
+  tier; and one test per ``[[nccl.floors]]`` entry, where the recorder holds the median of the
+  rounds to the floor at the floor's own size. Floors are measured the way they are checked
+  (FINDINGS: at 1 MiB torch.distributed reaches less than half of nccl-tests, so a floor from
+  one tool does not transfer to the other at small sizes).
+- Stragglers (COLL-STRAG-1, checked inside every COLL-BW point; COLL-P2P-1; GPU-MATMUL-1).
+  Every rank's own time inside every collective is recorded; the time its peers wait for it
+  MUST stay within ``[gpus] straggler_pct`` percent of the collective's time (held where a
+  call takes at least 100 us: below, launch jitter is no evidence of a slow GPU). On
+  multi-GPU nodes every ordered GPU pair's point-to-point bandwidth (the matrix, NCCL
+  send/recv) and every GPU's dense bf16 and fp16 matmul TFLOPS MUST be within straggler_pct
+  percent of the median of its peers, and the matmul MUST reach the profile's
+  ``matmul_bf16_tflops`` / ``matmul_fp16_tflops`` floors (TFLOPS = 1e12 flop/s, 8192^3
+  products). Failures name the GPU by nvidia-smi index and PCI bus id
+  (dsconform/gpu_health.py). A node can meet every floor with one bad GPU; these catch it.
+- Cross-check (COLL-XCHECK-1). Where nccl-tests' ``all_reduce_perf`` is on PATH, our all_reduce
+  busbw MUST be at least 90% of its number at every all_reduce floor size; the ratio is
+  recorded.
+
+NCCL settings that change behaviour (NCCL_ALGO, NCCL_PROTO, NCCL_NVLS_ENABLE, NCCL_IB_*, ...)
+are printed in the report header and stored in the results' machine_info.
+
+Upstream: https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md ,
+https://deepspeed.readthedocs.io/en/latest/comm.html ,
+https://docs.nvidia.com/deeplearning/nccl/user-guide/docs/env.html
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+from typing import Any
+
 import pytest
 
-from dsconform.suite import GB, accel_params, requires, run_ranks, run_state
+from dsconform.suite import (
+    GB,
+    accel_params,
+    collectives,
+    gpu_health,
+    nccl_tests,
+    rendezvous_info,
+    requires,
+    run_ranks,
+    run_state,
+    worker_gpus,
+)
 from suites import collective_ranks
 
 CAPABILITY = "collectives"
 
-
-def _iters(nbytes: int) -> int:
-    # About 20 GB moved per measurement: long enough to swamp launch jitter, short at 4 GiB.
-    return max(5, min(200, int(2e10 // nbytes)))
+EXACT_SIZES = {"cpu": (1, 53, 65537), "cuda": (1, 53, 65537, (1 << 24) + 3)}
+P2P_BYTES, P2P_ITERS = 256 << 20, 20  # ~0.7 ms per transfer over NVLink
+MATMUL_SIZE, MATMUL_ITERS = 8192, 50
+TFLOPS = 1e12
+#: COLL-XCHECK-1: torch.distributed may lose at most 10% to raw NCCL at a floor size (FINDINGS:
+#: within 0.5% at 1 and 4 GiB on 2xH200, 0.1% at 64 MiB).
+MIN_RATIO_TO_NCCL_TESTS = 0.9
+NCCL_TESTS_ITERS = 20  # all_reduce_perf's own default (-n)
+TIMEOUT_S = 600  # per call: a full cuda sweep moves ~100 GB per collective
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -42,23 +91,236 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     metafunc.parametrize("floor", params)
 
 
+def _world(accel: str) -> int:
+    """2 ranks on the CPU accelerator; on CUDA every GPU this run may use (the node's, or this
+    xdist worker's slice of them)."""
+    return 2 if accel == "cpu" else len(worker_gpus())
+
+
+def _exact_params() -> list:
+    """accel x collective x dtype; on GPUs bf16/fp16 cells are gated on the GPUs having them
+    (the CPU accelerator's gloo moves and sums bf16/fp16 itself)."""
+    out = []
+    for accel in accel_params(2):
+        for collective in collectives.COLLECTIVES:
+            for dtype in collectives.DTYPES:
+                marks = list(accel.marks)
+                if accel.id == "cuda" and dtype != "fp32":
+                    marks.append(requires(**{dtype: True}))
+                out.append(pytest.param(accel.id, collective, dtype, marks=marks,
+                                        id=f"{accel.id}-{collective}-{dtype}"))
+    return out
+
+
+def _sweep_params() -> list:
+    """accel x collective, each in the acceptance tier and in full (marked ``slow``)."""
+    out = []
+    for accel in accel_params(2):
+        for collective in collectives.COLLECTIVES:
+            out.append(pytest.param(accel.id, collective, False, marks=accel.marks,
+                                    id=f"{accel.id}-{collective}"))
+            out.append(pytest.param(accel.id, collective, True,
+                                    marks=[*accel.marks, pytest.mark.slow],
+                                    id=f"{accel.id}-{collective}-full"))
+    return out
+
+
+# ------------------------------------------------------------------ exactness
+
 @pytest.mark.parametrize("accel", accel_params(2))
 def test_all_reduce_is_exact(accel):
-    """all_reduce of small integers MUST be exact on every rank (2 ranks)."""
+    """COLL-EXACT-0: all_reduce of small integers MUST be exact on every rank (2 ranks)."""
     worst = run_ranks(collective_ranks.all_reduce_is_exact, 2, timeout_s=120,
                       args=(1 << 20,), accelerator=accel)
     assert max(worst) == 0.0, f"all_reduce deviates from the exact sum by {max(worst)} per rank"
 
 
-def test_busbw_floor(floor, profile, metrics):
-    """Bus bandwidth MUST reach the profile's floor for that collective and message size."""
+def check_exact(collective: str, dtype: str, accel: str, world_size: int, node,
+                perturb: dict[str, int] | None = None) -> list[collectives.Mismatch]:
+    """Run the exactness check on the ranks; the mismatches, each naming its rank's device."""
+    results = run_ranks(collective_ranks.check_exact, world_size, timeout_s=TIMEOUT_S,
+                        args=(collective, dtype, EXACT_SIZES[accel]),
+                        kwargs={"perturb": perturb}, accelerator=accel)
+    ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
+    found = collectives.mismatches_from_ranks([r["mismatches"] for r in results])
+    return [dataclasses.replace(m, where=ids[m.rank].label) for m in found]
+
+
+@pytest.mark.parametrize("accel, collective, dtype", _exact_params())
+def test_collective_is_exact(accel: str, collective: str, dtype: str, node):
+    """COLL-EXACT-1: every collective through deepspeed.comm MUST return the exact result."""
+    mismatches = check_exact(collective, dtype, accel, _world(accel), node)
+    assert not mismatches, collectives.exactness_message(mismatches)
+
+
+# ------------------------------------------------------------------ bandwidth and stragglers
+
+def record_point(metrics, collective: str, point: dict[str, Any],
+                 ids: list[gpu_health.GpuIdentity], straggler_pct: float,
+                 floor: float | None = None, **params: Any) -> None:
+    """Record one measured size: busbw (held to ``floor`` by the recorder, if given), algbw,
+    and per rank its time inside the calls and how long its peers waited for it (held to
+    ``straggler_pct`` by the recorder, naming the rank's GPU and bus id, where a call takes at
+    least gpu_health.MIN_WAIT_CHECK_SECONDS)."""
+    n = len(ids)
+    nbytes, seconds = point["bytes"], point["seconds"]
+    factor = collectives.bus_factor(collective, n)
+    metrics.record_rate(f"{collective}.busbw", seconds, amount=nbytes * factor, unit="GB/s",
+                        scale=GB, floor=floor, **params)
+    metrics.record_rate(f"{collective}.algbw", seconds, amount=nbytes, unit="GB/s", scale=GB,
+                        **params)
+    inside = point["inside"]  # [rank][round]
+    waited = [gpu_health.waited_for_pct([inside[r][k] for r in range(n)], seconds[k])
+              for k in range(len(seconds))]  # [round][rank]
+    long_enough = statistics.median(seconds) >= gpu_health.MIN_WAIT_CHECK_SECONDS
+    for r, ident in enumerate(ids):
+        where = {"who": ident.label, **params, **ident.params()}
+        metrics.record(f"{collective}.rank_seconds", inside[r], unit="s", better="lower",
+                       **where)
+        metrics.record(f"{collective}.waited_for_pct", [w[r] for w in waited], unit="%",
+                       better="lower", limit=straggler_pct if long_enough else None, **where)
+
+
+@pytest.mark.benchmark
+@pytest.mark.parametrize("accel, collective, full", _sweep_params())
+def test_bandwidth_sweep(accel: str, collective: str, full: bool, node, profile, metrics):
+    """COLL-BW-1: each collective's sweep MUST measure every size, no rank holding up the rest."""
+    n = _world(accel)
+    top = collectives.sweep_top(profile.nccl_floors, accel)
+    sizes = collectives.sweep_sizes(collective, top, accelerator=accel, full=full)
+    points = [(s, collectives.iterations(s, accel)) for s in sizes]
+    result = run_ranks(collective_ranks.measure, n, timeout_s=TIMEOUT_S,
+                       args=(collective, points), accelerator=accel)[0]
+    ids = gpu_health.identify(result["identities"], node.hardware.bus_ids)
+    pct = gpu_health.straggler_pct(profile.straggler_pct)
+    for point in result["points"]:
+        record_point(metrics, collective, point, ids, pct, bytes=point["bytes"], world_size=n,
+                     dtype="fp32", accelerator=accel, iters=point["iters"])
+
+
+def test_busbw_floor(floor, node, profile, metrics):
+    """COLL-BW-2: bus bandwidth MUST reach the profile's floor for that collective and size."""
     ws = floor.world_size or profile.gpus_promised
-    iters = _iters(floor.bytes)
-    result = run_ranks(collective_ranks.measure_busbw, ws, timeout_s=300,
-                       args=(floor.collective, floor.bytes, iters), accelerator="cuda")[0]
+    iters = collectives.iterations(floor.bytes, "cuda")
+    result = run_ranks(collective_ranks.measure, ws, timeout_s=TIMEOUT_S,
+                       args=(floor.collective, [(floor.bytes, iters)]), accelerator="cuda")[0]
+    ids = gpu_health.identify(result["identities"], node.hardware.bus_ids)
     # busbw = bytes * bus factor / time (nccl-tests); the recorder holds the median of 3 rounds
     # to the floor and names collective, size and world size when it is missed.
-    metrics.record_rate(f"{floor.collective}.busbw", result["seconds"],
-                        amount=floor.bytes * result["bus_factor"], unit="GB/s", scale=GB,
-                        floor=floor.busbw_gbps, bytes=floor.bytes, world_size=ws, iters=iters,
-                        source=floor.source or "profile")
+    record_point(metrics, floor.collective, result["points"][0], ids,
+                 gpu_health.straggler_pct(profile.straggler_pct), floor=floor.busbw_gbps,
+                 bytes=floor.bytes, world_size=ws, iters=iters, source=floor.source or "profile")
+
+
+def record_links(metrics, result: dict[str, Any], ids: list[gpu_health.GpuIdentity],
+                 straggler_pct: float, **params: Any) -> None:
+    """Each link's bandwidth, and its percentage of the other links' median, held to
+    100 - straggler_pct by the recorder (naming both ends)."""
+    links = result["links"]
+    rounds = len(links[0]["seconds"])
+    gbps = [[result["bytes"] / GB / link["seconds"][k] for link in links] for k in range(rounds)]
+    pct = [gpu_health.pct_of_peer_median(row) for row in gbps] if len(links) > 1 else None
+    for i, link in enumerate(links):
+        src, dst = ids[link["src"]], ids[link["dst"]]
+        where = {"link": f"{src.label} -> {dst.label}", **params, **src.params("src_"),
+                 **dst.params("dst_")}
+        metrics.record_rate("p2p.bandwidth", link["seconds"], amount=result["bytes"],
+                            unit="GB/s", scale=GB, iters=result["iters"], **where)
+        if pct is not None:
+            metrics.record("p2p.pct_of_peer_median", [row[i] for row in pct], unit="%",
+                           better="higher", limit=100.0 - straggler_pct, **where)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.benchmark
+@requires(min_gpus=2)
+def test_pairwise_bandwidth(node, profile, metrics):
+    """COLL-P2P-1: no GPU-to-GPU link MUST be slower than straggler_pct below its peers."""
+    n = _world("cuda")
+    result = run_ranks(collective_ranks.measure_pairs, n, timeout_s=TIMEOUT_S,
+                       args=(P2P_BYTES, P2P_ITERS), accelerator="cuda")[0]
+    ids = gpu_health.identify(result["identities"], node.hardware.bus_ids)
+    for link in result["links"]:  # the matrix, in the captured output of a failure
+        gbps = statistics.median(result["bytes"] / GB / s for s in link["seconds"])
+        print(f"{ids[link['src']].label} -> {ids[link['dst']].label}: {gbps:.1f} GB/s")
+    record_links(metrics, result, ids, gpu_health.straggler_pct(profile.straggler_pct),
+                 world_size=n, accelerator="cuda")
+
+
+def record_matmul(metrics, dtype: str, results: list[dict[str, Any]],
+                  ids: list[gpu_health.GpuIdentity], floor: float | None,
+                  straggler_pct: float, **params: Any) -> None:
+    """Each GPU's TFLOPS (held to ``floor``) and its percentage of the other GPUs' median
+    (held to 100 - straggler_pct), both by the recorder, naming the GPU."""
+    size = results[0]["size"]
+    flops = gpu_health.matmul_flops(size, size, size)
+    rounds = len(results[0]["seconds"])
+    rates = [[flops / r["seconds"][k] for r in results] for k in range(rounds)]
+    pct = [gpu_health.pct_of_peer_median(row) for row in rates] if len(results) > 1 else None
+    for i, (res, ident) in enumerate(zip(results, ids)):
+        where = {"who": ident.label, **params, **ident.params(), "m": size, "n": size,
+                 "k": size, "iters": res["iters"]}
+        metrics.record_rate(f"matmul.{dtype}", res["seconds"], amount=flops, unit="TFLOPS",
+                            scale=TFLOPS, floor=floor, **where)
+        if pct is not None:
+            metrics.record(f"matmul.{dtype}.pct_of_peer_median", [row[i] for row in pct],
+                           unit="%", better="higher", limit=100.0 - straggler_pct, **where)
+
+
+@pytest.mark.gpu
+@pytest.mark.benchmark
+@pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=requires(min_gpus=1, bf16=True)),
+                                   pytest.param("fp16", marks=requires(min_gpus=1, fp16=True))])
+def test_matmul_tflops(dtype: str, node, profile, metrics):
+    """GPU-MATMUL-1: every GPU's dense matmul MUST reach the floor and its peers' speed."""
+    n = _world("cuda")
+    results = run_ranks(collective_ranks.matmul_seconds, n, timeout_s=TIMEOUT_S,
+                        args=(dtype, MATMUL_SIZE, MATMUL_ITERS), accelerator="cuda")
+    ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
+    floor = {"bf16": profile.matmul_bf16_tflops, "fp16": profile.matmul_fp16_tflops}[dtype]
+    record_matmul(metrics, dtype, results, ids, floor,
+                  gpu_health.straggler_pct(profile.straggler_pct), world_size=n)
+
+
+# ------------------------------------------------------------------ cross-check
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.benchmark
+@requires(min_gpus=2)
+def test_nccl_tests_cross_check(node, profile, run, metrics):
+    """COLL-XCHECK-1: all_reduce busbw MUST be >= 90% of nccl-tests' at each floor size."""
+    exe = nccl_tests.find()
+    if exe is None:
+        pytest.skip(f"Requires: [nccl-tests {nccl_tests.EXECUTABLE} on PATH (found none)]")
+    if run.multinode or rendezvous_info() is not None:
+        pytest.skip("nccl-tests cross-check runs on one node outside torchrun/Slurm "
+                    "(all_reduce_perf -g drives every GPU from one process)")
+    gpus = worker_gpus()
+    n = len(gpus)
+    floors = sorted({f.bytes for f in profile.nccl_floors
+                     if f.collective == "all_reduce" and (f.world_size or n) == n})
+    sizes = floors or [collectives.GIB, 4 * collectives.GIB]
+    theirs, commands = nccl_tests.run(exe, sizes, gpus, iters=NCCL_TESTS_ITERS,
+                                      timeout_s=TIMEOUT_S)
+    factor = collectives.bus_factor("all_reduce", n)
+    wrong = []
+    for nbytes in sizes:
+        iters = collectives.iterations(nbytes, "cuda")
+        ours = run_ranks(collective_ranks.measure, n, timeout_s=TIMEOUT_S,
+                         args=("all_reduce", [(nbytes, iters)]), accelerator="cuda")[0]
+        rows = theirs[nbytes]
+        params = {"bytes": nbytes, "world_size": n}
+        metrics.record_rate("nccl_tests.all_reduce.busbw", [r.seconds for r in rows],
+                            amount=nbytes * factor, unit="GB/s", scale=GB,
+                            iters=NCCL_TESTS_ITERS, **params)
+        mine = statistics.median(nbytes * factor / GB / s for s in ours["points"][0]["seconds"])
+        # One number per size (the medians' ratio); both sides' rounds are recorded apart
+        # (ours by COLL-BW-2 and the sweep).
+        metrics.record("all_reduce.busbw_ratio_to_nccl_tests",
+                       mine / statistics.median(r.busbw_gbps for r in rows), unit="ratio",
+                       better="higher", limit=MIN_RATIO_TO_NCCL_TESTS, iters=iters, **params)
+        wrong += [f"{nbytes} bytes: {r.wrong} wrong elements" for r in rows if r.wrong]
+    assert not wrong, (f"nccl-tests found wrong all_reduce results ({'; '.join(commands)}): "
+                       + "; ".join(wrong))

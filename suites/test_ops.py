@@ -72,7 +72,7 @@ def test_unpromised_ops_are_reported(report, profile):
     print(f"ops not promised by profile {profile.name} (not built):\n  " + "\n  ".join(rows))
 
 
-def test_promised_op(promised_op, report, node, scratch, metrics, profile):
+def test_promised_op(promised_op, report, node, scratch, metrics, profile, run):
     """A promised op MUST be ds_report-compatible, build, load, and compute like its reference."""
     problems = []
     status = report["ops"].get(promised_op)
@@ -82,14 +82,24 @@ def test_promised_op(promised_op, report, node, scratch, metrics, profile):
     elif not status["compatible"]:
         problems.append(f"ds_report: {promised_op} not compatible: "
                         f"{'; '.join(status['warnings']) or 'no reason printed'}")
-    try:  # in a child process: a native crash fails this test, not the whole run
-        result = check_op_isolated(promised_op, device=node.accelerator, scratch_dir=scratch)
-    except (OpUnavailableText, OpCrashed) as e:
-        result = None
-        problems.append(str(e))
+    # The run started every promised op's build in parallel (dsconform.opbuild): wait for this
+    # one. A failed build is reported from its own result, with the diagnosis.
+    build = run.op_builds.wait(promised_op) if run.op_builds is not None else None
+    result = None
+    if build is not None and not build["loaded"]:
+        problems.append(build["failure"] or f"op {promised_op} did not build")
+    else:
+        try:  # in a child process: a native crash fails this test, not the whole run
+            result = check_op_isolated(promised_op, device=node.accelerator, scratch_dir=scratch)
+        except (OpUnavailableText, OpCrashed) as e:
+            problems.append(str(e))
     if result is None:  # outside the except: no "during handling" chain in the report
         pytest.fail(f"profile {profile.name} promises op {promised_op}, which does not load: "
                     + "\n".join(problems), pytrace=False)
+    if build is not None:  # the build (or warm load) as it happened in the parallel build
+        metrics.record(f"{promised_op}.build_seconds", build["build_seconds"], unit="s",
+                       better="lower", built_now=build["built_now"], builder=build["builder"],
+                       jobs=build["jobs"])
     metrics.record(f"{promised_op}.load_seconds", result["build_seconds"], unit="s",
                    better="lower", built_now=result["built_now"], builder=result["builder"])
     if "max_abs_diff" in result:  # checked against rtol/atol inside check_op; recorded for drift

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -25,6 +26,10 @@ from dsconform.suite import ds_config
 # scaling and unscaling are exact). The dynamic scaler is the loss-scaling suite's business.
 FP16_STATIC_LOSS_SCALE = 1024.0
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Elements per ZeRO-Infinity parameter swap buffer: more than any parameter partition of the
+# models the suites train (1024 x 1024 on one rank); DeepSpeed's default 1e8 would allocate five
+# buffers of 1e8 elements per rank.
+NVME_BUFFER_ELEMENTS = 1 << 21
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,11 @@ class ZeroCase:
     d_out: int = 7
     # SGD only; None: 0.9, so that SGD has optimizer state for ZeRO to partition.
     momentum: float | None = None
+    # ZeRO-Infinity (suites/test_deepnvme.py): "nvme" swaps what is offloaded to nvme_path, a
+    # directory the caller owns. DeepSpeed swaps only tensors of 1 MiB or more: give a width
+    # whose partitions are that large (1024 on 2 ranks), or nothing reaches the disk.
+    offload_device: str = "cpu"
+    nvme_path: str | None = None
 
     def __post_init__(self) -> None:
         sgd = self.optimizer == "sgd"
@@ -61,7 +71,8 @@ class ZeroCase:
     @property
     def id(self) -> str:
         return (f"z{self.stage}-off_{self.offload}-{self.dtype}-{self.optimizer}"
-                f"-gas{self.grad_accum}-ws{self.world_size}")
+                f"-gas{self.grad_accum}-ws{self.world_size}"
+                + ("" if self.offload_device == "cpu" else f"-{self.offload_device}"))
 
     def with_(self, **changes: Any) -> ZeroCase:
         return replace(self, **changes)
@@ -69,16 +80,25 @@ class ZeroCase:
     def config(self) -> dict[str, Any]:
         if not isinstance(self.world_size, int):
             raise ValueError(f"{self.id}: resolve world_size={self.world_size!r} first")
+        nvme = {} if self.offload_device == "cpu" else {
+            "offload_device": self.offload_device, "nvme_path": self.nvme_path,
+            "nvme_buffer_elements": NVME_BUFFER_ELEMENTS}
         return ds_config(stage=self.stage, dtype=self.dtype, optimizer=self.optimizer,
                          lr=self.lr, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
                          world_size=self.world_size, offload_optimizer=self.offload_optimizer,
                          offload_param=self.offload_param, gradient_clipping=0.0,
                          weight_decay=0.0, momentum=self.momentum,
-                         loss_scale=FP16_STATIC_LOSS_SCALE if self.dtype == "fp16" else 0.0)
+                         loss_scale=FP16_STATIC_LOSS_SCALE if self.dtype == "fp16" else 0.0,
+                         **nvme)
 
     def params(self) -> dict[str, Any]:
-        """Flat parameters for metric records."""
-        return asdict(self)
+        """Flat parameters for metric records. nvme_path is one run's own directory (never
+        comparable across runs); CPU offload records keep the keys they always had."""
+        p = asdict(self)
+        del p["nvme_path"]
+        if self.offload_device == "cpu":
+            del p["offload_device"]
+        return p
 
 
 # Where each stage can put things on the CPU: stage 0 has nothing to offload, parameters move only
@@ -187,7 +207,8 @@ def _perturb_backward(engine: Any, factor: float, from_step: int) -> None:
 
 
 def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
-                     perturb: float, perturb_from_step: int) -> dict[str, Any]:
+                     perturb: float, perturb_from_step: int,
+                     inspect: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
@@ -217,6 +238,8 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
                     grads.append({n: _cpu(safe_get_full_grad(p)) / scale for n, p in named})
                 engine.step()
             losses.append(step_loss / case.grad_accum)
+        # What a suite wants to know about the trained engine before it is destroyed.
+        inspected = inspect(engine) if inspect is not None else None
         params, source = {}, "fp32_master"
         for n, p in named:
             full = safe_get_full_fp32_param(p)
@@ -226,17 +249,22 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
                 with deepspeed.zero.GatheredParameters([p]):
                     full = p.data
             params[n] = _cpu(full)
-        return {"losses": losses, "grads": grads, "params": params, "param_source": source}
+        result = {"losses": losses, "grads": grads, "params": params, "param_source": source}
+        if inspect is not None:
+            result["inspected"] = inspected
+        return result
     finally:
         engine.destroy()
         del engine
 
 
-def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0,
-                       perturb_from_step: int = 0) -> dict[str, Any]:
+def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0, perturb_from_step: int = 0,
+                       inspect: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """Rank entry point: DDP trace and DeepSpeed trace of the same run on this rank.
 
     ``perturb`` != 1 injects a fault into DeepSpeed's side only (see ``_perturb_backward``).
+    ``inspect(engine)`` (a module-level function) runs after the last step; what it returns is
+    the DeepSpeed trace's ``inspected``.
     """
     import pytest
     from deepspeed.accelerator import get_accelerator
@@ -257,7 +285,8 @@ def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0,
     data = _data(case, rank())
     try:
         ddp = _train_ddp(reference_model, case, data, dev)
-        ds = _train_deepspeed(model.to(dev), case, data, dev, perturb, perturb_from_step)
+        ds = _train_deepspeed(model.to(dev), case, data, dev, perturb, perturb_from_step,
+                              inspect)
     finally:
         gc.collect()
     return {"rank": rank(), "ds": ds, "ddp": ddp}
@@ -309,6 +338,17 @@ def read_effective_defaults() -> dict[str, Any]:
     for key in ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
                 "consecutive_hysteresis", "min_loss_scale", "auto_cast"):
         found[f"fp16.{key}"] = getattr(fp16, key)
+    # The scaler constants no config key reaches, from the objects DeepSpeed builds with these
+    # defaults (ZeRO 1-3: CreateLossScaler; stage 0: LossScaleConfig's profiles).
+    from deepspeed.runtime.fp16 import loss_scaler as ds_scaler
+
+    zero_scaler = ds_scaler.CreateLossScaler(dtype=torch.float16, static_loss_scale=0.0,
+                                             dynamic_scaling=True,
+                                             dynamic_loss_args=fp16.dynamic_loss_scale_args())
+    found["fp16.scaler.scale_factor"] = zero_scaler.scale_factor
+    found["fp16.scaler.raise_error_at_min_scale"] = zero_scaler.raise_error_at_min_scale
+    factors = {p.scale_factor for p in ds_scaler.LOSS_SCALE_PROFILE_DEFAULTS.values()}
+    found["fp16.stage0.scale_factor"] = factors.pop() if len(factors) == 1 else sorted(factors)
     bf16 = ds_cfg.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1,
                                    "bf16": {"enabled": True}}).bfloat16_config
     for key in ("immediate_grad_update", "check_grad_overflow"):

@@ -58,3 +58,10 @@ def test_summarize_counts_known_issues_once_with_their_cases():
     text = "\n".join(lines(s, profile="p", host="h", notices=["only what is here"]))
     assert "NOTE: only what is here" in text and "3 x DS-1: bug https://x" in text
     assert "zero" in text and text.splitlines()[3].split()[-1] == "3"  # the known column
+
+
+def test_a_short_case_id_stays_in_the_words_of_its_reason():
+    nodeid = "suites/test_profile.py::test_half_precision_matmul[fp16]"
+    reason = "profile h200-x2 promises [GPUs>=1 + fp16]: expected fp16 support, found CPU"
+    [g] = group([(nodeid, reason)])
+    assert g["reason"] == reason

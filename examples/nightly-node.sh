@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# One node's part of the nightly acceptance run (examples/nightly-slurm.sbatch and
+# examples/nightly-pdsh.sh call it on every node; you rarely call it by hand):
+#
+#   nightly-node.sh single RESULTS [PYTEST ARGS...]
+#       stage 1: the single-node suite on this node, into RESULTS/<node>
+#       (default PYTEST ARGS: suites -m gpu)
+#   nightly-node.sh rank RESULTS [PYTEST ARGS...]
+#       stage 2: this process is one rank of the multi-node tier, started by srun or torchrun
+#       (--no-python); into RESULTS/<node>-rank<RANK> (default PYTEST ARGS: suites -m multinode)
+#
+# <node> is Slurm's node name ($SLURMD_NODENAME) where there is one, else `hostname -s`: the name
+# `dsconform aggregate` prints drain commands for. Settings (environment):
+#   DSCONFORM_PROFILE   the node type's hardware profile (default auto; CHANGE for your fleet)
+#   DSCONFORM_BUNDLE    an air-gapped node: the `dsconform bundle` folder to install from first
+#   DSCONFORM_DEEPSPEED the bundle's DeepSpeed version to install (default: its newest)
+#   DSCONFORM_TIME_S    stop pytest (SIGINT: it still writes its results) after this many seconds
+#                       (default 3600)
+#   PYTHON              the interpreter that has torch (default python3)
+set -uo pipefail
+stage=${1:?usage: nightly-node.sh single|rank RESULTS [PYTEST ARGS...]}
+results=${2:?usage: nightly-node.sh single|rank RESULTS [PYTEST ARGS...]}
+shift 2
+suite=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+node=${SLURMD_NODENAME:-$(hostname -s)}
+python=${PYTHON:-python3}
+cd "$suite" || exit 2
+
+case $stage in
+    single)
+        # A single-node run must not look like one rank of a job: run_ranks would join it.
+        unset MASTER_ADDR MASTER_PORT
+        out=$results/$node
+        [ $# -gt 0 ] || set -- suites -m gpu ;;
+    rank)
+        rank=${RANK:-${SLURM_PROCID:?stage rank runs under srun or torchrun (RANK/SLURM_PROCID)}}
+        out=$results/$node-rank$rank
+        [ $# -gt 0 ] || set -- suites -m multinode ;;
+    *)
+        echo "nightly-node.sh: unknown stage '$stage' (single or rank)" >&2
+        exit 2 ;;
+esac
+
+if [ -n "${DSCONFORM_BUNDLE:-}" ]; then
+    # Each rank of a node installs into its own site, so that ranks do not race.
+    slot=$stage-${LOCAL_RANK:-${SLURM_LOCALID:-0}}
+    export DSCONFORM_SITE=${DSCONFORM_SITE:-/tmp/dsconform-site-$slot}
+    export DSCONFORM_LIBAIO=${DSCONFORM_LIBAIO:-/tmp/dsconform-libaio-$slot}
+    # shellcheck source=/dev/null
+    source "$DSCONFORM_BUNDLE/install.sh" ${DSCONFORM_DEEPSPEED:-} > /dev/null || exit 2
+fi
+
+mkdir -p "$out"
+timeout -s INT -k 120 "${DSCONFORM_TIME_S:-3600}" \
+    "$python" -m pytest "$@" -p no:cacheprovider --profile "${DSCONFORM_PROFILE:-auto}" \
+    --results "$out" > "$out/pytest.log" 2>&1
+status=$?
+echo "nightly-node.sh: $stage on $node: pytest exit $status, results in $out"
+exit $status

@@ -1,0 +1,21 @@
+"""Code run inside the ranks of suites/test_multinode.py.
+
+The ZeRO suite's rank code (suites/zero_ranks.py), run with the world size of the job the
+launcher started; the collectives run suites/collective_ranks.py's functions as they are. Under
+torchrun or Slurm every pytest process is one rank, so these run in-process, once per rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsconform.suite import device, world
+from suites.zero_ranks import ZeroCase, train_zero_and_ddp
+
+
+def zero_across_nodes(case: ZeroCase, perturb: float = 1.0,
+                      perturb_from_step: int = 0) -> dict[str, Any]:
+    """ZeRO and DDP traces of ``case`` on every rank of the job (its world size resolved here),
+    with the accelerator the ranks ran on, which picks the tolerance."""
+    result = train_zero_and_ddp(case.with_(world_size=world()), perturb, perturb_from_step)
+    return {**result, "accelerator": device().type}

@@ -1,0 +1,146 @@
+"""The collectives suite's checks MUST go red, on real gloo collectives (2 ranks, CPU).
+
+Each test runs the suite's own rank code (suites/collective_ranks.py) and its own checking and
+recording helpers (suites/test_collectives.py) with a fault injected in one rank:
+- one element of one rank's deepspeed.comm result off by one: the exactness check names rank,
+  collective, dtype, size and index (COLL-EXACT-1);
+- one rank late to every collective call: the recorder fails ``<collective>.waited_for_pct``
+  for that rank only (COLL-STRAG-1);
+- one rank's sends delayed: the link from it fails ``p2p.pct_of_peer_median`` (COLL-P2P-1);
+- one rank's matmuls slowed: its ``matmul.<dtype>.pct_of_peer_median`` fails, and a TFLOPS
+  floor far above the machine fails both ranks (GPU-MATMUL-1);
+- a busbw floor far above the machine: the test fails through the plugin's recorder with the
+  metric, value, floor and size (COLL-BW-2).
+Nothing here is mocked: gloo moves the data, the recorder enforces the limits.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from dsconform import gpu_health
+from dsconform.dist import run_ranks
+from dsconform.records import MetricsRecorder
+from suites import collective_ranks
+from suites.test_collectives import check_exact, record_links, record_matmul, record_point
+
+WORLD = 2
+PCT = gpu_health.DEFAULT_STRAGGLER_PCT
+MIB = 1 << 20
+
+
+def _recorder() -> MetricsRecorder:
+    return MetricsRecorder("tests/test_collectives_red.py::t", "collectives", lambda m: None)
+
+
+def _ids(result: dict) -> list[gpu_health.GpuIdentity]:
+    return gpu_health.identify(result["identities"])
+
+
+# The suite's ``node`` as far as check_exact reads it: this CPU machine has no NVML bus ids.
+_Node = SimpleNamespace(hardware=SimpleNamespace(bus_ids=[]))
+
+
+@pytest.mark.parametrize("collective, dtype", [
+    ("all_reduce", "fp32"), ("all_gather", "bf16"), ("reduce_scatter", "fp16"),
+    ("broadcast", "bf16"), ("all_to_all", "fp16")])
+def test_one_wrong_element_fails_naming_rank_collective_dtype_size_index(collective, dtype):
+    """A rank whose collective returns one wrong element MUST fail naming all of it."""
+    perturb = {"rank": 1, "numel": 53, "index": 17}
+    assert not check_exact(collective, dtype, "cpu", WORLD, _Node)  # the control
+    [m] = check_exact(collective, dtype, "cpu", WORLD, _Node, perturb=perturb)
+    assert (m.rank, m.collective, m.dtype, m.numel, m.index, m.wrong) == (
+        1, collective, dtype, 53, 17, 1)
+    assert m.found == m.expected + 1
+    text = m.describe()
+    assert text.startswith(f"{collective} {dtype} numel=53 (")
+    assert f"rank 1 on rank 1 (cpu): element 17 is {m.found:g}, expected {m.expected:g}" in text
+
+
+def _measure(delay_rank: int | None, collective: str = "all_reduce") -> dict:
+    return run_ranks(collective_ranks.measure, WORLD, timeout_s=300,
+                     args=(collective, [(MIB, 5)]),
+                     kwargs={"delay_rank": delay_rank, "delay_s": 0.05}, accelerator="cpu")[0]
+
+
+@pytest.mark.parametrize("late", [0, 1])
+def test_late_rank_fails_naming_it(late):
+    """A rank its peers wait for MUST fail waited_for_pct, naming that rank and no other."""
+    result = _measure(late)
+    metrics = _recorder()
+    record_point(metrics, "all_reduce", result["points"][0], _ids(result), PCT, bytes=MIB,
+                 world_size=WORLD)
+    [violation] = metrics.violations()
+    assert violation.startswith("all_reduce.waited_for_pct = ")
+    assert f"is beyond its ceiling {PCT:g} %" in violation
+    assert f"rank={late}," in violation and f"who=rank {late} (cpu)" in violation
+
+
+def test_punctual_ranks_pass():
+    """The control: without the delay no rank is named (gloo on a loaded 2-core machine)."""
+    result = _measure(None)
+    metrics = _recorder()
+    record_point(metrics, "all_reduce", result["points"][0], _ids(result), PCT, bytes=MIB,
+                 world_size=WORLD)
+    assert not metrics.violations()
+    names = [m.name for m in metrics.recorded]
+    assert names.count("all_reduce.rank_seconds") == WORLD
+    assert all(len(m.samples) == 3 for m in metrics.recorded)
+
+
+def test_slow_link_fails_naming_both_ends():
+    """A link from a slow sender MUST fail p2p.pct_of_peer_median, naming src and dst."""
+    result = run_ranks(collective_ranks.measure_pairs, WORLD, timeout_s=300, args=(MIB, 5),
+                       kwargs={"delay_rank": 1, "delay_s": 0.05}, accelerator="cpu")[0]
+    assert [(link["src"], link["dst"]) for link in result["links"]] == [(0, 1), (1, 0)]
+    metrics = _recorder()
+    record_links(metrics, result, _ids(result), PCT, world_size=WORLD)
+    [violation] = metrics.violations()
+    assert violation.startswith("p2p.pct_of_peer_median = ")
+    assert "link=rank 1 (cpu) -> rank 0 (cpu)" in violation
+    assert "src_rank=1" in violation and "dst_rank=0" in violation
+
+
+def test_slow_gpu_matmul_and_a_floor_above_the_machine_fail():
+    """A rank slower at matmul than its peer MUST fail, and so MUST a TFLOPS floor it misses."""
+    results = run_ranks(collective_ranks.matmul_seconds, WORLD, timeout_s=300,
+                        args=("fp32", 128, 5),
+                        kwargs={"delay_rank": 0, "delay_s": 0.1, "warmup": 2},
+                        accelerator="cpu")
+    ids = gpu_health.identify([r["identity"] for r in results])
+    metrics = _recorder()
+    record_matmul(metrics, "fp32", results, ids, floor=1e6, straggler_pct=PCT, world_size=WORLD)
+    found = metrics.violations()
+    slow = [v for v in found if v.startswith("matmul.fp32.pct_of_peer_median")]
+    assert len(slow) == 1 and "who=rank 0 (cpu)" in slow[0], found
+    floors = [v for v in found if v.startswith("matmul.fp32 = ")]
+    assert len(floors) == WORLD and all("is below its floor 1e+06 TFLOPS" in v for v in floors)
+
+
+SUITE_LIKE = '''
+from dsconform.suite import gpu_health, run_ranks
+from suites import collective_ranks
+from suites.test_collectives import record_point
+
+def test_floor_far_above(metrics):
+    result = run_ranks(collective_ranks.measure, 2, timeout_s=300,
+                       args=("all_reduce", [(1 << 20, 5)]), accelerator="cpu")[0]
+    ids = gpu_health.identify(result["identities"])
+    record_point(metrics, "all_reduce", result["points"][0], ids, 99.0, floor=1e6,
+                 bytes=1 << 20, world_size=2)
+'''
+
+
+def test_busbw_floor_far_above_the_machine_fails_through_the_recorder(pytester, tmp_path):
+    """The suite's floor path (record_point with the floor) MUST fail the test, via the
+    plugin's recorder, naming metric, measured value, floor and size."""
+    pytester.makepyfile(test_floor=SUITE_LIKE)
+    prof = tmp_path / "p0.toml"
+    prof.write_text('[profile]\nname = "p0"\n[gpus]\ncount = 0\n')
+    result = pytester.runpytest("-p", "fixtures.plugin", "--profile", str(prof))
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*recorded beyond its limit: all_reduce.busbw = * GB/s (median of 3 rounds: *) is "
+        "below its floor 1e+06 GB/s [[]bytes=1048576, world_size=2, amount=1048576.0[]]*"])

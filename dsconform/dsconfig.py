@@ -89,6 +89,14 @@ class DsSettings:
     nvme_path: str | None = None
     aio: AioSettings | None = None
     nvme_buffer_elements: int = 100_000_000
+    # Checkpointing (the checkpoint suite). lr_warmup_steps > 0 adds DeepSpeed's WarmupLR
+    # (linear from 0 to lr over that many steps), so a checkpoint carries scheduler state; 0 adds
+    # no scheduler. checkpoint_writer None keeps DeepSpeed's default engine (torch.save); "fast"
+    # is FastPersist, the DeepNVMe async_io writer ("checkpoint.writer", with an "aio" section).
+    # load_universal: load_checkpoint reads a universal checkpoint (ds_to_universal's output).
+    lr_warmup_steps: int = 0
+    checkpoint_writer: str | None = None
+    load_universal: bool = False
 
 
 def _validate_onebit(s: DsSettings) -> None:
@@ -102,7 +110,8 @@ def _validate_onebit(s: DsSettings) -> None:
               f"documents and verified those only)")
     wants = {"freeze_step": s.optimizer in ("onebit_adam", "onebit_lamb"),
              "var_freeze_step": s.optimizer == "zero_one_adam"}
-    for name, wanted in wants.items():
+    # The missing argument first: it is what the user meant to give.
+    for name, wanted in sorted(wants.items(), key=lambda kv: not kv[1]):
         value = getattr(s, name)
         if wanted and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             _fail(name, value, f"optimizer={s.optimizer!r} needs an integer >= 1 (DeepSpeed's "
@@ -218,6 +227,26 @@ def validate(s: DsSettings) -> None:
         _validate_scaler(s)
     _validate_onebit(s)
     _validate_nvme(s)
+    _validate_checkpoint(s)
+
+
+CHECKPOINT_WRITERS = (None, "fast")
+
+
+def _validate_checkpoint(s: DsSettings) -> None:
+    if isinstance(s.lr_warmup_steps, bool) or not isinstance(s.lr_warmup_steps, int) \
+            or s.lr_warmup_steps < 0:
+        _fail("lr_warmup_steps", s.lr_warmup_steps, "must be an integer >= 0 (0: no scheduler)")
+    if s.checkpoint_writer not in CHECKPOINT_WRITERS:
+        _fail("checkpoint_writer", s.checkpoint_writer, f"must be one of {CHECKPOINT_WRITERS}")
+    if s.checkpoint_writer == "fast" and s.stage != 3:
+        # Below stage 3 the writer needs "data_parallel" (without it DeepSpeed 0.19.8 raises
+        # AttributeError: 'UniversalParallelInfo' object has no attribute 'dp_rank'), and with it
+        # every rank writes a slice file (<name>-<rank>.<n>) that load_checkpoint cannot read.
+        _fail("checkpoint_writer", s.checkpoint_writer, f"needs stage=3 (stage={s.stage}): "
+              f"below it DeepSpeed's writer splits files load_checkpoint cannot read")
+    if not isinstance(s.load_universal, bool):
+        _fail("load_universal", s.load_universal, "must be True or False")
 
 
 def _validate_nvme(s: DsSettings) -> None:
@@ -335,8 +364,20 @@ def ds_config(**kwargs: Any) -> dict[str, Any]:
                        "loss_scale_window": s.loss_scale_window, "hysteresis": s.hysteresis,
                        "consecutive_hysteresis": s.consecutive_hysteresis,
                        "min_loss_scale": s.min_loss_scale}
-    if s.offload_device == "nvme":
+    if s.offload_device == "nvme" or s.checkpoint_writer == "fast":
         cfg["aio"] = (s.aio or AioSettings()).block()
+    if s.lr_warmup_steps:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": s.lr, "warmup_num_steps": s.lr_warmup_steps,
+            "warmup_type": "linear"}}
+    if s.checkpoint_writer or s.load_universal:
+        checkpoint: dict[str, Any] = {"load_universal": s.load_universal}
+        if s.checkpoint_writer == "fast":
+            # DeepSpeed's defaults written out; not decoupled (a background writer process).
+            checkpoint["writer"] = {"type": "fast", "decoupled": False,
+                                    "io_buffer_size": 64 * (1 << 20), "io_buffer_double": True,
+                                    "io_multiplier": 1, "show_statistics": False}
+        cfg["checkpoint"] = checkpoint
     return cfg
 
 

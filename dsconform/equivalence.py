@@ -25,8 +25,9 @@ import torch
 
 from dsconform.tolerances import Tol
 
-# Within one step the gradient is computed before the update that moves the parameters.
-_ORDER = {"loss": 0, "grad": 1, "param": 2}
+# Within one step the gradient is computed before the update that moves the parameters. A
+# "state" (compare_states: a checkpointed leaf) has no order of its own within a step.
+_ORDER = {"loss": 0, "grad": 1, "param": 2, "state": 3}
 
 
 @dataclass(frozen=True)
@@ -249,3 +250,67 @@ def compare_rank_results(per_rank: Sequence[Mapping[str, Any]], tol: Tol, *, lab
         cmp.extend(compare_traces(result[candidate], result[reference], tol, label=label,
                                   where=where))
     return cmp
+
+
+def compare_states(actual: Mapping[str, Any], expected: Mapping[str, Any], tol: Tol, *,
+                   label: str = "", where: str = "", step: int = 0) -> Comparison:
+    """Compare two flat named states (a checkpoint's content before the save and after the load):
+    every name on both sides; tensors of equal shape and dtype within ``tol``; numbers within
+    ``tol``; anything else (strings, bools, None) equal.
+
+    Like ``compare_traces``, a comparison that could compare nothing is a failure: an empty side,
+    a name on one side only, a shape or dtype change (bf16 saved, fp32 loaded is not the same
+    checkpoint) or a NaN/inf are ``problems``. Used by the checkpoint suite with an exact
+    tolerance: a checkpoint stores bytes, anything else is a lost or altered value.
+    """
+    cmp = Comparison(tol=tol, label=label)
+    at = f" ({where})" if where else ""
+    for side, named in (("candidate", actual), ("reference", expected)):
+        if not named:
+            cmp.problems.append(f"the {side} state is empty{at}")
+    only_a, only_b = sorted(set(actual) - set(expected)), sorted(set(expected) - set(actual))
+    if only_a or only_b:
+        cmp.problems.append(f"state names differ{at}: only in the candidate {only_a[:5]}, only "
+                            f"in the reference {only_b[:5]}"
+                            + (f" ({len(only_a)} and {len(only_b)} names)"
+                               if len(only_a) > 5 or len(only_b) > 5 else ""))
+    for name, want in expected.items():
+        if name not in actual:
+            continue
+        got = actual[name]
+        if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
+            if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor)):
+                cmp.problems.append(f"state '{name}'{at}: {type(got).__name__} in the "
+                                    f"candidate, {type(want).__name__} in the reference")
+                continue
+            if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+                cmp.problems.append(f"state '{name}'{at}: {got.dtype} {tuple(got.shape)} in the "
+                                    f"candidate, {want.dtype} {tuple(want.shape)} in the "
+                                    f"reference")
+                continue
+            bad = [f"{non_finite(t)} in the {side}" for side, t in
+                   (("candidate", got), ("reference", want)) if non_finite(t)]
+            if bad:
+                cmp.problems.append(f"state '{name}'{at}: {'; '.join(bad)}")
+                continue
+            mabs, mrel, ok = tensor_difference(got, want, tol)
+            cmp.differences.append(Difference("state", step, name, where, mabs, mrel, ok,
+                                              want.numel()))
+        elif _is_number(got) and _is_number(want):
+            if not (math.isfinite(float(got)) and math.isfinite(float(want))):
+                if float(got) != float(want):
+                    cmp.problems.append(f"state '{name}'{at}: {got!r} in the candidate, "
+                                        f"{want!r} in the reference")
+                continue
+            mabs, mrel, ok = tensor_difference(torch.tensor(float(got), dtype=torch.float64),
+                                               torch.tensor(float(want), dtype=torch.float64),
+                                               tol)
+            cmp.differences.append(Difference("state", step, name, where, mabs, mrel, ok))
+        elif got != want:
+            cmp.problems.append(f"state '{name}'{at}: {got!r} in the candidate, {want!r} in the "
+                                f"reference")
+    return cmp
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -677,9 +677,14 @@ def check_op_isolated(name: str, *, device: str = "cpu",
     import subprocess
 
     cmd = [sys.executable, "-c", _CHILD, name, device, os.fspath(scratch_dir or "")]
+    # The child runs in the scratch directory: gds_handle writes local_cufile.json into its
+    # working directory, which must not be the user's checkout. This dsconform stays importable.
+    here = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
+                              cwd=os.fspath(scratch_dir) if scratch_dir else None)
     except subprocess.TimeoutExpired as e:
         raise OpCrashed(f"op {name}: check did not finish within {timeout_s:.0f} s\n"
                         f"{log_tail(str(e.stdout or '') + str(e.stderr or ''))}") from None

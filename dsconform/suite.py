@@ -12,6 +12,8 @@ Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` 
 from __future__ import annotations
 
 from dsconform import (
+    checkpoint_state,
+    checkpoint_storage,
     collectives,
     gpu_health,
     nccl_tests,
@@ -47,6 +49,7 @@ from dsconform.dsreport import parse_ds_report, run_ds_report
 from dsconform.equivalence import (
     Comparison,
     compare_rank_results,
+    compare_states,
     compare_traces,
     non_finite,
     tensor_difference,
@@ -78,4 +81,5 @@ __all__ = [
     "collectives", "gpu_health", "nccl_tests", "worker_gpus",
     "ONEBIT_OPTIMIZERS", "ONEBIT_TYPES", "onebit_reference",
     "nvme", "nvme_io", "nvme_tune", "nvme_xcheck",
+    "checkpoint_state", "checkpoint_storage", "compare_states",
 ]

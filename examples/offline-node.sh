@@ -16,8 +16,9 @@
 # /tmp/dsconform-site; nothing is fetched, the node's own site-packages are not touched); unpacks
 # libaio from the .debs into $DSCONFORM_LIBAIO (default /tmp/dsconform-libaio); exports
 # PYTHONPATH, PATH, CPATH, LIBRARY_PATH and LD_LIBRARY_PATH and writes them to
-# $DSCONFORM_SITE/env.sh for later shells; checks that every requirement of dsconform and
-# DeepSpeed is met (by the node or the carried wheels) and names what is missing (exit 1).
+# $DSCONFORM_SITE/env.sh for later shells; checks every requirement of dsconform, DeepSpeed and
+# the carried wheels against the node plus the carried wheels: a missing package fails (exit 1),
+# a version outside a requirement is a WARNING naming it (importable: the run can go on).
 # The async_io JIT build ignores CFLAGS/LDFLAGS (they only feed ds_report's probe), so a libaio
 # outside the system paths is given through CPATH and LIBRARY_PATH, and LD_LIBRARY_PATH at run
 # time.
@@ -99,7 +100,7 @@ import sys
 
 from packaging.requirements import Requirement
 
-site, missing, found = sys.argv[1], [], {}
+site, missing, other, found = sys.argv[1], [], [], {}
 # dsconform and DeepSpeed, and every distribution carried into the site (pydantic needs its
 # pydantic-core, and a typing-extensions the node may have too old a copy of).
 tops = ["dsconform", "deepspeed"]
@@ -123,11 +124,15 @@ for top in tops:
             missing.append(f"{req} (for {top}): not installed on the node nor carried")
             continue
         if req.specifier and not req.specifier.contains(version, prereleases=True):
-            missing.append(f"{req} (for {top}): found {version}")
+            other.append(f"{req} (for {top}): found {version}")
 print("offline-node: " + "; ".join(f"{k} {v}" for k, v in found.items()))
+hint = "build the bundle with --have listing what this node has, or --include REQUIREMENT"
+if other:  # importable, so the run can go on; the combination is not the one specified
+    print(f"offline-node: WARNING: versions outside the requirements ({hint}):\n  "
+          + "\n  ".join(other), file=sys.stderr)
 if missing:
-    print("offline-node: requirements not met (build the bundle with --have listing what this "
-          "node has, or --include NAME):\n  " + "\n  ".join(missing), file=sys.stderr)
+    print(f"offline-node: requirements not met ({hint}):\n  " + "\n  ".join(missing),
+          file=sys.stderr)
     sys.exit(1)
 EOF
     echo "offline-node: libaio from $libaio; environment in $site/env.sh"

@@ -395,21 +395,21 @@ def train_with_overflows(case: ScalingCase) -> dict[str, Any]:
 # bf16: no scaler, finite training
 # ---------------------------------------------------------------------------------------------
 
-def train_bf16(stage: int, world_size: int, steps: int = 12, seed: int = 99) -> dict[str, Any]:
-    """Rank entry point: bf16 training; per step the scaler state as the adapter reads it, the
-    loss, and whether the gathered fp32 masters are finite."""
+def train_bf16(stage: int, world_size: int, steps: int = 12) -> dict[str, Any]:
+    """Rank entry point: bf16 training on the convergence task (its loss falls fast at first);
+    per step the scaler state as the adapter reads it, the loss, the engine's skip counter and
+    whether the gathered fp32 masters are finite."""
     import deepspeed
 
     from dsconform.suite import device, rank, seed_everything
 
-    seed_everything(seed)
+    case = CurveCase(stage=stage, dtype="bf16", world_size=world_size, steps=steps)
+    seed_everything(case.seed)
     dev = torch.device(device())
-    model = MLP(13, 53, 7)
-    data = _data(seed, rank(), steps, 4, 13, 7)
-    cfg = ds_config(stage=stage, dtype="bf16", optimizer="sgd", lr=0.05, micro_batch=4,
-                    grad_accum=1, world_size=world_size, gradient_clipping=0.0, momentum=0.9)
+    model = MLP(case.d_in, case.width, case.d_out)
+    data = _curve_data(case, rank())
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=cfg)
+                                           config=case.config("bf16"))
     try:
         records = []
         for x, y in data:

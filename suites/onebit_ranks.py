@@ -183,11 +183,6 @@ def train(run: OnebitRun) -> dict[str, Any]:
                 "compressed_calls": calls[0]}
 
 
-def train_pair(compressed: OnebitRun, baseline: OnebitRun) -> dict[str, Any]:
-    """Rank entry point: the uncompressed baseline, then the 1-bit run, on the same task."""
-    return {"baseline": train(baseline), "compressed": train(compressed)}
-
-
 def error_buffers(engine: Any) -> dict[str, Any]:
     """Where each 1-bit optimizer keeps its compression errors (DeepSpeed 0.19.6): OneBitAdam and
     ZeroOneAdam per parameter state ("worker_error", "server_error"; 0/1 Adam also its local
@@ -326,16 +321,20 @@ def _timed(op: Any, iters: int, rounds: int, dev: torch.device) -> list[float]:
     """Seconds per call, one value per round, the slowest rank's (every rank returns the same)."""
     import torch.distributed as tdist
 
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
     for _ in range(2):  # warm-up: cupy compiles its kernels, NCCL sets up its channels
         op()
-    torch.cuda.synchronize(dev)
+    sync()
     per_call = []
     for _ in range(rounds):
         tdist.barrier()
         start = time.perf_counter()
         for _ in range(iters):
             op()
-        torch.cuda.synchronize(dev)
+        sync()
         elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64,
                                device=dev)
         tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)

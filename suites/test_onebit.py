@@ -14,14 +14,22 @@ so by name.
 - ONEBIT-COMM-1 (2 GPUs): at 64 and 256 MiB the compressed allreduce puts at least 30x fewer
   bytes on the wire than a plain fp32 all_reduce; both times and both ratios are recorded.
 - ONEBIT-CONV-1 (2 GPUs, fp16 and fp32): each 1-bit optimizer, run well past its freeze step
-  (200 steps, freeze at 40: the tutorials' 15-25%), ends within the tolerance table's ratio of
-  its uncompressed baseline's final loss (Adam for 1-bit Adam and 0/1 Adam; LAMB, i.e. 1-bit
-  LAMB never leaving its uncompressed warmup, for 1-bit LAMB) on a deterministic task the
-  baseline learns; the run really was compressed; data-parallel replicas stay identical.
-- ONEBIT-CKPT-1 (2 GPUs): saved in the compressed stage, a fresh engine resumes in the
-  compressed stage with the compression errors (and 0/1 Adam's local step buffer) reset, as
-  the tutorials document, and keeps converging to within the table's ratio of the run that was
-  never interrupted.
+  (200 steps, freeze at 40: the tutorials' 15-25%) on a deterministic task (a fixed teacher
+  labels a fixed batch per rank), ends within the tolerance table's ratio of its uncompressed
+  baseline's final loss: the same algorithm never leaving its uncompressed warmup stage (Adam as
+  1-bit Adam computes it, for 1-bit Adam and 0/1 Adam; LAMB for 1-bit LAMB). The baseline must
+  learn the task, the run must really have compressed (stage flags and a count of compressed
+  allreduces), keep learning after the freeze, and the data-parallel replicas must agree.
+- ONEBIT-CKPT-1 (2 GPUs): saved 80 steps into the compressed stage, a fresh engine resumes in
+  the compressed stage with the compression errors (and 0/1 Adam's local step buffer) reset, as
+  the tutorials document ("only rank 0's errors are saved ... we reset the compression errors"),
+  and compresses again.
+- ONEBIT-CKPT-2: the resumed run keeps converging, within the table's ratio of the run that was
+  never interrupted. ONEBIT-CKPT-3: the replicas still agree after the resume. Both break on
+  0.19.6 on the CPU stand-in (known issues DS-ONEBIT-LAMB-RESUME, DS-ONEBIT-RESUME-LOCAL-STEP).
+
+The acceptance tier runs every pair of (kind, optimizer, dtype) once (6 training cells, the
+allreduce tests and the availability checks); the other cells are ``slow``.
 
 Version awareness: DeepSpeed 0.19.7 removed all of this (PR #8490). Every GPU test here gates on
 ``requires(onebit=...)``: on 0.19.7 and later it SKIPS with "removed in DeepSpeed 0.19.7, PR
@@ -70,10 +78,12 @@ SAVE_AT = 120           # well inside the compressed stage: 80 steps past the fr
 TAIL = 10               # a loss is the mean of this many consecutive steps
 # The task is only a test if the baseline learns it: its final loss at most this fraction of
 # its first. CPU stand-in (DeepSpeed 0.19.6's optimizers on gloo with the reference as their
-# compressed allreduce, fp32, seeds 1-3): Adam 0.0011-0.0015, LAMB 0.017-0.021.
+# compressed allreduce, fp32, seeds 1-3 and the suite's): Adam 0.0011-0.0017, LAMB
+# 0.016-0.021.
 BASELINE_MUST_REACH = 0.05
 # And the compressed stage must keep learning: the final loss at most this fraction of the loss
-# at freeze_step. CPU stand-in: 0.015-0.044 for all three.
+# at freeze_step. CPU stand-in: 0.015-0.044 for all three; with an error feedback dropped
+# 0.8-9.4.
 COMPRESSED_MUST_REACH = 0.2
 # Learning rates at which every baseline learns the task (FINDINGS: 1-bit LAMB at 1e-3 did not;
 # LAMB's trust ratio ||w|| / ||update|| makes its steps ~10x smaller than Adam's on this MLP).
@@ -429,31 +439,40 @@ def test_converges_like_baseline(optimizer: str, dtype: str, profile, metrics):
 RESET_ON_LOAD = {"onebit_adam": "worker and server errors",
                  "zero_one_adam": "worker and server errors and the local step buffer",
                  "onebit_lamb": "worker and server errors"}
+_RESUMED: dict[OnebitRun, list[dict]] = {}
 
 
-@pytest.mark.parametrize("optimizer, dtype", _cells("resume"))
-def test_resume_in_compressed_stage(optimizer: str, dtype: str, profile, scratch,
-                                    metrics):
-    """ONEBIT-CKPT-1: a compressed-stage checkpoint MUST resume compressed, errors reset."""
-    need_cupy(profile)
-    run = compressed_run(optimizer, dtype)
-    tol = tolerance("onebit_resume", dtype, optimizer, profile.tolerances, accelerator="cuda")
-    ranks = run_ranks(onebit_ranks.train_save_resume, 2, timeout_s=TIMEOUT_S,
-                      args=(run, SAVE_AT, str(scratch / "checkpoint")), accelerator="cuda")
+def resume(run: OnebitRun, scratch) -> list[dict]:
+    """Save at SAVE_AT, continue, and resume a fresh engine from the checkpoint (2 GPUs). The
+    three resume tests of a cell share one run; the checkpoint lives in the first one's
+    scratch directory and is gone when it ends (the results are plain data)."""
+    if run not in _RESUMED:
+        _RESUMED[run] = run_ranks(onebit_ranks.train_save_resume, 2, timeout_s=TIMEOUT_S,
+                                  args=(run, SAVE_AT, str(scratch / "checkpoint")),
+                                  accelerator="cuda")
+    return _RESUMED[run]
+
+
+def _resumed_curves(run: OnebitRun, ranks: list[dict]) -> tuple[list[float], list[float]]:
     whole = curve([r["uninterrupted"] for r in ranks])
     resumed = curve([r["resumed"] for r in ranks])
     _finite(f"{run.id} uninterrupted", whole)
     _finite(f"{run.id} resumed", resumed)
+    return whole, resumed
+
+
+@pytest.mark.parametrize("optimizer, dtype", _cells("resume"))
+def test_resume_in_compressed_stage(optimizer: str, dtype: str, profile, scratch, metrics):
+    """ONEBIT-CKPT-1: a compressed-stage checkpoint MUST resume compressed, errors reset."""
+    need_cupy(profile)
+    run = compressed_run(optimizer, dtype)
+    ranks = resume(run, scratch)
+    _resumed_curves(run, ranks)
     r0 = ranks[0]
     assert r0["loaded"], f"{run.id}: load_checkpoint found no checkpoint in {scratch}"
     at_save, after_load = r0["errors_at_save"], r0["errors_after_load"]
-    params = {**run.params(), "save_at": SAVE_AT, "rtol": tol.rtol, "atol": tol.atol}
     metrics.record("onebit.resume.errors_at_save_max_abs", at_save["max_abs"], unit="1",
-                   better="lower", **params)
-    metrics.record("onebit.resume.final_loss_ratio",
-                   tail(resumed) / tail(whole), unit="ratio", better="lower", **params)
-    metrics.record("onebit.resume.loss_final", tail(resumed), unit="1", better="lower",
-                   **params)
+                   better="lower", **run.params(), save_at=SAVE_AT)
     assert r0["stage_at_save"]["compressed"] and at_save["count"] and at_save["max_abs"] > 0, (
         f"{run.id}: at step {SAVE_AT} the optimizer is not compressing with live errors "
         f"({r0['stage_at_save']}, errors {at_save}): nothing to check a resume with")
@@ -466,14 +485,48 @@ def test_resume_in_compressed_stage(optimizer: str, dtype: str, profile, scratch
         f"{run.id}: after load_checkpoint at step {r0['step_after_load']} the engine allreduces "
         f"gradients uncompressed ({stage}): the compressed stage must continue")
     end = r0["resumed"]
-    assert end["stage_end"]["compressed"] and end["errors_end"]["count"] > 0, (
-        f"{run.id}: the resumed run did not compress again ({end['stage_end']}, errors "
-        f"{end['errors_end']})")
+    steps_left = STEPS - SAVE_AT
+    assert end["stage_end"]["compressed"] and end["errors_end"]["count"] > 0 and \
+        end["compressed_calls"] >= steps_left - 2, (
+            f"{run.id}: the resumed run did not compress again ({end['stage_end']}, errors "
+            f"{end['errors_end']}, {end['compressed_calls']} compressed allreduces in "
+            f"{steps_left} steps)")
+
+
+@pytest.mark.parametrize("optimizer, dtype", _cells("resume"))
+def test_resume_keeps_converging(optimizer: str, dtype: str, profile, scratch, metrics):
+    """ONEBIT-CKPT-2: a resumed 1-bit run MUST keep converging like the uninterrupted one."""
+    need_cupy(profile)
+    run = compressed_run(optimizer, dtype)
+    tol = tolerance("onebit_resume", dtype, optimizer, profile.tolerances, accelerator="cuda")
+    whole, resumed = _resumed_curves(run, resume(run, scratch))
+    params = {**run.params(), "save_at": SAVE_AT, "rtol": tol.rtol, "atol": tol.atol}
+    metrics.record("onebit.resume.final_loss_ratio", tail(resumed) / tail(whole), unit="ratio",
+                   better="lower", **params)
+    metrics.record("onebit.resume.loss_final", tail(resumed), unit="1", better="lower",
+                   **params)
+    metrics.record("onebit.resume.loss_max_after_load", max(resumed), unit="1", better="lower",
+                   **params)
     before = tail(whole, SAVE_AT)
     assert tail(resumed) < before, (
         f"{run.id}: after resuming at step {SAVE_AT} the loss went {before:.4g} -> "
-        f"{tail(resumed):.4g}: it must keep converging")
+        f"{tail(resumed):.4g} (peak {max(resumed):.4g}): it must keep converging")
     assert within_ratio(tail(resumed), tail(whole), tol), (
         f"{run.id}: resumed final loss {tail(resumed):.4g} against the uninterrupted run's "
         f"{tail(whole):.4g}: ratio {tail(resumed) / tail(whole):.3g} beyond 1 + rtol "
         f"= {1 + tol.rtol:g} (+ atol {tol.atol:g}) ({tol.why})")
+
+
+@pytest.mark.parametrize("optimizer, dtype", _cells("resume"))
+def test_replicas_agree_after_resume(optimizer: str, dtype: str, profile, scratch, metrics):
+    """ONEBIT-CKPT-3: data-parallel replicas MUST stay identical through a resume."""
+    need_cupy(profile)
+    run = compressed_run(optimizer, dtype)
+    ranks = resume(run, scratch)
+    _replicas_agree(run, f"{run.id} uninterrupted", [r["uninterrupted"] for r in ranks],
+                    profile)
+    resumed = [r["resumed"] for r in ranks]
+    diff = float((resumed[1]["weights"] - resumed[0]["weights"]).abs().max())
+    metrics.record("onebit.resume.replica_max_abs_diff", diff, unit="1", better="lower",
+                   **run.params(), save_at=SAVE_AT)
+    _replicas_agree(run, f"{run.id} resumed at step {SAVE_AT}", resumed, profile)

@@ -23,13 +23,18 @@ from suites import loss_scaling_ranks as ranks
 
 
 @contextlib.contextmanager
-def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
-    original = owner.__dict__[name]
+def _patched(owner: type, name: str, value: Any) -> Iterator[None]:
+    """``owner.name = value`` for the duration; an inherited attribute is un-shadowed after."""
+    own = name in owner.__dict__
+    original = owner.__dict__.get(name)
     setattr(owner, name, value)
     try:
         yield
     finally:
-        setattr(owner, name, original)
+        if own:
+            setattr(owner, name, original)
+        else:
+            delattr(owner, name)
 
 
 @contextlib.contextmanager

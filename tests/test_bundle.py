@@ -196,7 +196,7 @@ def make_deb(folder: Path) -> Path:
 def crafted_bundle(tmp_path) -> Path:
     b = tmp_path / "bundle"
     make_wheel(b / "wheels", "dsconform", "0.1.0", ["deepspeed>=0.19.6", "fakedep>=1"])
-    make_wheel(b / "wheels", "fakedep", "1.0")
+    make_wheel(b / "wheels", "fakedep", "1.0", ["packaging<1"])  # the node's is newer
     make_wheel(b / "deepspeed" / "0.19.8", "deepspeed", "0.19.8", ["fakedep"])
     make_wheel(b / "deepspeed" / "0.19.6", "deepspeed", "0.19.6", ["fakedep", "notthere>=1"])
     (b / "debs").mkdir()
@@ -230,6 +230,9 @@ def test_install_from_the_bundle_alone_picks_the_deepspeed_version(tmp_path, cra
     assert f"CPATH={tmp_path}/libaio/usr/include" in lines
     assert f"LD={tmp_path}/libaio/usr/lib/x86_64-linux-gnu" in lines
     assert f"offline-node: the suite is in {tmp_path}/s" in proc.stdout
+    # A version outside a requirement is importable: a warning naming it, not a failure.
+    assert "WARNING: versions outside the requirements" in proc.stderr
+    assert "packaging<1 (for fakedep): found" in proc.stderr
     assert (tmp_path / "s" / "conftest.py").is_file()
     assert (site / "env.sh").is_file()
     # Another version replaces the first; a new shell gets the environment from env.sh.

@@ -288,6 +288,13 @@ def test_cli_different_hardware_warns_and_exits_2_only_with_strict(tmp_path, cap
     err = capsys.readouterr().err
     assert err.startswith("dsconform compare: --strict: the runs are of different hardware")
     assert main(["compare", base, base, "--strict"]) == 0
+    capsys.readouterr()
+    # With the markdown on stdout, the warning goes where a person sees it.
+    assert main(["compare", base, cpu, "--markdown"]) == 0
+    captured = capsys.readouterr()
+    assert "> **WARNING: these runs are of DIFFERENT HARDWARE" in captured.out
+    assert "dsconform compare: WARNING: different profile: BASE 'h200-x2', NEW 'cpu-ci'" in (
+        captured.err)
 
 
 # ------------------------------------------------------------------ exit codes, bad input
@@ -369,6 +376,15 @@ def test_malformed_or_foreign_input_is_one_line_and_exit_2(tmp_path, capsys, con
         lines = captured.err.splitlines()
         assert len(lines) == 1, captured.err
         assert lines[0].startswith(f"dsconform compare: {bad}: ") and message in lines[0]
+
+
+def test_unwritable_outputs_are_one_line_and_exit_2(tmp_path, capsys):
+    good = write(tmp_path / "good.json", doc())
+    missing_dir = tmp_path / "no" / "such"
+    assert main(["compare", good, good, "--markdown", str(missing_dir / "x.md")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"dsconform compare: cannot write {missing_dir / 'x.md'}: No such file or "
+                   "directory"]
 
 
 def test_missing_file_and_bad_threshold(tmp_path, capsys):

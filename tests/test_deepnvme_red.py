@@ -1,5 +1,7 @@
 """The DeepNVMe suite's checks MUST go red, on DeepSpeed's real aio_handle and the real disk.
 
+- DeepSpeed aborting its process (a read past the end of a file trips a C assert): that call
+  fails naming the signal, the run and the next call go on;
 - one byte of the file changed between DeepNVMe's write and its read: the round trip fails
   naming the byte (NVME-IO-1/2), in the suite's own rank code (suites/deepnvme_ranks.py);
 - a handle compared with other settings than it was built with: the getters check names each
@@ -58,6 +60,24 @@ def test_one_wrong_byte_on_read_fails_naming_it(tmp_path):
     assert list(tmp_path.iterdir()) == []  # the rank removed its file on the way out
 
 
+def read_past_end(directory: str) -> None:
+    """Rank code: a read longer than the file, which DeepSpeed answers with a C assert."""
+    import torch
+    handle = nvme_io.open_handle(SETTINGS)
+    path = Path(directory) / "short.bin"
+    path.write_bytes(b"x" * 4096)
+    handle.sync_pread(torch.empty(8192, dtype=torch.uint8), str(path))
+
+
+def test_native_abort_fails_one_call_not_the_run(tmp_path):
+    """DeepSpeed aborting its process MUST fail that call only: the next call works."""
+    with pytest.raises(RankError) as err:
+        run_ranks(read_past_end, 1, timeout_s=900, accelerator="cpu", args=(str(tmp_path),))
+    assert "SIGABRT" in str(err.value), str(err.value)
+    (tmp_path / "short.bin").unlink()
+    assert _roundtrip(tmp_path, None)["nbytes"] == MIB + 3072  # a fresh process, working
+
+
 def test_getters_name_every_mismatch():
     """A handle compared with other settings MUST be reported field by field."""
     ensure_extensions_dir()
@@ -68,8 +88,8 @@ def test_getters_name_every_mismatch():
                              overlap_events=SETTINGS.overlap_events)
     found = nvme_io.getter_mismatches(handle, other)
     assert found == ["aio_handle.get_queue_depth() returned 4, built with 8",
-                     "aio_handle.get_single_submit() returned False, built with True",
                      "aio_handle.get_intra_op_parallelism() returned 2, built with 4",
+                     "aio_handle.get_single_submit() returned False, built with True",
                      "aio_handle.get_alignment() returned 1024, built with 2048"]
 
 
@@ -137,7 +157,7 @@ def test_suite_fails_a_floor_far_above_the_disk_and_tmpfs_and_missing_paths(tmp_
               if case.find("failure") is not None}
     assert sorted(failed) == [f"test_throughput_floor[path{i}-cpu_locked]" for i in range(3)]
     floor = failed["test_throughput_floor[path0-cpu_locked]"]
-    assert floor.startswith("recorded beyond its limit: nvme.write = ")
+    assert floor.startswith("Failed: recorded beyond its limit: nvme.write = ")
     assert "GB/s (median of 3 rounds: " in floor
     assert "is below its floor 1e+06 GB/s [path=@scratch, memory=locked, kind=aio" in floor
     assert "nvme.read = " in floor and "o_direct=True, page_cache_resident_before_read=0.0" in floor

@@ -108,7 +108,8 @@ def test_known_stage0_defects_are_what_fails():
     (ScalingCase(stage=3, world_size=2, scaler="floor", inject="loss_inf"), "silent_floor",
      "step 3 (overflow (loss_inf) injected on rank 1): an overflow at min_loss_scale=1 must end "
      "the run with an error; DeepSpeed skipped the step and went on"),
-], ids=lambda v: v if isinstance(v, str) and " " not in v else None)
+], ids=["never_lowers", "skip_still_steps", "clean_step_dropped", "rank0_steps_alone",
+        "static_scale_moves", "silent_floor"])
 def test_engine_check_goes_red(case, perturb, message):
     """Each perturbation of the real engine MUST fail the check, naming rank, step and what."""
     problems = _engine(case, perturb)
@@ -139,7 +140,7 @@ def test_adapter_reads_every_real_holder():
     (None, None),
     ("bf16_gets_scaler", "step 0: bf16 has a loss scaler (dynamic=True, scale 65536.0)"),
     ("bf16_poisoned", "loss or fp32 masters not finite from step 4 on"),
-])
+], ids=["control", "bf16_gets_scaler", "bf16_poisoned"])
 def test_bf16_check(perturb, message):
     """bf16 on ZeRO-2: passes as is; a scaler, or NaN weights, MUST fail the check."""
     results = run_ranks(cpu.train_bf16, 2, args=(2, 2), kwargs={"perturb": perturb},

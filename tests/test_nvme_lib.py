@@ -81,6 +81,18 @@ def test_tmpfs_path_fails_naming_it_and_nothing_is_written(shm_dir):
     assert list(shm_dir.iterdir()) == []
 
 
+def test_overlay_path_fails_naming_it(tmp_path, monkeypatch):
+    # A container's root; this machine has none to point at.
+    st = os.stat(tmp_path)
+    text = (f"1 0 {os.major(st.st_dev)}:{os.minor(st.st_dev)} / / rw - overlay overlay "
+            "rw,lowerdir=/l,upperdir=/u,workdir=/w\n")
+    real = nvme.mount_of
+    monkeypatch.setattr(nvme, "mount_of", lambda p: real(p, nvme.parse_mountinfo(text)))
+    with pytest.raises(nvme.NvmePathError, match=r"is overlay, a union filesystem .*bind mount"):
+        nvme.check_path(tmp_path, MIB, where="w")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_path_fails_naming_entry(tmp_path):
     with pytest.raises(nvme.NvmePathError, match=r"^x\.toml nvme\.paths\[0\]: .*/nope: does "
                                                  r"not exist: create it"):

@@ -1,0 +1,155 @@
+"""The state a DeepSpeed checkpoint must carry, as flat named leaves, and what a partial load
+must take from the checkpoint and what it must leave alone.
+
+A snapshot is a flat mapping ``name -> leaf`` (a CPU tensor, a number, a string, a bool or
+None) with names such as ``module/fc1.weight``, ``fp32/fc1.weight``,
+``optimizer/base_optimizer_state/state/0/exp_avg``, ``scheduler/last_batch_iteration``,
+``engine/global_steps``, ``loss_scaler/cur_scale``. ``flatten_state`` turns any nested state
+dict (the optimizer wrappers of ZeRO stages 0-3 each have their own layout) into such leaves, so
+one comparison (``dsconform.equivalence.compare_states``) covers every layout.
+
+Which component a name belongs to is decided here, once (``component``), and so is what each
+load flag of ``DeepSpeedEngine.load_checkpoint`` must do to each component (``EXPECTED``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from dsconform.equivalence import compare_states
+from dsconform.tolerances import Tol
+
+# Optimizer state that exists per parameter: Adam's moments, SGD's momentum. A dropped
+# optimizer state shows here first.
+MOMENT_KEYS = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer"})
+COUNTERS = ("engine/global_steps", "engine/global_samples", "engine/skipped_steps")
+COMPONENTS = ("module", "moments", "scheduler", "counters")
+_MAX_DEPTH = 12
+
+
+def flatten_state(obj: Any, prefix: str) -> dict[str, Any]:
+    """Nested dicts, lists and plain objects (DeepSpeed's LossScaler, fragment addresses) as flat
+    ``prefix/key`` leaves: tensors are detached CPU clones, enums their values, objects their
+    public non-callable attributes (``prefix.attr``) plus ``prefix:type``. Anything else becomes
+    its repr, so a leaf is always comparable and picklable."""
+    import torch
+
+    out: dict[str, Any] = {}
+
+    def walk(value: Any, name: str, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            out[name] = f"<deeper than {_MAX_DEPTH}: {type(value).__name__}>"
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.detach().to("cpu").clone()
+        elif isinstance(value, enum.Enum):
+            out[name] = value.value
+        elif value is None or isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        elif isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(v, f"{name}/{k}", depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(v, f"{name}[{i}]", depth + 1)
+        elif hasattr(value, "__dict__"):
+            out[f"{name}:type"] = type(value).__name__
+            for k, v in vars(value).items():
+                if not k.startswith("_") and not callable(v):
+                    walk(v, f"{name}.{k}", depth + 1)
+        else:
+            out[name] = repr(value)
+
+    walk(obj, prefix, 0)
+    return out
+
+
+def component(name: str) -> str | None:
+    """The component a snapshot name belongs to, for partial loads (None: not judged there)."""
+    if name.startswith("module/"):
+        return "module"
+    if name.startswith("optimizer/") and _last_key(name) in MOMENT_KEYS:
+        return "moments"
+    if name.startswith("scheduler/"):
+        return "scheduler"
+    if name in COUNTERS:
+        return "counters"
+    return None
+
+
+def _last_key(name: str) -> str:
+    tail = name.rsplit("/", 1)[-1]
+    return tail.split("[", 1)[0]
+
+
+def select(snapshot: Mapping[str, Any], which: str) -> dict[str, Any]:
+    """The leaves of one component."""
+    if which not in COMPONENTS:
+        raise ValueError(f"unknown component {which!r}; known: {', '.join(COMPONENTS)}")
+    return {k: v for k, v in snapshot.items() if component(k) == which}
+
+
+# load_checkpoint keyword arguments of each partial-load mode, and where each component must
+# come from afterwards: "saved" (the checkpoint) or "fresh" (the engine as it was before the
+# load). https://deepspeed.readthedocs.io/en/latest/model-checkpointing.html
+LOAD_MODES: dict[str, dict[str, bool]] = {
+    "full": {},
+    "module_only": {"load_module_only": True},
+    "no_optimizer": {"load_optimizer_states": False},
+    "no_scheduler": {"load_lr_scheduler_states": False},
+}
+EXPECTED: dict[str, dict[str, str]] = {
+    "full": {"module": "saved", "moments": "saved", "scheduler": "saved", "counters": "saved"},
+    # Warm start: weights only; optimizer, schedule and step counters start over.
+    "module_only": {"module": "saved", "moments": "fresh", "scheduler": "fresh",
+                    "counters": "fresh"},
+    "no_optimizer": {"module": "saved", "moments": "fresh", "scheduler": "saved",
+                     "counters": "saved"},
+    "no_scheduler": {"module": "saved", "moments": "saved", "scheduler": "fresh",
+                     "counters": "saved"},
+}
+
+
+def judge_load(mode: str, saved: Mapping[str, Any], fresh: Mapping[str, Any],
+               loaded: Mapping[str, Any], tol: Tol, *, where: str = "") -> list[str]:
+    """One line per component that did not come from where ``mode`` says it must.
+
+    ``saved``: the snapshot of the engine that wrote the checkpoint; ``fresh``: the loading
+    engine before the load; ``loaded``: the same engine after it. A component whose saved and
+    fresh values cannot be told apart makes the check vacuous, which is a problem too.
+    """
+    if mode not in EXPECTED:
+        raise ValueError(f"unknown load mode {mode!r}; known: {', '.join(EXPECTED)}")
+    flags = ", ".join(f"{k}={v}" for k, v in LOAD_MODES[mode].items()) or "defaults"
+    at = f" ({where})" if where else ""
+    problems = []
+    for which, source in EXPECTED[mode].items():
+        s, f, got = select(saved, which), select(fresh, which), select(loaded, which)
+        other = "fresh" if source == "saved" else "saved"
+        want = s if source == "saved" else f
+        if not want and not got:
+            if source == "fresh":
+                continue  # nothing there before the load, nothing after: untouched
+            problems.append(f"load_checkpoint({flags}){at}: no {which} in the checkpointed "
+                            f"engine's state: nothing to check")
+            continue
+        if _same(s, f, tol):
+            problems.append(f"load_checkpoint({flags}){at}: {which}: the checkpoint and the "
+                            f"fresh engine hold the same values; the check cannot tell them "
+                            f"apart")
+            continue
+        cmp = compare_states(got, want, tol, label=which, where=where)
+        if not cmp.ok:
+            looks = " (it holds the " + other + " values)" if _same(got, s if other == "saved"
+                                                                    else f, tol) else ""
+            problems.append(f"load_checkpoint({flags}){at}: {which} must be the {source} "
+                            f"engine's{looks}: {cmp.report(limit=2)}")
+    return problems
+
+
+def _same(a: Mapping[str, Any], b: Mapping[str, Any], tol: Tol) -> bool:
+    if not a and not b:
+        return True
+    return compare_states(a, b, tol).ok
+

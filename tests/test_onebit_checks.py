@@ -1,0 +1,190 @@
+"""The onebit suite's GPU checks (ONEBIT-CONV-1, ONEBIT-CKPT-1/2/3) go red on the defects they
+exist for.
+
+DeepSpeed's 1-bit optimizers need GPUs, cupy and DeepSpeed <= 0.19.6, none of which this machine
+has, so the suite's own test functions run here on rank results shaped like the ones
+suites/onebit_ranks.py returns (curves and flags as measured on the CPU stand-in, see
+dsconform/tolerances.py), once as they should be and once with one defect each. The real runs
+happen on the GPU node; what is checked here is that the suite would notice.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsconform.profile import Profile
+from dsconform.records import MetricsRecorder
+from suites import test_onebit as suite
+
+PROFILE = Profile(name="t", source="t", gpu_count=2)
+
+
+def decay(first: float, last: float, steps: int) -> list[float]:
+    """A loss curve falling geometrically from ``first`` to ``last``."""
+    return [first * (last / first) ** (i / (steps - 1)) for i in range(steps)]
+
+
+WEIGHTS = torch.linspace(-1, 1, 97)
+
+
+def rank_result(losses, compressed=True, calls=644, weights=WEIGHTS):
+    return {"losses": list(losses), "seconds": [0.001] * len(losses), "weights": weights.clone(),
+            "stage": {"optimizer_class": "OnebitAdam", "compressed": compressed,
+                      "backward_allreduce": not compressed},
+            "compressed_calls": calls}
+
+
+@pytest.fixture
+def metrics():
+    return MetricsRecorder("t::t", "onebit", lambda m: None)
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """suite._train answers from this dict of {"baseline" | "compressed": per-rank results}."""
+    canned = {"baseline": [rank_result(decay(2.2, 0.0038, suite.STEPS), compressed=False,
+                                       calls=4)] * 2,
+              "compressed": [rank_result(decay(2.2, 0.0049, suite.STEPS))] * 2}
+
+    def train(run):
+        return canned["baseline" if run.freeze_step > run.steps else "compressed"]
+
+    monkeypatch.setattr(suite, "_train", train)
+    monkeypatch.setattr(suite, "need_cupy", lambda profile: None)
+    return canned
+
+
+def converge(metrics):
+    suite.test_converges_like_baseline("onebit_adam", "fp32", PROFILE, metrics)
+
+
+def test_convergence_check_passes_as_measured(runs, metrics):
+    converge(metrics)
+    ratio = next(m for m in metrics.recorded if m.name == "onebit.final_loss_ratio")
+    assert ratio.value == pytest.approx(0.0049 / 0.0038, rel=0.05)
+
+
+@pytest.mark.parametrize("defect, message", [
+    ("compressed ends 4x the baseline", r"ratio 3\.\d+ beyond 1 \+ rtol = 2.5"),
+    ("never compressed", "did not train in the compressed stage"),
+    ("too few compressed allreduces", "did not train in the compressed stage"),
+    ("baseline does not learn", "did not learn the task"),
+    ("compressed stage stalls", "stopped learning in the compressed stage"),
+    ("replicas differ", "replicas hold different weights"),
+    ("loss becomes NaN", "loss not finite from step 150"),
+])
+def test_convergence_check_goes_red(defect, message, runs, metrics):
+    c = runs["compressed"][0]
+    if defect == "compressed ends 4x the baseline":
+        c["losses"] = decay(2.2, 4 * 0.0038, suite.STEPS)
+    elif defect == "never compressed":
+        c["stage"] = {**c["stage"], "compressed": False, "backward_allreduce": True}
+    elif defect == "too few compressed allreduces":
+        c["compressed_calls"] = 12
+    elif defect == "baseline does not learn":
+        runs["baseline"] = [rank_result(decay(2.2, 0.5, suite.STEPS), False)] * 2
+    elif defect == "compressed stage stalls":  # 0.05 at the freeze, 0.03 from then on
+        c["losses"] = (decay(2.2, 0.05, suite.FREEZE_STEP)
+                       + [0.03] * (suite.STEPS - suite.FREEZE_STEP))
+        runs["baseline"] = [rank_result(decay(2.2, 0.03, suite.STEPS), False)] * 2
+    elif defect == "replicas differ":
+        runs["compressed"] = [c, {**c, "weights": WEIGHTS + 1e-6}]
+    elif defect == "loss becomes NaN":
+        c["losses"][150:] = [math.nan] * (suite.STEPS - 150)
+    with pytest.raises(AssertionError, match=message):
+        converge(metrics)
+
+
+# ---------------------------------------------------------------- resume
+
+def resume_result(**changes):
+    """One rank's train_save_resume result as the CPU stand-in measured 1-bit Adam's."""
+    left = suite.STEPS - suite.SAVE_AT
+    whole = decay(2.2, 0.0049, suite.STEPS)
+    result = {
+        "uninterrupted": {"losses": whole, "seconds": [0.001] * suite.STEPS,
+                          "weights": WEIGHTS.clone(), "errors_end": {"count": 8, "max_abs": 0.01}},
+        "resumed": {"losses": decay(whole[suite.SAVE_AT], 0.0045, left),
+                    "seconds": [0.001] * left, "weights": WEIGHTS.clone(),
+                    "errors_end": {"count": 8, "max_abs": 0.01},
+                    "stage_end": {"optimizer_class": "OnebitAdam", "compressed": True,
+                                  "backward_allreduce": False},
+                    "compressed_calls": 316},
+        "errors_at_save": {"count": 8, "max_abs": 0.02},
+        "stage_at_save": {"optimizer_class": "OnebitAdam", "compressed": True,
+                          "backward_allreduce": False},
+        "errors_after_load": {"count": 0, "max_abs": 0.0},
+        "stage_after_load": {"optimizer_class": "OnebitAdam", "compressed": True,
+                             "backward_allreduce": False},
+        "step_after_load": suite.SAVE_AT, "loaded": True}
+    for key, value in changes.items():
+        where, _, field = key.partition("__")
+        if field:
+            result[where] = {**result[where], field: value}
+        else:
+            result[key] = value
+    return result
+
+
+@pytest.fixture
+def resumed(monkeypatch):
+    box = {"ranks": [resume_result(), resume_result()]}
+    monkeypatch.setattr(suite, "resume", lambda run, scratch: box["ranks"])
+    monkeypatch.setattr(suite, "need_cupy", lambda profile: None)
+    return box
+
+
+def run_resume_tests(metrics, tmp_path):
+    for test in (suite.test_resume_in_compressed_stage, suite.test_resume_keeps_converging,
+                 suite.test_replicas_agree_after_resume):
+        test("onebit_adam", "fp32", PROFILE, tmp_path, metrics)
+
+
+def test_resume_checks_pass_as_measured(resumed, metrics, tmp_path):
+    run_resume_tests(metrics, tmp_path)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(errors_after_load={"count": 8, "max_abs": 0.02}),
+     "still holds 8 error buffers .* documents that a load resets the worker and server errors"),
+    (dict(stage_after_load__backward_allreduce=True), "the compressed stage must continue"),
+    (dict(errors_at_save={"count": 0, "max_abs": 0.0}), "not compressing with live errors"),
+    (dict(resumed__compressed_calls=3), "did not compress again"),
+    (dict(loaded=False), "found no checkpoint"),
+    (dict(resumed__losses=decay(0.07, 0.09, suite.STEPS - suite.SAVE_AT)),
+     "it must keep converging"),
+    (dict(resumed__losses=decay(0.012, 0.009, suite.STEPS - suite.SAVE_AT)),
+     "resumed final loss .* beyond 1 \\+ rtol = 1.5"),
+])
+def test_resume_checks_go_red(changes, message, resumed, metrics, tmp_path):
+    resumed["ranks"] = [resume_result(**changes), resume_result(**changes)]
+    with pytest.raises(AssertionError, match=message):
+        run_resume_tests(metrics, tmp_path)
+
+
+def test_replica_check_after_resume_goes_red(resumed, metrics, tmp_path):
+    """What DS-ONEBIT-RESUME-LOCAL-STEP looks like: replicas apart after the resume only."""
+    apart = resume_result(resumed__weights=WEIGHTS + 4.6e-3)
+    resumed["ranks"] = [resume_result(), apart]
+    with pytest.raises(AssertionError, match="resumed at step 120: the two data-parallel "
+                                             "replicas hold different weights"):
+        run_resume_tests(metrics, tmp_path)
+
+
+# ---------------------------------------------------------------- cupy, in the parent
+
+def test_missing_cupy_skips_unless_promised(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "cupy" else real(name, *a))
+    with pytest.raises(pytest.skip.Exception, match=r"Requires: \[cupy \(found none\)\]"):
+        suite.need_cupy(PROFILE)
+    promises = Profile(name="p", source="t", gpu_count=2, onebit=("ZeroOneAdam",))
+    with pytest.raises(pytest.fail.Exception,
+                       match=r"profile p promises \[ZeroOneAdam\]: expected cupy .* found none"):
+        suite.need_cupy(promises)

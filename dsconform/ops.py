@@ -82,7 +82,22 @@ def environment_key(*, torch_version: str | None = None, deepspeed_version: str 
     py = f"py{major}{minor}{sys.abiflags}"
     key = (f"{py}-torch{(torch_v or 'none').split('+')[0]}-ds{ds_v}-"
            f"{_torch_variant(torch_v, installed=torch_version is None)}")
+    if deepspeed_version is None:
+        # Two installs of one version (two virtualenvs, a tox env, an offline --target site)
+        # rebuilt each other's ops and timed out at rank start-up: the install's location is
+        # part of what a build belongs to.
+        key += f"-{_install_tag('deepspeed')}"
     return re.sub(r"[^A-Za-z0-9._-]", "_", key)
+
+
+def _install_tag(dist: str) -> str:
+    """Eight hex digits naming where ``dist`` is installed (its package directory)."""
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.find_spec(dist)
+    where = str(Path(spec.origin).resolve().parent) if spec and spec.origin else "none"
+    return hashlib.sha256(where.encode()).hexdigest()[:8]
 
 
 def extensions_dir() -> Path:

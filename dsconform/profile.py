@@ -78,6 +78,21 @@ class NvmePath:
         return Path(self.path)
 
 
+# The checkpoint suite's engines a floor may name (suites/test_checkpoint.py ENGINES).
+CHECKPOINT_ENGINES = ("torch", "fast")
+
+
+@dataclass(frozen=True)
+class CheckpointFloor:
+    """Save/load GB/s (1e9 B/s) the checkpoint suite's throughput tests must reach with one
+    checkpoint engine: the suite's own checkpoint (ZeRO-3, fp32, 2 ranks), bytes over time until
+    durable (save) or from the device (load), median of 3 rounds."""
+    engine: str
+    save_gbps: float | None = None
+    load_gbps: float | None = None
+    source: str = ""
+
+
 @dataclass(frozen=True)
 class Profile:
     name: str
@@ -99,6 +114,7 @@ class Profile:
     nccl_min_version: str | None = None
     nccl_floors: tuple[NcclFloor, ...] = ()
     nvme_paths: tuple[NvmePath, ...] = ()
+    checkpoint_floors: tuple[CheckpointFloor, ...] = ()
     ops: tuple[str, ...] = ()
     deepspeed_min_version: str | None = None
     onebit: tuple[str, ...] = ()  # 1-bit optimizers that must train (dsconform/removed.py)
@@ -185,6 +201,14 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "gpu_write_gbps": (_NUM, False, _positive),
         "source": (str, False, None),
     },
+    "checkpoint": {"floors": (list, False, None)},
+    "checkpoint.floors": {
+        "engine": (str, True, lambda v: None if v in CHECKPOINT_ENGINES
+                   else f"must be one of {', '.join(CHECKPOINT_ENGINES)}"),
+        "save_gbps": (_NUM, False, _positive),
+        "load_gbps": (_NUM, False, _positive),
+        "source": (str, False, None),
+    },
     "deepspeed": {"ops": (list, False, None), "min_version": (str, False, _version_field),
                   "onebit": (list, False, None)},
     "system": {
@@ -241,14 +265,15 @@ def validate_data(data: Mapping[str, Any], src: str = "<profile>") -> list[str]:
     for top in REQUIRED_TABLES:
         if top not in data:
             problems.append(f"{src}: [{top}]: required table is missing")
-    for top in ("profile", "gpus", "nccl", "nvme", "deepspeed", "system"):
+    for top in ("profile", "gpus", "nccl", "nvme", "checkpoint", "deepspeed", "system"):
         if top in data:
             _check_fields(top, data[top], top, problems, src)
-    for parent, child in (("nccl", "floors"), ("nvme", "paths")):
+    for parent, child in (("nccl", "floors"), ("nvme", "paths"), ("checkpoint", "floors")):
         items = data.get(parent, {}).get(child, []) if isinstance(data.get(parent), dict) else []
         if isinstance(items, list):
             for i, item in enumerate(items):
                 _check_fields(f"{parent}.{child}[{i}]", item, f"{parent}.{child}", problems, src)
+    problems.extend(_checkpoint_floor_problems(data, src))
     gpus = data.get("gpus", {})
     paths = data.get("nvme", {}).get("paths", []) if isinstance(data.get("nvme"), dict) else []
     if isinstance(gpus, dict) and gpus.get("count") == 0 and isinstance(paths, list):
@@ -305,6 +330,23 @@ def _check_onebit(names: list[Any], src: str) -> list[str]:
                             f"{', '.join(ONEBIT_OPTIMIZERS)}, found {name!r}")
         elif names.index(name) != i:
             problems.append(f"{src}: deepspeed.onebit[{i}]: {name!r} is listed twice")
+    return problems
+
+
+def _checkpoint_floor_problems(data: Mapping[str, Any], src: str) -> list[str]:
+    """A checkpoint floor floors something (save and/or load), once per engine."""
+    table = data.get("checkpoint")
+    floors = table.get("floors", []) if isinstance(table, dict) else []
+    problems, seen = [], set()
+    for i, fl in enumerate(floors if isinstance(floors, list) else []):
+        if not isinstance(fl, dict):
+            continue
+        if "save_gbps" not in fl and "load_gbps" not in fl:
+            problems.append(f"{src}: checkpoint.floors[{i}]: needs save_gbps and/or load_gbps")
+        if fl.get("engine") in seen:
+            problems.append(f"{src}: checkpoint.floors[{i}].engine: {fl['engine']!r} has a "
+                            f"floor already")
+        seen.add(fl.get("engine"))
     return problems
 
 
@@ -377,6 +419,8 @@ def from_data(data: Mapping[str, Any], source: str) -> Profile:
         nccl_min_version=nccl.get("min_version"),
         nccl_floors=tuple(NcclFloor(**f) for f in nccl.get("floors", [])),
         nvme_paths=tuple(NvmePath(**n) for n in nvme.get("paths", [])),
+        checkpoint_floors=tuple(CheckpointFloor(**f)
+                                for f in data.get("checkpoint", {}).get("floors", [])),
         ops=tuple(ds.get("ops", [])),
         deepspeed_min_version=ds.get("min_version"),
         onebit=tuple(ds.get("onebit", [])),

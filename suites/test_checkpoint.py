@@ -196,8 +196,8 @@ RESUME_CELLS = [{"stage": s, "dtype": d, "optimizer": o}
                 for s in (0, 1, 2, 3) for d in DTYPES for o in ("sgd", "adam")]
 # One fresh-process cell on 2 CPU cores (spawning new ranks costs 5-10 s there).
 RESUME_CPU_TIER = {(3, "bf16", "adam")}
-RESUME_GPU_TIER = pairwise({"stage": [0, 1, 2, 3], "dtype": list(DTYPES),
-                            "optimizer": ["sgd", "adam"]})
+# Fresh processes cost a CUDA context each: one cell on GPUs, the rest nightly.
+RESUME_GPU_TIER = [{"stage": 3, "dtype": "bf16", "optimizer": "adam"}]
 
 
 def check_resume(first: list[dict], second: list[dict], tol, *, label: str) -> Comparison:
@@ -238,8 +238,9 @@ PARTIAL_CELLS = [{"mode": m, "stage": s, "dtype": d}
                  for m in PARTIAL_MODES for s in (0, 1, 2, 3) for d in ("fp32", "bf16")]
 PARTIAL_CPU_TIER = {("module_only", 2, "fp32"), ("no_optimizer", 2, "fp32"),
                     ("no_scheduler", 2, "fp32"), ("no_optimizer", 3, "bf16")}
-PARTIAL_GPU_TIER = pairwise({"mode": list(PARTIAL_MODES), "stage": [0, 1, 2, 3],
-                             "dtype": ["fp32", "bf16"]})
+PARTIAL_GPU_TIER = [{"mode": "module_only", "stage": 2, "dtype": "bf16"},
+                    {"mode": "no_optimizer", "stage": 3, "dtype": "fp32"},
+                    {"mode": "no_scheduler", "stage": 1, "dtype": "bf16"}]
 
 
 def check_partial(results: list[dict], mode: str, tol) -> list[str]:
@@ -248,9 +249,37 @@ def check_partial(results: list[dict], mode: str, tol) -> list[str]:
         mode, r["saved"], r["fresh"], r["loaded"], tol, where=f"rank {r['rank']}")]
 
 
-@pytest.mark.parametrize("accelerator, mode, case", _params(
+# Found by this suite, no upstream report yet: ZeRO-3's model-states files hold placeholders,
+# not weights, and load_module_only=True skips the ZeRO shards that hold them, then restores
+# the fp32 masters from the engine's own (fresh) bf16/fp32 weights: nothing is loaded, no error.
+Z3_MODULE_ONLY = (
+    "DeepSpeed {verified} defect (found by this suite, not yet reported upstream): ZeRO-3 "
+    "load_checkpoint(load_module_only=True) returns the checkpoint's path but loads no weights "
+    "(the engine keeps its own; engine.py skips _load_zero_checkpoint and calls "
+    "_restore_from_bit16_weights). If this passes, it is fixed: drop the mark")
+Z3_MODULE_ONLY_VERIFIED = ">=0.19.6,<=0.19.8"  # seen on 0.19.6 and 0.19.8 (CPU machine)
+
+
+def _partial_marks(params: list) -> list:
+    import deepspeed
+
+    affected = versions.parse(deepspeed.__version__) in versions.specifier(
+        Z3_MODULE_ONLY_VERIFIED)
+    out = []
+    for p in params:
+        accel, mode, case = p.values
+        marks = list(p.marks)
+        if affected and mode == "module_only" and case.stage == 3:
+            marks.append(pytest.mark.xfail(strict=True, raises=AssertionError,
+                                           reason=Z3_MODULE_ONLY.format(
+                                               verified=Z3_MODULE_ONLY_VERIFIED)))
+        out.append(pytest.param(accel, mode, case, id=p.id, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("accelerator, mode, case", _partial_marks(_params(
     PARTIAL_CELLS, cpu_tier=PARTIAL_CPU_TIER, gpu_tier=PARTIAL_GPU_TIER,
-    prefix=lambda c: (c["mode"],), build=lambda c: CkptCase(stage=c["stage"], dtype=c["dtype"])))
+    prefix=lambda c: (c["mode"],), build=lambda c: CkptCase(stage=c["stage"], dtype=c["dtype"]))))
 def test_partial_load(accelerator, mode, case, scratch, profile):
     """CKPT-PARTIAL-1: a partial load MUST load exactly what its flags say and nothing else."""
     results = run_ranks(ranks.partial_load, case.world_size,
@@ -266,9 +295,9 @@ def test_partial_load(accelerator, mode, case, scratch, profile):
 
 FP32_CELLS = [{"stage": s, "dtype": d} for s in (1, 2, 3) for d in DTYPES]
 FP32_CPU_TIER = {(2, "bf16"), (3, "fp32")}
-FP32_GPU_TIER = pairwise({"stage": [1, 2, 3], "dtype": list(DTYPES)})
+FP32_GPU_TIER = [{"stage": 2, "dtype": "bf16"}, {"stage": 3, "dtype": "fp16"}]
 SCRIPT_CPU_TIER = {(3, "bf16")}
-SCRIPT_GPU_TIER = [{"stage": 2, "dtype": "bf16"}, {"stage": 3, "dtype": "fp16"}]
+SCRIPT_GPU_TIER = [{"stage": 3, "dtype": "bf16"}]
 
 
 def check_consolidated(consolidated: dict, live: dict, tol, *, label: str) -> Comparison:
@@ -314,8 +343,8 @@ def test_zero_to_fp32_script(accelerator, case, scratch, profile):
     if importlib.util.find_spec("huggingface_hub") is None:
         # Checked before anything runs: without it the script fails after 10 s of imports.
         pytest.skip("Requires: [huggingface_hub (found none)]: zero_to_fp32.py's default "
-                    "--max_shard_size 5GB imports it (DeepSpeed 0.19.8 does not declare the "
-                    "dependency); pip install huggingface_hub")
+                    "--max_shard_size 5GB imports it (DeepSpeed 0.19.6 and 0.19.8 do not declare "
+                    "the dependency); pip install huggingface_hub")
     d = ckpt_dir(scratch, case)
     live = run_ranks(ranks.save_and_consolidate, case.world_size, args=(case, d),
                      accelerator=accelerator, timeout_s=_timeout(case))[0]
@@ -336,10 +365,9 @@ def test_zero_to_fp32_script(accelerator, case, scratch, profile):
 
 # ---------------------------------------------------------------------------- CKPT-UCP-1
 
-# (stage, dtype, from world size, to world size): both directions, every stage and dtype
-# once on GPUs.
+# (stage, dtype, from world size, to world size): both directions in each acceptance tier.
 UCP_CPU_TIER = {(2, "fp32", 2, 1), (3, "bf16", 1, 2)}
-UCP_GPU_TIER = {(1, "fp32", 2, 1), (2, "fp16", 1, 2), (3, "bf16", 2, 1), (3, "bf16", 1, 2)}
+UCP_GPU_TIER = {(2, "bf16", 2, 1), (3, "fp32", 1, 2)}
 
 
 def _ucp_params() -> list:
@@ -390,9 +418,11 @@ _STAGE3 = ("stage 3 writes zero_pp_rank_<r>_mp_rank_00_model_states.pt, stages 1
            "mp_rank_00_model_states.pt: the loader finds no file of its pattern and raises a bare "
            "AssertionError (state_dict_factory check_ckpt_list), natively and through a "
            "universal checkpoint")
-STAGE_VERIFIED = ">=0.19.8,<=0.19.8"  # where the unsupported pairs were seen to fail
+STAGE_VERIFIED = ">=0.19.6,<=0.19.8"  # where the unsupported pairs were seen to fail
 STAGE_CPU_TIER = {(1, 2), (2, 1), (2, 3)}
-STAGE_GPU_TIER = {(1, 2), (2, 1), (1, 3)}
+# The unsupported pairs fail the same way everywhere (seen on CPUs): nightly on GPUs, where a
+# refusal costs new ranks with CUDA contexts.
+STAGE_GPU_TIER = {(1, 2)}
 
 
 def _stage_params() -> list:
@@ -466,9 +496,9 @@ def _corrupt_params() -> list:
         for stage in (1, 2, 3):
             for kind in DAMAGE:
                 # Each refusal stops the ranks (a rank may wait for the one that raised), and
-                # new ranks cost 5-10 s on 2 CPU cores: the CPU tier keeps the hardest case, a
-                # file only one rank reads.
-                tier = (stage, kind) == (2, "missing_rank_file") if accel == "cpu" else stage == 3
+                # new ranks cost 5-10 s on 2 CPU cores (a CUDA context each on GPUs): the
+                # acceptance tiers keep the hardest case, a file only one rank reads.
+                tier = (stage, kind) == ((2 if accel == "cpu" else 3), "missing_rank_file")
                 out.append(pytest.param(accel, stage, kind, id=f"{accel}-z{stage}-{kind}",
                                         marks=list(base.marks) + ([] if tier
                                                                   else [pytest.mark.slow])))
@@ -595,9 +625,19 @@ def _engine_params() -> list:
     return out
 
 
-def _engine_case(accelerator: str, engine: str) -> CkptCase:
+def _floor(profile, engine: str, kind: str):
+    """The profile's ``[[checkpoint.floors]]`` entry for ``engine`` and its save/load floor."""
+    entry = next((fl for fl in profile.checkpoint_floors if fl.engine == engine), None)
+    return entry, (getattr(entry, f"{kind}_gbps") if entry else None)
+
+
+def _engine_case(accelerator: str, engine: str, profile, node) -> CkptCase:
     import deepspeed
 
+    promised, _ = _floor(profile, engine, "save")
+    if promised is not None and engine == "fast" and not node.is_gpu_node:
+        pytest.fail(f"profile {profile.name} promises checkpoint.floors engine {engine!r}, "
+                    f"which needs a GPU (FastPersist pins its I/O buffer): found none")
     if engine == "nebula":
         removed = versions.at_least(deepspeed.__version__, "0.19.7")
         pytest.skip(f"Nebula is not measured: removed in DeepSpeed 0.19.7 (PR #8490; found "
@@ -612,36 +652,50 @@ def _engine_case(accelerator: str, engine: str) -> CkptCase:
                     writer="fast" if engine == "fast" else None)
 
 
+def _perf_dir(scratch: Path, case: CkptCase, engine: str) -> str:
+    d = ckpt_dir(scratch, case, tags=ROUNDS)
+    if engine == "fast":
+        # FastPersist opens its files with O_DIRECT: a --scratch that refuses it (tmpfs) fails
+        # here, naming the filesystem, not deep inside the ranks.
+        nvme.probe_o_direct(d, nvme.path_facts(d))
+    return d
+
+
 def _record(metrics, name: str, result: dict, case: CkptCase, engine: str, accelerator: str,
-            floor: float | None) -> None:
+            profile, kind: str) -> None:
     assert result["engine"] == _ENGINE_CLASS[engine], (
         f"asked for the {engine} checkpoint engine, DeepSpeed built {result['engine']}")
+    entry, floor = _floor(profile, engine, kind)
+    # The recorder holds the median of the rounds to the profile's floor, if it sets one.
     metrics.record_rate(name, result["seconds"], amount=result["bytes"][0], unit="GB/s",
                         scale=GB, floor=floor, engine=engine, stage=case.stage,
                         world_size=case.world_size, accelerator=accelerator,
-                        bytes=result["bytes"][0], dtype=case.dtype)
+                        bytes=result["bytes"][0], dtype=case.dtype,
+                        source=(entry.source or "profile") if floor else "recorded")
 
 
 @pytest.mark.parametrize("accelerator, engine", _engine_params())
-def test_save_throughput(accelerator, engine, scratch, metrics):
-    """CKPT-PERF-1: save GB/s (bytes until durable on every rank), 3 rounds, per engine."""
-    case = _engine_case(accelerator, engine)
-    d = ckpt_dir(scratch, case, tags=ROUNDS)
+def test_save_throughput(accelerator, engine, scratch, metrics, profile, node):
+    """CKPT-PERF-1: save GB/s (bytes until durable on every rank), 3 rounds, per engine, at
+    least the profile's checkpoint floor."""
+    case = _engine_case(accelerator, engine, profile, node)
+    d = _perf_dir(scratch, case, engine)
     result = run_ranks(ranks.measure_saves, case.world_size, args=(case, d, ROUNDS),
                        accelerator=accelerator, timeout_s=TIMEOUT_S)[0]
-    _record(metrics, "checkpoint.save", result, case, engine, accelerator, None)
+    _record(metrics, "checkpoint.save", result, case, engine, accelerator, profile, "save")
 
 
 @pytest.mark.parametrize("accelerator, engine", _engine_params())
-def test_load_throughput(accelerator, engine, scratch, metrics):
-    """CKPT-PERF-2: load GB/s (bytes read from the device), 3 rounds, per engine."""
-    case = _engine_case(accelerator, engine)
-    d = ckpt_dir(scratch, case, tags=ROUNDS)
+def test_load_throughput(accelerator, engine, scratch, metrics, profile, node):
+    """CKPT-PERF-2: load GB/s (bytes read from the device), 3 rounds, per engine, at least the
+    profile's checkpoint floor."""
+    case = _engine_case(accelerator, engine, profile, node)
+    d = _perf_dir(scratch, case, engine)
     run_ranks(ranks.measure_saves, case.world_size, args=(case, d, ROUNDS),
               accelerator=accelerator, timeout_s=TIMEOUT_S)
     result = run_ranks(ranks.measure_loads, case.world_size, args=(case, d, ROUNDS),
                        accelerator=accelerator, timeout_s=TIMEOUT_S)[0]
-    _record(metrics, "checkpoint.load", result, case, engine, accelerator, None)
+    _record(metrics, "checkpoint.load", result, case, engine, accelerator, profile, "load")
 
 
 # ---------------------------------------------------------------------------- CKPT-PREFLIGHT-1

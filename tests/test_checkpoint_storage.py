@@ -230,3 +230,32 @@ def test_empty_fresh_moments_left_empty_pass():
     loaded = {k: v for k, v in loaded.items() if v is not None}
     loaded["scheduler/last_batch_iteration"] = 2
     assert cs.judge_load("no_optimizer", SAVED, fresh, loaded, Tol(0, 0)) == []
+
+
+# ---------------------------------------------------------------------------- ds_config
+
+def _cfg(**kw):
+    from dsconform.dsconfig import ds_config
+
+    base = {"stage": 3, "dtype": "fp32", "optimizer": "adam", "lr": 1e-3, "micro_batch": 4,
+            "grad_accum": 1, "world_size": 2}
+    return ds_config(**{**base, **kw})
+
+
+def test_ds_config_checkpoint_arguments():
+    assert "scheduler" not in _cfg() and "checkpoint" not in _cfg()
+    cfg = _cfg(lr_warmup_steps=10, checkpoint_writer="fast", load_universal=True)
+    assert cfg["scheduler"] == {"type": "WarmupLR", "params": {
+        "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10,
+        "warmup_type": "linear"}}
+    assert cfg["checkpoint"]["load_universal"] is True
+    assert cfg["checkpoint"]["writer"]["type"] == "fast" and "aio" in cfg
+    with pytest.raises(ValueError, match=r"ds_config\(checkpoint_writer='fast'\): needs "
+                                         r"stage=3 \(stage=2\)"):
+        _cfg(stage=2, checkpoint_writer="fast")
+    with pytest.raises(ValueError, match=r"checkpoint_writer='nebula'"):
+        _cfg(checkpoint_writer="nebula")
+    with pytest.raises(ValueError, match=r"lr_warmup_steps=-1"):
+        _cfg(lr_warmup_steps=-1)
+    with pytest.raises(ValueError, match=r"load_universal=1"):
+        _cfg(load_universal=1)

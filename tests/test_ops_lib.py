@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -57,7 +58,9 @@ def test_extensions_dir_is_keyed_by_environment(monkeypatch: pytest.MonkeyPatch,
     assert extensions_dir() == tmp_path / "torch_extensions" / key
     assert key.startswith(f"{PY}-torch{torch_v.split('+')[0]}-ds{ds_v}-")
     if variant:
-        assert key.endswith(f"-{variant}")
+        assert f"-{variant}-" in key
+    # ... and the place DeepSpeed is installed: two installs of one version keep apart
+    assert re.fullmatch(r".*-[0-9a-f]{8}", key)
     # another DeepSpeed, torch or Python gets another directory
     assert len({key, environment_key(deepspeed_version="0.19.6"),
                 environment_key(torch_version="2.11.0+cu130"),

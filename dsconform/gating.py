@@ -125,7 +125,11 @@ def evaluate(conditions: Mapping[str, Any], node: NodeFacts, profile: Profile, *
     n = conditions.get("min_gpus")
     if n and node.gpu_count < n:
         promised = p.gpus_promised >= n
-        unmet.append(Unmet("min_gpus", f"GPUs>={n}", str(node.gpu_count), promised,
+        # On a node whose torch cannot use GPUs the hardware has, say so: "found 0" alone reads
+        # like a CPU machine.
+        found = (f"{node.gpu_count} usable: {node.unusable_gpus()}" if node.unusable_gpus()
+                 else str(node.gpu_count))
+        unmet.append(Unmet("min_gpus", f"GPUs>={n}", found, promised,
                            f"expected {p.gpus_promised} GPUs" if promised else ""))
     for dtype in ("bf16", "fp16"):
         if conditions.get(dtype) and not getattr(node, dtype):

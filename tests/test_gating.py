@@ -103,3 +103,21 @@ def test_accel_params_mark_cuda_only():
     assert cpu.values == ("cpu",) and not cpu.marks
     names = [m.name for m in cuda.marks]
     assert names == ["gpu", "multigpu", "requires"] and cuda.marks[-1].kwargs == {"min_gpus": 2}
+
+
+def test_a_gpu_promise_on_a_node_whose_torch_lost_its_gpus_names_both_counts(monkeypatch):
+    """Seen on 2xH200 with CUDA_VISIBLE_DEVICES='': "expected 2 GPUs, found 0" read like a CPU
+    machine; the failure now says the GPUs are there and torch cannot use them."""
+    from dsconform.detect import GpuHardware
+    from dsconform.gating import evaluate
+    from dsconform.profile import from_data
+    from tests.test_detect import fake_node
+
+    node = fake_node(0)
+    node.hardware = GpuHardware(count=2, models=["NVIDIA H200"] * 2, source="nvml")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    prof = from_data({"profile": {"name": "h200-x2"}, "gpus": {"count": 2}}, "t")
+    v = evaluate({"min_gpus": 1}, node, prof)
+    assert v.fail_reason == ("profile h200-x2 promises [GPUs>=1]: expected 2 GPUs, found 0 usable: "
+                             "2 GPUs present (nvml: NVIDIA H200), 0 usable by torch; "
+                             "CUDA_VISIBLE_DEVICES='' is set")

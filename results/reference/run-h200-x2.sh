@@ -5,40 +5,62 @@
 # wheel for its pytest entry point, libaio .debs).
 #   bash results/reference/run-h200-x2.sh ds198   # unusable-GPU check, acceptance cold + warm
 #   bash results/reference/run-h200-x2.sh ds196   # 1-bit optimizers and the acceptance tier
+#   bash results/reference/run-h200-x2.sh pair    # the same selection on 0.19.8 then 0.19.6,
+#                                                 # for the upgrade comparison
 # Everything lands in $OUT: a log and a tarball of the results per part.
 set -uo pipefail
-part=${1:?usage: run-h200-x2.sh ds198|ds196}
+part=${1:?usage: run-h200-x2.sh ds198|ds196|pair}
 out=${OUT:-/tmp/dsconform-out}
 mkdir -p "$out"
 exec > >(tee "$out/$part.log") 2>&1
 res=/tmp/dsconform-results/$part
 mkdir -p "$res"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci TORCH_CUDA_ARCH_LIST=9.0
-version=${part#ds}; version="0.${version:0:2}.${version:2}"
-# A cold op cache per DeepSpeed version (ops are built for one version): part of what is timed.
-export DSCONFORM_CACHE=/tmp/dsconform-cache-$part
-t0=$(date +%s)
-source examples/offline-node.sh --deepspeed "$version" .whl || exit 1
-echo "== setup took $(( $(date +%s) - t0 )) s"
 pytest=(python3 -m pytest -p no:cacheprovider -rfEsx)
 budget() { timeout -s INT -k 20 "$@"; }  # SIGINT: pytest still writes its results
 stamp() { echo "== $1: $(( $(date +%s) - $2 )) s"; }
+setup() {  # DeepSpeed VERSION from the bundle, with a cold op cache of its own
+    local t0; t0=$(date +%s)
+    export DSCONFORM_CACHE=/tmp/dsconform-cache-$1
+    source examples/offline-node.sh --deepspeed "$1" .whl || exit 1
+    echo "== setup of DeepSpeed $1 took $(( $(date +%s) - t0 )) s"
+}
+if [ "$part" = pair ]; then
+    # The suites that pin semantics and the 1-bit optimizers, once per DeepSpeed version, with
+    # the identical command (a comparison lists tests present in one run only as not run).
+    sel=(suites/test_profile.py suites/test_ops.py suites/test_collectives.py suites/test_zero.py
+         suites/test_loss_scaling.py suites/test_onebit.py -m gpu --profile h200-x2 --durations=15)
+    setup 0.19.8
+    echo "== auto with no usable GPU (CUDA_VISIBLE_DEVICES=): must fail naming 2 present, 0 usable"
+    CUDA_VISIBLE_DEVICES= budget 60 "${pytest[@]}" suites -m gpu -x --results "$res/unusable"
+    echo "exit status $? (expected 1)"
+    for v in 0.19.8 0.19.6; do
+        [ "$v" = 0.19.6 ] && setup 0.19.6
+        t=$(date +%s)
+        budget 250 "${pytest[@]}" "${sel[@]}" --results "$res/ds-$v"
+        echo "exit status $?"; stamp "selection on DeepSpeed $v" "$t"
+    done
+    tar -C /tmp/dsconform-results -czf "$out/$part.tgz" "$part"
+    exit 0
+fi
+version=${part#ds}; version="0.${version:0:2}.${version:2}"
+setup "$version"
 
 if [ "$part" = ds198 ]; then
     nvidia-smi > "$res/nvidia-smi.txt" 2>&1
     python3 -m dsconform.cli detect > "$res/detected.toml"
     echo "== auto with no usable GPU (CUDA_VISIBLE_DEVICES=): must fail naming 2 present, 0 usable"
     t=$(date +%s)
-    CUDA_VISIBLE_DEVICES= budget 120 "${pytest[@]}" suites -m gpu -x --results "$res/unusable"
+    CUDA_VISIBLE_DEVICES= budget 90 "${pytest[@]}" suites -m gpu -x --results "$res/unusable"
     echo "exit status $? (expected 1)"; stamp "unusable-gpu run" "$t"
     echo "== acceptance tier, cold op cache"
     t=$(date +%s)
-    budget 300 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept-cold" \
+    budget 290 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept-cold" \
         --durations=25
     echo "exit status $?"; stamp "acceptance, cold" "$t"
     echo "== acceptance tier, warm op cache"
     t=$(date +%s)
-    budget 200 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept-warm"
+    budget 150 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept-warm"
     echo "exit status $?"; stamp "acceptance, warm" "$t"
 else
     echo "== acceptance tier on DeepSpeed $version (cold op cache), 1-bit optimizers included"

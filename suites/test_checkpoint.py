@@ -297,7 +297,9 @@ FP32_CELLS = [{"stage": s, "dtype": d} for s in (1, 2, 3) for d in DTYPES]
 FP32_CPU_TIER = {(2, "bf16"), (3, "fp32")}
 FP32_GPU_TIER = [{"stage": 2, "dtype": "bf16"}, {"stage": 3, "dtype": "fp16"}]
 SCRIPT_CPU_TIER = {(3, "bf16")}
-SCRIPT_GPU_TIER = [{"stage": 3, "dtype": "bf16"}]
+# zero_to_fp32.py is a host-side script (8.5 s on 2xH200, nearly all of it the script's own
+# start-up): the CPU tier runs it in CI; on GPU nodes it is nightly.
+SCRIPT_GPU_TIER: list[dict] = []
 
 
 def check_consolidated(consolidated: dict, live: dict, tol, *, label: str) -> Comparison:
@@ -365,9 +367,11 @@ def test_zero_to_fp32_script(accelerator, case, scratch, profile):
 
 # ---------------------------------------------------------------------------- CKPT-UCP-1
 
-# (stage, dtype, from world size, to world size): both directions in each acceptance tier.
+# (stage, dtype, from world size, to world size): both directions in the CPU tier (CI). On GPU
+# nodes one direction: 2 -> 1 took 13.4 s on 2xH200, most of it ds_to_universal's own start-up,
+# a host-side conversion the CPU tier already covers; the other direction is nightly.
 UCP_CPU_TIER = {(2, "fp32", 2, 1), (3, "bf16", 1, 2)}
-UCP_GPU_TIER = {(2, "bf16", 2, 1), (3, "fp32", 1, 2)}
+UCP_GPU_TIER = {(3, "fp32", 1, 2)}
 
 
 def _ucp_params() -> list:
@@ -496,9 +500,12 @@ def _corrupt_params() -> list:
         for stage in (1, 2, 3):
             for kind in DAMAGE:
                 # Each refusal stops the ranks (a rank may wait for the one that raised), and
-                # new ranks cost 5-10 s on 2 CPU cores (a CUDA context each on GPUs): the
-                # acceptance tiers keep the hardest case, a file only one rank reads.
-                tier = (stage, kind) == ((2 if accel == "cpu" else 3), "missing_rank_file")
+                # new ranks cost 5-10 s on 2 CPU cores. The CPU tier keeps the hardest case, a
+                # file only one rank reads; on GPUs that case cost 17 s on 2xH200 (new ranks,
+                # a CUDA context and NCCL set-up each), so the GPU acceptance tier refuses a
+                # wrong tag and the missing rank file is nightly there.
+                tier = (stage, kind) == ((2, "missing_rank_file") if accel == "cpu"
+                                         else (3, "wrong_tag"))
                 out.append(pytest.param(accel, stage, kind, id=f"{accel}-z{stage}-{kind}",
                                         marks=list(base.marks) + ([] if tier
                                                                   else [pytest.mark.slow])))

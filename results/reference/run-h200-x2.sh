@@ -3,7 +3,7 @@
 # registry), from the repository root, with the offline bundle carried in .whl/ (see README,
 # "Air-gapped nodes": DeepSpeed 0.19.8 and 0.19.6 wheels, what the image lacks, the suite's own
 # wheel for its pytest entry point, libaio .debs).
-#   bash results/reference/run-h200-x2.sh ds198   # unusable-GPU check, acceptance cold + warm
+#   bash results/reference/run-h200-x2.sh ds198   # the whole acceptance tier, cold then warm
 #   bash results/reference/run-h200-x2.sh ds196   # 1-bit optimizers and the acceptance tier
 #   bash results/reference/run-h200-x2.sh pair    # the same selection on 0.19.8 then 0.19.6,
 #                                                 # for the upgrade comparison
@@ -49,18 +49,15 @@ setup "$version"
 if [ "$part" = ds198 ]; then
     nvidia-smi > "$res/nvidia-smi.txt" 2>&1
     python3 -m dsconform.cli detect > "$res/detected.toml"
-    echo "== auto with no usable GPU (CUDA_VISIBLE_DEVICES=): must fail naming 2 present, 0 usable"
-    t=$(date +%s)
-    CUDA_VISIBLE_DEVICES= budget 90 "${pytest[@]}" suites -m gpu -x --results "$res/unusable"
-    echo "exit status $? (expected 1)"; stamp "unusable-gpu run" "$t"
     echo "== acceptance tier, cold op cache"
     t=$(date +%s)
-    budget 290 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept-cold" \
+    budget 330 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept-cold" \
         --durations=25
     echo "exit status $?"; stamp "acceptance, cold" "$t"
     echo "== acceptance tier, warm op cache"
     t=$(date +%s)
-    budget 150 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept-warm"
+    budget 200 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept-warm" \
+        --durations=10
     echo "exit status $?"; stamp "acceptance, warm" "$t"
 else
     echo "== acceptance tier on DeepSpeed $version (cold op cache), 1-bit optimizers included"

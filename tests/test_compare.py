@@ -80,6 +80,15 @@ def test_drift_from_exact_is_reported():
     assert kinds(base, doc([metric("diff", [0.0], "1")])) == {"diff": "unchanged"}
 
 
+def test_from_0_within_the_new_rounds_spread_is_noise_and_beyond_it_is_drift():
+    """A per-rank wait of 0 % in one run and 0/5/9 % in the next is noise (seen on 2xH200);
+    0 -> 4/5/6 % in three steady rounds is drift."""
+    base = doc([metric("wait", [0.0, 0.0, 0.0], "%")])
+    assert kinds(base, doc([metric("wait", [0.0, 4.9, 9.2], "%")])) == {"wait": "unchanged"}
+    c = one(base, doc([metric("wait", [4.0, 5.0, 6.0], "%")]), "wait")
+    assert (c.kind, c.change) == ("regression", "from 0")
+
+
 def test_differing_parameters_are_not_comparable_and_named():
     base = doc([metric("bw", [300.0], "GB/s", "higher", bytes=2**30)])
     new = doc([metric("bw", [300.0], "GB/s", "higher", bytes=2**32)])

@@ -10,11 +10,12 @@ names are red. Only performance metrics measured on two or more nodes appear
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
+from dsconform import plotting
 from dsconform.aggregate import ClusterReport
+from dsconform.plotting import PlotUnavailable as PlotUnavailable  # callers catch it here
 
 MISSING = ("dsconform aggregate: heatmap.png not written: matplotlib is not installed "
            "(pip install 'dsconform[plot]', or pip install matplotlib); the other reports are")
@@ -22,15 +23,9 @@ MAX_COLUMNS = 60  # the metrics with the worst node first, when there are more
 LOW, HIGH = 0.5, 1.5  # colour scale, as a fraction of the fleet median
 
 
-class PlotUnavailable(RuntimeError):
-    """matplotlib is missing."""
-
-
 def require() -> None:
-    try:
-        importlib.import_module("matplotlib")
-    except ImportError:
-        raise PlotUnavailable(MISSING) from None
+    """Raise PlotUnavailable (one line: what to install) when matplotlib cannot be imported."""
+    plotting.require(MISSING)
 
 
 def columns(report: ClusterReport, max_columns: int = MAX_COLUMNS) -> list[str]:

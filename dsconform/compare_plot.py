@@ -13,13 +13,14 @@ in one line before any work is done.
 
 from __future__ import annotations
 
-import importlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsconform import plotting
 from dsconform.compare import IMPROVEMENT, METRIC, REGRESSION, UNCHANGED, RunComparison
+from dsconform.plotting import PlotUnavailable as PlotUnavailable  # callers catch it here
 
 COLORS = {REGRESSION: "#d62728", IMPROVEMENT: "#2ca02c", UNCHANGED: "#8c8c8c"}
 BAND_COLOR = "#dddddd"
@@ -30,16 +31,9 @@ MISSING = ("dsconform compare --plot needs matplotlib, which is not installed: "
            "pip install 'dsconform[plot]' (or pip install matplotlib)")
 
 
-class PlotUnavailable(RuntimeError):
-    """matplotlib is missing."""
-
-
 def require() -> None:
     """Raise PlotUnavailable (one line: what to install) when matplotlib cannot be imported."""
-    try:
-        importlib.import_module("matplotlib")
-    except ImportError:
-        raise PlotUnavailable(MISSING) from None
+    plotting.require(MISSING)
 
 
 @dataclass(frozen=True)

@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from dsconform.suite import ScalerSettings, ds_config, read_scaler
+from suites.zero_ranks import MLP  # the ZeRO suite's model: one definition
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -140,15 +140,6 @@ class CurveCase:
         return d
 
 
-class MLP(nn.Module):
-    def __init__(self, d_in: int, width: int, d_out: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(d_in, width)
-        self.fc2 = nn.Linear(width, width)
-        self.fc3 = nn.Linear(width, d_out)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x)))))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -70,7 +70,8 @@ from dsconform.dist_xdist import (
 __all__ = [
     "InsufficientGPUs", "RankError", "RankTimeout", "WorldSizeMismatch",
     "all_agree", "device", "external_rendezvous", "free_port", "gather", "gpu_slice",
-    "gpus_per_worker", "port_range", "rank", "run_ranks", "seed_everything", "shutdown_pools",
+    "gpus_per_worker", "hold_spares", "port_range", "rank", "run_ranks", "seed_everything",
+    "settle_spares", "shutdown_pools", "spares_enabled", "start_spares",
     "visible_gpus", "worker_gpus", "world", "xdist_worker",
 ]
 
@@ -86,6 +87,15 @@ STACK_DUMP_WAIT_S = 1.0
 #: Pools kept alive at once (least recently used is closed first). Each holds world_size
 #: processes and, on GPUs, a CUDA context per rank.
 MAX_POOLS = int(os.environ.get("DSCONFORM_MAX_POOLS", "2"))
+#: Standby pools ("spares"): once a pool has been started for a (world size, accelerator, GPUs)
+#: key, a second set of ranks for that key is started in the background, so the next call that
+#: needs new processes (a fresh-process test, or the call after a failure killed the pool) finds
+#: them imported and initialised instead of paying 8-20 s for a CUDA context, deepspeed and NCCL
+#: (2xH200). A spare has never run a test function, so it is as fresh as a new spawn. "auto":
+#: cuda pools on machines with at least SPARE_MIN_CORES cores (on 2 CPU cores the extra start-up
+#: would slow the test it overlaps); "1"/"0" force it.
+SPARE_POOLS = os.environ.get("DSCONFORM_SPARE_POOLS", "auto").strip().lower()
+SPARE_MIN_CORES = 8
 #: Process-group timeout of pooled ranks: the parent enforces each call's timeout_s, so this
 #: only has to outlast the longest call; a call asking for more respawns the pool.
 POOL_PG_TIMEOUT_S = 3600.0
@@ -230,6 +240,8 @@ class _Pool:
         self.conns: list = []
         self.pids: list[int] = []
         self.closed = False
+        self.ready = False  # every rank said "ready" (see _await_start)
+        self.started = time.monotonic()
         # What the ranks inherited; each call forwards the parent's changes since (see env_delta).
         self.spawn_env = dict(os.environ)
         ctx = multiprocessing.get_context("spawn")  # never the global start method
@@ -474,6 +486,12 @@ def shutdown_pools() -> None:
         while _POOLS:
             _, pool = _POOLS.popitem()
             pool.close()
+        while _SPARES:
+            _, pool = _SPARES.popitem()
+            if pool.ready:
+                pool.close()
+            else:
+                pool.kill()  # still starting: nothing of it to flush
 
 
 atexit.register(shutdown_pools)
@@ -494,27 +512,143 @@ def _clear_build_locks() -> None:
         raise RankError(f"ranks not started: {exc}") from None
 
 
+def _await_start(pool: _Pool) -> _Pool:
+    """Wait for every rank of a starting pool to report ready (STARTUP_TIMEOUT_S after it was
+    started); a pool that cannot start is killed and its RankError raised."""
+    if pool.ready:
+        return pool
+    try:
+        pool.collect(pool.started + STARTUP_TIMEOUT_S,
+                     "while starting (import deepspeed, init_distributed)",
+                     f"STARTUP_TIMEOUT_S={STARTUP_TIMEOUT_S:g} s "
+                     "(env DSCONFORM_STARTUP_TIMEOUT_S)")
+    except BaseException:
+        pool.kill()
+        raise
+    pool.ready = True
+    return pool
+
+
 def _start_pool(world_size: int, accelerator: str, gpus: tuple[str, ...],
                 pg_timeout_s: float) -> _Pool:
     _clear_build_locks()
     attempts = 3  # the probed port can be taken between the probe and rank 0's bind
     for attempt in range(attempts):
-        pool = _Pool(world_size, accelerator, gpus, pg_timeout_s)
         try:
-            pool.collect(time.monotonic() + STARTUP_TIMEOUT_S,
-                         "while starting (import deepspeed, init_distributed)",
-                         f"STARTUP_TIMEOUT_S={STARTUP_TIMEOUT_S:g} s "
-                         "(env DSCONFORM_STARTUP_TIMEOUT_S)")
-            return pool
+            return _await_start(_Pool(world_size, accelerator, gpus, pg_timeout_s))
         except RankError as exc:
-            pool.kill()
             if "address already in use" in str(exc).lower() and attempt + 1 < attempts:
                 continue
             raise
-        except BaseException:
-            pool.kill()
-            raise
     raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------------------------------
+# Standby pools
+# ---------------------------------------------------------------------------------------------
+
+_SPARES: dict[tuple, _Pool] = {}
+_HOLD = 0  # > 0 while a measurement runs (hold_spares): no spare starts then
+_SPARE_ENV: dict[str, str] | None = None  # the environment spares are started in
+
+
+def spares_enabled(accelerator: str) -> bool:
+    """Whether standby pools are kept for this accelerator (DSCONFORM_SPARE_POOLS)."""
+    if SPARE_POOLS in ("0", "off", "no", "false"):
+        return False
+    if SPARE_POOLS in ("1", "on", "yes", "true"):
+        return True
+    return accelerator == "cuda" and (os.cpu_count() or 1) >= SPARE_MIN_CORES
+
+
+#: Variables that change between tests by themselves and say nothing about a test's setup.
+_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def _plain_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k not in RANK_OWNED_ENV and k not in _VOLATILE_ENV}
+
+
+def _start_spare(world_size: int, accelerator: str, gpus: tuple[str, ...]) -> None:
+    """Start (without waiting) a standby pool for this key unless one exists, a measurement is
+    running, or the environment differs from the one the first spare saw (a test's
+    monkeypatch is in force: its variables must not be baked into processes another test uses)."""
+    global _SPARE_ENV
+    key = (world_size, accelerator, gpus)
+    if _HOLD or key in _SPARES or not spares_enabled(accelerator):
+        return
+    env = _plain_env()
+    if _SPARE_ENV is None:
+        _SPARE_ENV = env
+    elif env != _SPARE_ENV:
+        return
+    try:
+        _clear_build_locks()
+        _SPARES[key] = _Pool(world_size, accelerator, gpus, POOL_PG_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - a spare is an optimisation: the call will spawn
+        print(f"dsconform.dist: standby ranks not started ({exc})", file=sys.stderr)
+
+
+def _take_spare(key: tuple, pg_timeout_s: float) -> _Pool | None:
+    """The standby pool for key, started up, or None (none kept, or it failed to start: the
+    caller then starts ranks the usual way, which reports a real start-up failure)."""
+    pool = _SPARES.pop(key, None)
+    if pool is None:
+        return None
+    if pool.pg_timeout_s < pg_timeout_s or pool.closed:
+        pool.kill()
+        return None
+    try:
+        return _await_start(pool)
+    except RankError as exc:
+        print(f"dsconform.dist: standby ranks failed to start, starting new ones ({exc})",
+              file=sys.stderr)
+        return None
+
+
+def start_spares(world_sizes: list[int], accelerator: str = "cuda") -> list[tuple]:
+    """Start standby pools for these world sizes now (a run starting on a GPU node calls this
+    so rank start-up overlaps collection and op builds). Returns the keys started; world sizes
+    this xdist worker has too few GPUs for are left out."""
+    started = []
+    with _LOCK:
+        for ws in world_sizes:
+            try:
+                gpus = _gpus_for(ws, accelerator)
+            except InsufficientGPUs:
+                continue
+            _start_spare(ws, accelerator, gpus)
+            if (ws, accelerator, gpus) in _SPARES:
+                started.append((ws, accelerator, gpus))
+    return started
+
+
+def settle_spares() -> None:
+    """Wait until every standby pool has finished starting (or drop those that failed), so
+    nothing else starts up on the node while a measurement runs."""
+    with _LOCK:
+        for key, pool in list(_SPARES.items()):
+            try:
+                _await_start(pool)
+            except RankError:
+                _SPARES.pop(key, None)
+
+
+class hold_spares:  # noqa: N801 - used like a function: `with hold_spares():`
+    """While in force no standby pool starts, and those starting are waited for first: a
+    performance measurement must not share the node with a starting rank (CPU, a CUDA context,
+    NCCL set-up). The metrics fixture holds them for the whole test."""
+
+    def __enter__(self) -> hold_spares:
+        global _HOLD
+        _HOLD += 1
+        settle_spares()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        global _HOLD
+        _HOLD -= 1
 
 
 def _gpus_for(world_size: int, accelerator: str) -> tuple[str, ...]:
@@ -550,9 +684,15 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
         if pool is not None and (not pool.alive() or pool.pg_timeout_s < timeout_s + 60):
             pool.close()
             pool = None
+        started = pool is None
         if pool is None:
             pg_timeout_s = max(POOL_PG_TIMEOUT_S, timeout_s + 60) if reuse else timeout_s + 60
-            pool = _start_pool(world_size, accelerator, gpus, pg_timeout_s)
+            pool = _take_spare(key, pg_timeout_s) or _start_pool(
+                world_size, accelerator, gpus, pg_timeout_s)
+            if not reuse:
+                # A fresh-process call is often followed by another (save, then load in new
+                # processes): its replacement starts now. Held off during measurements.
+                _start_spare(world_size, accelerator, gpus)
         healthy = False
         try:
             payload = pickle.dumps((list(sys.path), pool.env_delta(), call))
@@ -575,6 +715,10 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
                     _POOLS.popitem(last=False)[1].close()
             else:
                 pool.close()
+            if started or not healthy:
+                # After the call, not during it: the replacement must not share the node with
+                # what the call measured.
+                _start_spare(world_size, accelerator, gpus)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -158,3 +158,14 @@ def env_of_rank() -> dict:
     return {"env": {k: os.environ.get(k) for k in keys},
             "backend": tdist.get_backend(),
             "ds_accelerator": get_accelerator()._name}
+
+
+_calls = 0
+
+
+def pid_and_calls() -> tuple[int, int]:
+    """This process's pid and how many harness calls it has run, this one included: a rank
+    that ran nothing before answers 1."""
+    global _calls
+    _calls += 1
+    return os.getpid(), _calls

@@ -1,0 +1,117 @@
+"""Standby rank pools (dsconform.dist spares): fresh processes without waiting for them.
+
+Run on the CPU accelerator with spares forced on (on this 2-core machine "auto" leaves them off).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+import pytest
+
+from dsconform import dist
+
+try:
+    from tests import rank_fns
+except ImportError:
+    import rank_fns
+
+from tests.test_dist import assert_no_leftovers
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture
+def spares(monkeypatch):
+    """Spares on, and no pool or spare left from an earlier test (nor after this one)."""
+    dist.shutdown_pools()
+    monkeypatch.setattr(dist, "SPARE_POOLS", "1")
+    monkeypatch.setattr(dist, "_SPARE_ENV", None)
+    yield
+    dist.shutdown_pools()
+    assert_no_leftovers()
+
+
+def _key(ws: int = 2) -> tuple:
+    return (ws, "cpu", ())
+
+
+def _spare_pids(ws: int = 2) -> list[int]:
+    return list(dist._SPARES[_key(ws)].pids)
+
+
+def test_auto_keeps_spares_for_cuda_on_big_machines_only(monkeypatch):
+    monkeypatch.setattr(dist, "SPARE_POOLS", "auto")
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    assert dist.spares_enabled("cuda") and not dist.spares_enabled("cpu")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert not dist.spares_enabled("cuda")
+    monkeypatch.setattr(dist, "SPARE_POOLS", "0")
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    assert not dist.spares_enabled("cuda")
+
+
+def test_fresh_calls_get_new_processes_that_ran_nothing(spares):
+    first = dist.run_ranks(rank_fns.pid_and_calls, 2, timeout_s=TIMEOUT_S, reuse=False,
+                           accelerator="cpu")
+    assert [calls for _, calls in first] == [1, 1]
+    standby = _spare_pids()  # started as the first call began
+    t0 = time.monotonic()
+    second = dist.run_ranks(rank_fns.pid_and_calls, 2, timeout_s=TIMEOUT_S, reuse=False,
+                            accelerator="cpu")
+    took = time.monotonic() - t0
+    assert [p for p, _ in second] == standby, "the second fresh call did not use the spare"
+    assert [calls for _, calls in second] == [1, 1], "a spare had run a function before"
+    assert not {p for p, _ in first} & {p for p, _ in second}
+    assert not any(psutil.pid_exists(p) for p, _ in first), "fresh ranks left running"
+    # The third set is already starting; the second call found its ranks started.
+    assert _key() in dist._SPARES
+    assert took < 10, f"a call on a started spare took {took:.1f} s"
+
+
+def test_failure_is_replaced_by_a_spare(spares):
+    pooled = dist.run_ranks(rank_fns.pid, 2, timeout_s=TIMEOUT_S, accelerator="cpu")
+    standby = _spare_pids()  # started after the pool's first call
+    with pytest.raises(dist.RankError):
+        dist.run_ranks(rank_fns.raise_on, 2, args=(1,), timeout_s=TIMEOUT_S, accelerator="cpu")
+    after = dist.run_ranks(rank_fns.pid, 2, timeout_s=TIMEOUT_S, accelerator="cpu")
+    assert after == standby and not set(after) & set(pooled)
+
+
+def test_a_dead_spare_is_replaced_by_new_ranks(spares):
+    dist.run_ranks(rank_fns.pid, 2, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
+    dead = _spare_pids()
+    for p in dead:
+        psutil.Process(p).kill()
+    out = dist.run_ranks(rank_fns.pid_and_calls, 2, timeout_s=TIMEOUT_S, reuse=False,
+                         accelerator="cpu")
+    assert not {p for p, _ in out} & set(dead)
+    assert [calls for _, calls in out] == [1, 1]
+
+
+def test_no_spare_starts_while_held_and_held_waits_for_starting_ones(spares):
+    dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
+    assert _key(1) in dist._SPARES
+    with dist.hold_spares():
+        assert dist._SPARES[_key(1)].ready, "hold_spares did not wait for the starting spare"
+        dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
+        assert _key(1) not in dist._SPARES, "a spare started during a measurement"
+    dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
+    assert _key(1) in dist._SPARES
+
+
+def test_no_spare_is_started_in_a_tests_changed_environment(spares, monkeypatch):
+    dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
+    dist.shutdown_pools()
+    monkeypatch.setenv("DSCONFORM_TEST_SPARE_ENV", "x")
+    dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
+    assert _key(1) not in dist._SPARES
+
+
+def test_start_spares_and_shutdown_leave_nothing(spares):
+    assert dist.start_spares([1, 2], "cpu") == [_key(1), _key(2)]
+    pids = _spare_pids(1) + _spare_pids(2)
+    dist.shutdown_pools()
+    assert_no_leftovers(pids)

@@ -7,9 +7,14 @@
 #   bash results/reference/run-h200-x2.sh ds196   # 1-bit optimizers and the acceptance tier
 #   bash results/reference/run-h200-x2.sh pair    # the same selection on 0.19.8 then 0.19.6,
 #                                                 # for the upgrade comparison
+#   bash results/reference/run-h200-x2.sh cold    # the whole acceptance tier, cold op cache
+#   bash results/reference/run-h200-x2.sh warm    # the same again (call right after `cold`: the
+#                                                 # machine keeps its op cache while warm), then
+#                                                 # xdist with one GPU per worker
+#   bash results/reference/run-h200-x2.sh nightly # the nightly tier's ZeRO matrix, timed
 # Everything lands in $OUT: a log and a tarball of the results per part.
 set -uo pipefail
-part=${1:?usage: run-h200-x2.sh ds198|ds196|pair}
+part=${1:?usage: run-h200-x2.sh ds198|ds196|pair|cold|warm|nightly}
 out=${OUT:-/tmp/dsconform-out}
 mkdir -p "$out"
 exec > >(tee "$out/$part.log") 2>&1
@@ -40,6 +45,40 @@ if [ "$part" = pair ]; then
         budget 250 "${pytest[@]}" "${sel[@]}" --results "$res/ds-$v"
         echo "exit status $?"; stamp "selection on DeepSpeed $v" "$t"
     done
+    tar -C /tmp/dsconform-results -czf "$out/$part.tgz" "$part"
+    exit 0
+fi
+if [ "$part" = cold ] || [ "$part" = warm ] || [ "$part" = nightly ]; then
+    export DSCONFORM_CACHE=/tmp/dsconform-cache-0.19.8
+    if [ "$part" = cold ]; then
+        rm -rf "$DSCONFORM_CACHE"
+        setup 0.19.8
+        nvidia-smi > "$res/nvidia-smi.txt" 2>&1
+    else
+        # shellcheck source=/dev/null
+        source "${DSCONFORM_SITE:-/tmp/dsconform-site}/env.sh" 2>/dev/null || setup 0.19.8
+    fi
+    python3 -c "import deepspeed, sys; print('== deepspeed', deepspeed.__version__, sys.version)"
+    t=$(date +%s)
+    case $part in
+    cold|warm)
+        echo "== acceptance tier, $part op cache"
+        budget "${BUDGET:-400}" "${pytest[@]}" suites -m gpu --profile h200-x2 \
+            --results "$res/accept" --durations=30
+        echo "exit status $?"; stamp "acceptance, $part" "$t"
+        if [ "$part" = warm ] && [ "${XDIST:-1}" = 1 ]; then
+            echo "== xdist, one GPU per worker (-n 2): ZeRO and collectives"
+            t=$(date +%s)
+            budget 150 "${pytest[@]}" suites/test_zero.py suites/test_collectives.py -m gpu \
+                --profile h200-x2 -n 2 --results "$res/xdist-n2"
+            echo "exit status $?"; stamp "xdist -n 2" "$t"
+        fi ;;
+    nightly)
+        echo "== nightly tier: the ZeRO matrix"
+        budget "${BUDGET:-480}" "${pytest[@]}" suites/test_zero.py -m gpu --nightly \
+            --profile h200-x2 --results "$res/nightly-zero" --durations=10
+        echo "exit status $?"; stamp "nightly ZeRO" "$t" ;;
+    esac
     tar -C /tmp/dsconform-results -czf "$out/$part.tgz" "$part"
     exit 0
 fi

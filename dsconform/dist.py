@@ -71,7 +71,7 @@ __all__ = [
     "InsufficientGPUs", "RankError", "RankTimeout", "WorldSizeMismatch",
     "all_agree", "device", "external_rendezvous", "free_port", "gather", "gpu_slice",
     "gpus_per_worker", "hold_spares", "port_range", "rank", "run_ranks", "seed_everything",
-    "settle_spares", "shutdown_pools", "spares_enabled", "start_spares",
+    "settle_spares", "shutdown_pools", "spares_enabled", "start_spares", "startup_stats",
     "visible_gpus", "worker_gpus", "world", "xdist_worker",
 ]
 
@@ -548,6 +548,15 @@ def _start_pool(world_size: int, accelerator: str, gpus: tuple[str, ...],
 # ---------------------------------------------------------------------------------------------
 
 _SPARES: dict[tuple, _Pool] = {}
+#: Rank start-ups this process waited for: how many pools, how many of them were standbys, and
+#: the seconds calls spent waiting for ranks to become ready (see startup_stats).
+_STATS = {"pools": 0, "from_standby": 0, "waited_s": 0.0}
+
+
+def startup_stats() -> dict[str, float]:
+    """Rank pools started for calls in this process, how many came from standby, and the
+    seconds calls waited for start-up; the plugin prints them after a run."""
+    return dict(_STATS)
 _HOLD = 0  # > 0 while a measurement runs (hold_spares): no spare starts then
 _SPARE_ENV: dict[str, str] | None = None  # the environment spares are started in
 
@@ -687,8 +696,12 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
         started = pool is None
         if pool is None:
             pg_timeout_s = max(POOL_PG_TIMEOUT_S, timeout_s + 60) if reuse else timeout_s + 60
-            pool = _take_spare(key, pg_timeout_s) or _start_pool(
-                world_size, accelerator, gpus, pg_timeout_s)
+            t0 = time.monotonic()
+            pool = _take_spare(key, pg_timeout_s)
+            _STATS["from_standby"] += pool is not None
+            pool = pool or _start_pool(world_size, accelerator, gpus, pg_timeout_s)
+            _STATS["pools"] += 1
+            _STATS["waited_s"] += time.monotonic() - t0
             if not reuse:
                 # A fresh-process call is often followed by another (save, then load in new
                 # processes): its replacement starts now. Held off during measurements.

@@ -118,17 +118,26 @@ def merge_conditions(marks: Iterable[Any], marker_names: Iterable[str]) -> dict[
 
 def evaluate(conditions: Mapping[str, Any], node: NodeFacts, profile: Profile, *,
              op_compatible: Callable[[str], bool | None] = lambda op: None,
-             multinode: bool = False) -> Verdict:
-    """Compare a test's needs with the node; mark each unmet one promised or not."""
+             multinode: bool = False, whole_node: NodeFacts | None = None) -> Verdict:
+    """Compare a test's needs with the node; mark each unmet one promised or not.
+
+    node is what this process may use (an xdist worker's slice of the GPUs); whole_node, when
+    given, the node itself: a GPU count the node has but the worker's slice lacks is a skip
+    (how the run was split), not a broken promise."""
     unmet: list[Unmet] = []
     p = profile
     n = conditions.get("min_gpus")
     if n and node.gpu_count < n:
-        promised = p.gpus_promised >= n
+        sliced = whole_node is not None and whole_node.gpu_count >= n
+        promised = p.gpus_promised >= n and not sliced
         # On a node whose torch cannot use GPUs the hardware has, say so: "found 0" alone reads
         # like a CPU machine.
         found = (f"{node.gpu_count} usable: {node.unusable_gpus()}" if node.unusable_gpus()
                  else str(node.gpu_count))
+        if sliced:
+            found = (f"{node.gpu_count}: this xdist worker's share of the node's "
+                     f"{whole_node.gpu_count}; run fewer workers (-n) or set "
+                     "DSCONFORM_GPUS_PER_WORKER")
         unmet.append(Unmet("min_gpus", f"GPUs>={n}", found, promised,
                            f"expected {p.gpus_promised} GPUs" if promised else ""))
     for dtype in ("bf16", "fp16"):

@@ -688,37 +688,123 @@ def check_op_isolated(name: str, *, device: str = "cpu",
     asserts on an unaligned read; GDS I/O on a non-GDS disk killed the 2xH200 run), and a test
     suite must survive that: the child's death becomes OpCrashed naming the signal and its output.
     Raises OpUnavailable-equivalent RuntimeError text, AssertionError, or OpCrashed."""
-    import signal as _signal
-    import subprocess
+    return IsolatedOpCheck.start(name, device=device, scratch_dir=scratch_dir).result(timeout_s)
 
-    cmd = [sys.executable, "-c", _CHILD, name, device, os.fspath(scratch_dir or "")]
-    # The child runs in the scratch directory: gds_handle writes local_cufile.json into its
-    # working directory, which must not be the user's checkout. This dsconform stays importable.
-    here = str(Path(__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)}
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env,
-                              cwd=os.fspath(scratch_dir) if scratch_dir else None)
-    except subprocess.TimeoutExpired as e:
-        raise OpCrashed(f"op {name}: check did not finish within {timeout_s:.0f} s\n"
-                        f"{log_tail(str(e.stdout or '') + str(e.stderr or ''))}") from None
-    output = proc.stdout + proc.stderr
-    marker = proc.stdout.rfind(_MARK)
-    if marker < 0:
-        how = (f"killed by {_signal.Signals(-proc.returncode).name}" if proc.returncode < 0
-               else f"exited {proc.returncode}")
-        raise OpCrashed(f"op {name}: the process running its check {how} before reporting "
-                        f"(a crash in native code)\noutput (tail):\n{log_tail(output)}")
-    out = json.loads(proc.stdout[marker + len(_MARK):].strip().splitlines()[0])
-    status = out["status"]
-    if status == "ok":
-        return out["result"]
-    if status == "unavailable":
-        raise OpUnavailableText(out["message"], out.get("load", {}))
-    if status == "wrong":
-        raise AssertionError(out["message"])
-    raise OpCrashed(f"op {name}: the check raised unexpectedly:\n{out['message']}")
+
+class IsolatedOpCheck:
+    """check_op_isolated, started now and read later, so that several ops' checks (each mostly
+    the child's import of torch and deepspeed, 8-12 s on 2xH200) run at once."""
+
+    def __init__(self, name: str, proc: Any) -> None:
+        self.name = name
+        self.proc = proc
+        self._out: tuple[str, str] | None = None
+
+    @classmethod
+    def start(cls, name: str, *, device: str = "cpu",
+              scratch_dir: str | os.PathLike[str] | None = None) -> IsolatedOpCheck:
+        import subprocess
+
+        cmd = [sys.executable, "-c", _CHILD, name, device, os.fspath(scratch_dir or "")]
+        # The child runs in the scratch directory: gds_handle writes local_cufile.json into its
+        # working directory, which must not be the user's checkout. This dsconform stays
+        # importable.
+        here = str(Path(__file__).resolve().parent.parent)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH"))
+                                             if p)}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd=os.fspath(scratch_dir) if scratch_dir else None)
+        return cls(name, proc)
+
+    def done(self) -> bool:
+        return self.proc.poll() is not None
+
+    def result(self, timeout_s: float = 900) -> dict[str, Any]:
+        """The check's result (a dict) or its exception, as check_op_isolated describes."""
+        import signal as _signal
+        import subprocess
+
+        name, proc = self.name, self.proc
+        if self._out is None:
+            try:
+                self._out = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+                raise OpCrashed(f"op {name}: check did not finish within {timeout_s:.0f} s\n"
+                                f"{log_tail(str(stdout or '') + str(stderr or ''))}") from None
+        stdout, stderr = self._out
+        output = stdout + stderr
+        marker = stdout.rfind(_MARK)
+        if marker < 0:
+            how = (f"killed by {_signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+                   else f"exited {proc.returncode}")
+            raise OpCrashed(f"op {name}: the process running its check {how} before reporting "
+                            f"(a crash in native code)\noutput (tail):\n{log_tail(output)}")
+        out = json.loads(stdout[marker + len(_MARK):].strip().splitlines()[0])
+        status = out["status"]
+        if status == "ok":
+            return out["result"]
+        if status == "unavailable":
+            raise OpUnavailableText(out["message"], out.get("load", {}))
+        if status == "wrong":
+            raise AssertionError(out["message"])
+        raise OpCrashed(f"op {name}: the check raised unexpectedly:\n{out['message']}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.communicate()
+
+
+#: Ops whose check reads and writes the disk and records its rates: their checks run one at a
+#: time, so a rate is never measured while another op's check does I/O.
+IO_OPS = frozenset({"async_io", "gds"})
+
+
+class OpChecks:
+    """The promised ops' isolated checks, started together: every compute op's check (as soon as
+    its build, if the run started one, has loaded) and the first I/O op's at once; the other I/O
+    ops' checks when asked for, after the one before has finished. ``get(op)`` returns the
+    running or finished IsolatedOpCheck, or None when the op's build failed (its test reports
+    the build's own diagnosis)."""
+
+    def __init__(self, ops: list[str], *, device: str, scratch_root: str | os.PathLike[str],
+                 build_result: Callable[[str], dict[str, Any] | None] = lambda op: None,
+                 starter: Callable[..., IsolatedOpCheck] = IsolatedOpCheck.start) -> None:
+        self.device = device
+        self.scratch_root = Path(scratch_root)
+        self.build_result = build_result
+        self.starter = starter
+        self.checks: dict[str, IsolatedOpCheck | None] = {}
+        io = [op for op in ops if op in IO_OPS]
+        for op in [op for op in ops if op not in IO_OPS] + io[:1]:
+            self._start(op)
+
+    def _start(self, op: str) -> IsolatedOpCheck | None:
+        build = self.build_result(op)
+        if build is not None and not build.get("loaded"):
+            self.checks[op] = None
+            return None
+        scratch = self.scratch_root / op
+        scratch.mkdir(parents=True, exist_ok=True)
+        self.checks[op] = self.starter(op, device=self.device, scratch_dir=scratch)
+        return self.checks[op]
+
+    def get(self, op: str) -> IsolatedOpCheck | None:
+        if op in self.checks:
+            return self.checks[op]
+        if op in IO_OPS:
+            for other, check in self.checks.items():
+                if other in IO_OPS and check is not None:
+                    check.proc.wait()
+        return self._start(op)
+
+    def close(self) -> None:
+        for check in self.checks.values():
+            if check is not None:
+                check.kill()
 
 
 class OpUnavailableText(RuntimeError):

@@ -57,7 +57,7 @@ from dsconform.equivalence import (
 from dsconform.gating import accel_params, requires
 from dsconform.known_issues import KNOWN_ISSUES, KnownIssue
 from dsconform.lossscale import ModelStep, ScalerModel, ScalerSettings, ScalerState, read_scaler
-from dsconform.ops import OpCrashed, OpUnavailableText, check_op_isolated
+from dsconform.ops import OpChecks, OpCrashed, OpUnavailableText, check_op_isolated
 from dsconform.profile import NcclFloor, NvmePath, Profile
 from dsconform.records import FactsRecorder, MetricsRecorder
 from dsconform.removed import ONEBIT_OPTIMIZERS
@@ -72,7 +72,7 @@ __all__ = [
     "ASSUMED_DEFAULTS", "GB", "GIB", "KNOWN_ISSUES", "OPTIMIZER_OPS", "Comparison",
     "FactsRecorder", "Rendezvous", "rendezvous_info",
     "InsufficientGPUs", "KnownIssue", "MetricsRecorder", "NcclFloor", "NodeFacts", "NvmePath",
-    "OpCrashed", "OpUnavailableText", "Profile", "check_op_isolated", "parse_ds_report",
+    "OpChecks", "OpCrashed", "OpUnavailableText", "Profile", "check_op_isolated", "parse_ds_report",
     "run_ds_report", "RankError", "RankTimeout", "RunState", "Tol", "accel_params", "all_agree",
     "compare_rank_results", "compare_traces", "defaults_mismatches", "device", "ds_config",
     "gather", "non_finite", "pairwise", "rank", "uncovered_pairs", "requires", "run_ranks",

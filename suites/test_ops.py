@@ -14,13 +14,16 @@ Upstream: https://www.deepspeed.ai/tutorials/advanced-install/ (ops, JIT builds,
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from dsconform.suite import (
+    OpChecks,
     OpCrashed,
     OpUnavailableText,
-    check_op_isolated,
     parse_ds_report,
     run_ds_report,
     run_state,
@@ -41,8 +44,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="module")
-def report(run) -> dict:
-    """ds_report, run once and parsed; also written to --results/ds_report.json."""
+def op_checks(run, node, profile):
+    """Every promised op's check, each in its own child process, started together once its
+    parallel build (dsconform.opbuild) has loaded: compute ops at once, I/O ops one at a time
+    (dsconform.ops.OpChecks). Their scratch is under --scratch."""
+    root = Path(tempfile.mkdtemp(prefix="ops-", dir=run.scratch))
+    builds = run.op_builds
+    checks = OpChecks(list(profile.ops), device=node.accelerator, scratch_root=root,
+                      build_result=(builds.wait if builds is not None else lambda op: None))
+    yield checks
+    checks.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def report(run, op_checks) -> dict:
+    """ds_report, run once and parsed; also written to --results/ds_report.json. (The op checks
+    start first, so they run while ds_report does.)"""
     parsed = parse_ds_report(run_ds_report())
     results = run.results
     if results is not None:
@@ -72,7 +90,7 @@ def test_unpromised_ops_are_reported(report, profile):
     print(f"ops not promised by profile {profile.name} (not built):\n  " + "\n  ".join(rows))
 
 
-def test_promised_op(promised_op, report, node, scratch, metrics, profile, run):
+def test_promised_op(promised_op, report, op_checks, node, metrics, profile, run):
     """A promised op MUST be ds_report-compatible, build, load, and compute like its reference."""
     problems = []
     status = report["ops"].get(promised_op)
@@ -90,7 +108,7 @@ def test_promised_op(promised_op, report, node, scratch, metrics, profile, run):
         problems.append(build["failure"] or f"op {promised_op} did not build")
     else:
         try:  # in a child process: a native crash fails this test, not the whole run
-            result = check_op_isolated(promised_op, device=node.accelerator, scratch_dir=scratch)
+            result = op_checks.get(promised_op).result()
         except (OpUnavailableText, OpCrashed) as e:
             problems.append(str(e))
     if result is None:  # outside the except: no "during handling" chain in the report

@@ -121,3 +121,15 @@ def test_a_gpu_promise_on_a_node_whose_torch_lost_its_gpus_names_both_counts(mon
     assert v.fail_reason == ("profile h200-x2 promises [GPUs>=1]: expected 2 GPUs, found 0 usable: "
                              "2 GPUs present (nvml: NVIDIA H200), 0 usable by torch; "
                              "CUDA_VISIBLE_DEVICES='' is set")
+
+
+def test_an_xdist_workers_share_short_of_gpus_skips_but_a_short_node_still_fails():
+    """-n 2 on a 2-GPU node gives each worker one GPU: a 2-rank test cannot run there, and that
+    is how the run was split, not a broken promise (seen on 2xH200: 46 FAILED). The node itself
+    still has to have the promised GPUs."""
+    v = verdict({"min_gpus": 2}, fake_node(1), H200X2, whole_node=fake_node(2))
+    assert not v.ok and not v.broken_promises
+    assert "xdist worker's share of the node's 2" in v.skip_reason
+    assert "-n" in v.skip_reason
+    v = verdict({"min_gpus": 2}, fake_node(1), H200X2, whole_node=fake_node(1))
+    assert v.broken_promises and "expected 2 GPUs, found 1" in v.fail_reason

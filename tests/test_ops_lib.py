@@ -453,3 +453,47 @@ def test_isolated_check_returns_the_result(tmp_path):
     result = ops.check_op_isolated("cpu_adam", scratch_dir=tmp_path)
     assert result["op"] == "cpu_adam" and result["checked"] == "functional"
     assert result["max_abs_diff"] <= result["atol"] + result["rtol"]
+
+
+class _FakeProc:
+    def __init__(self, log, name):
+        self.log, self.name, self.finished = log, name, False
+
+    def wait(self):
+        self.finished = True
+        self.log.append(("finished", self.name))
+
+    def poll(self):
+        return 0 if self.finished else None
+
+
+class _FakeCheck:
+    def __init__(self, log, name):
+        self.proc = _FakeProc(log, name)
+        self.killed = False
+
+    def kill(self):
+        self.killed = True
+
+
+def test_op_checks_start_compute_ops_together_and_io_ops_one_at_a_time(tmp_path):
+    from dsconform.ops import OpChecks
+
+    log = []
+
+    def starter(op, *, device, scratch_dir):
+        assert scratch_dir.is_dir() and scratch_dir.name == op and device == "cuda"
+        log.append(("started", op))
+        return _FakeCheck(log, op)
+
+    builds = {"fused_adam": {"loaded": True}, "cpu_adam": {"loaded": False}}
+    checks = OpChecks(["fused_adam", "async_io", "cpu_adam", "gds"], device="cuda",
+                      scratch_root=tmp_path, build_result=builds.get, starter=starter)
+    # Compute ops and the first I/O op at once; a failed build gets no check.
+    assert log == [("started", "fused_adam"), ("started", "async_io")]
+    assert checks.get("cpu_adam") is None
+    assert checks.get("fused_adam").proc.name == "fused_adam"
+    gds = checks.get("gds")
+    assert log[-2:] == [("finished", "async_io"), ("started", "gds")]
+    checks.close()
+    assert gds.killed

@@ -56,7 +56,14 @@ if [ "$part" = cold ] || [ "$part" = warm ] || [ "$part" = nightly ]; then
         nvidia-smi > "$res/nvidia-smi.txt" 2>&1
     else
         # shellcheck source=/dev/null
-        source "${DSCONFORM_SITE:-/tmp/dsconform-site}/env.sh" 2>/dev/null || setup 0.19.8
+        if ! source "${DSCONFORM_SITE:-/tmp/dsconform-site}/env.sh" 2>/dev/null; then
+            # A fresh machine: set up, and warm the op cache with the ops suite alone.
+            setup 0.19.8
+            t=$(date +%s)
+            budget 240 "${pytest[@]}" suites/test_ops.py -m gpu --profile h200-x2 \
+                --results "$res/ops-cold"
+            echo "exit status $?"; stamp "ops suite, cold op cache" "$t"
+        fi
     fi
     python3 -c "import deepspeed, sys; print('== deepspeed', deepspeed.__version__, sys.version)"
     t=$(date +%s)

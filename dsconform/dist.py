@@ -96,6 +96,10 @@ MAX_POOLS = int(os.environ.get("DSCONFORM_MAX_POOLS", "2"))
 #: would slow the test it overlaps); "1"/"0" force it.
 SPARE_POOLS = os.environ.get("DSCONFORM_SPARE_POOLS", "auto").strip().lower()
 SPARE_MIN_CORES = 8
+#: Whether standby ranks build and destroy a tiny engine before they report ready
+#: (dist_rank.warm_up); DSCONFORM_RANK_WARMUP=0 turns it off.
+RANK_WARMUP = os.environ.get("DSCONFORM_RANK_WARMUP", "1").strip().lower() not in (
+    "0", "off", "no", "false")
 #: Process-group timeout of pooled ranks: the parent enforces each call's timeout_s, so this
 #: only has to outlast the longest call; a call asking for more respawns the pool.
 POOL_PG_TIMEOUT_S = 3600.0
@@ -227,7 +231,7 @@ class _Pool:
     """world_size live rank processes sharing one process group."""
 
     def __init__(self, world_size: int, accelerator: str, gpus: tuple[str, ...],
-                 pg_timeout_s: float) -> None:
+                 pg_timeout_s: float, warm: bool = False) -> None:
         self.world_size = world_size
         self.accelerator = accelerator
         self.gpus = gpus
@@ -262,7 +266,7 @@ class _Pool:
                 proc = ctx.Process(
                     target=rank_main, name=f"dsconform-rank{index}",
                     args=(index, world_size, env, child_conn, self.stack_paths[index],
-                          accelerator, pg_timeout_s, os.getpid()),
+                          accelerator, pg_timeout_s, os.getpid(), warm),
                 )
                 proc.start()
                 child_conn.close()
@@ -594,7 +598,9 @@ def _start_spare(world_size: int, accelerator: str, gpus: tuple[str, ...]) -> No
         return
     try:
         _clear_build_locks()
-        _SPARES[key] = _Pool(world_size, accelerator, gpus, POOL_PG_TIMEOUT_S)
+        # Standby ranks also build a first engine (dist_rank.warm_up): nobody waits for them.
+        _SPARES[key] = _Pool(world_size, accelerator, gpus, POOL_PG_TIMEOUT_S,
+                             warm=RANK_WARMUP)
     except Exception as exc:  # noqa: BLE001 - a spare is an optimisation: the call will spawn
         print(f"dsconform.dist: standby ranks not started ({exc})", file=sys.stderr)
 

@@ -211,9 +211,41 @@ def _restore(environ: dict, cwd: str, default_dtype: Any, grad_enabled: bool) ->
         torch.cuda.empty_cache()
 
 
+def warm_up() -> None:
+    """Build, step and destroy a tiny ZeRO-2 engine, so that the first engine a test builds in
+    this process does not pay for what DeepSpeed and torch set up lazily on first use (about 4 s
+    of a 6 s first ZeRO call on the 2-core CPU machine; the first call of a fresh pool took
+    12 s on 2xH200). Standby ranks do it while nobody waits for them (dsconform.dist)."""
+    import logging
+
+    import deepspeed
+    import torch
+    from deepspeed.utils import logger
+
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        dev = device()
+        model = torch.nn.Linear(4, 4).to(dev)
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+                  "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config)
+        engine.backward(engine(torch.ones(1, 4, device=dev)).sum())
+        engine.step()
+        engine.destroy()
+        del engine, model
+    finally:
+        logger.setLevel(level)
+        gc.collect()
+
+
 def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, stack_path: str,
-              accelerator: str, pg_timeout_s: float, parent_pid: int) -> None:
-    """Entry point of a spawned rank: initialise once, then run tasks until told to stop."""
+              accelerator: str, pg_timeout_s: float, parent_pid: int,
+              warm: bool = False) -> None:
+    """Entry point of a spawned rank: initialise once (warm: and warm_up()), then run tasks until
+    told to stop."""
     global _accelerator
     # Own process group: the parent kills the rank together with anything it started
     # (compiler jobs of a JIT build, DataLoader workers).
@@ -247,6 +279,8 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         deepspeed.init_distributed(dist_backend="nccl" if accelerator == "cuda" else "gloo",
                                    timeout=timedelta(seconds=pg_timeout_s), verbose=False)
         _accelerator = accelerator
+        if warm:
+            warm_up()
         # torch and deepspeed leave ~200k long-lived objects; freezing them keeps the full
         # gc.collect() after each call at milliseconds instead of ~0.1 s.
         gc.collect()

@@ -86,6 +86,11 @@ class ParallelBuilds:
             b.result["jobs"] = self.jobs_per_op
         return b.result
 
+    def finished(self, op: str) -> bool:
+        """Whether ``wait(op)`` would return at once (no build of op, or it has ended)."""
+        b = self.builds.get(op)
+        return b is None or b.result is not None or b.proc.poll() is not None
+
     def close(self) -> None:
         """Stop builds still running (the run ended or was interrupted). A killed build leaves
         its lock behind; the next run removes it (dsconform.buildlock)."""

@@ -764,23 +764,30 @@ IO_OPS = frozenset({"async_io", "gds"})
 
 
 class OpChecks:
-    """The promised ops' isolated checks, started together: every compute op's check (as soon as
-    its build, if the run started one, has loaded) and the first I/O op's at once; the other I/O
-    ops' checks when asked for, after the one before has finished. ``get(op)`` returns the
-    running or finished IsolatedOpCheck, or None when the op's build failed (its test reports
-    the build's own diagnosis)."""
+    """The promised ops' isolated checks, started together: every compute op's check and the
+    first I/O op's as soon as its build (if the run started one) has ended; the other I/O ops'
+    checks when asked for, after the one before has finished. Nothing here waits for a build
+    except ``get`` of that op. ``get(op)`` returns the running or finished IsolatedOpCheck, or
+    None when the op's build failed (its test reports the build's own diagnosis)."""
 
     def __init__(self, ops: list[str], *, device: str, scratch_root: str | os.PathLike[str],
                  build_result: Callable[[str], dict[str, Any] | None] = lambda op: None,
+                 build_done: Callable[[str], bool] = lambda op: True,
                  starter: Callable[..., IsolatedOpCheck] = IsolatedOpCheck.start) -> None:
         self.device = device
         self.scratch_root = Path(scratch_root)
         self.build_result = build_result
+        self.build_done = build_done
         self.starter = starter
         self.checks: dict[str, IsolatedOpCheck | None] = {}
         io = [op for op in ops if op in IO_OPS]
-        for op in [op for op in ops if op not in IO_OPS] + io[:1]:
-            self._start(op)
+        self.eager = [op for op in ops if op not in IO_OPS] + io[:1]
+        self._start_ready()
+
+    def _start_ready(self) -> None:
+        for op in self.eager:
+            if op not in self.checks and self.build_done(op):
+                self._start(op)
 
     def _start(self, op: str) -> IsolatedOpCheck | None:
         build = self.build_result(op)
@@ -793,13 +800,14 @@ class OpChecks:
         return self.checks[op]
 
     def get(self, op: str) -> IsolatedOpCheck | None:
+        self._start_ready()
         if op in self.checks:
             return self.checks[op]
         if op in IO_OPS:
             for other, check in self.checks.items():
                 if other in IO_OPS and check is not None:
                     check.proc.wait()
-        return self._start(op)
+        return self._start(op)  # waits for op's build
 
     def close(self) -> None:
         for check in self.checks.values():

@@ -45,13 +45,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 @pytest.fixture(scope="module")
 def op_checks(run, node, profile):
-    """Every promised op's check, each in its own child process, started together once its
-    parallel build (dsconform.opbuild) has loaded: compute ops at once, I/O ops one at a time
+    """Every promised op's check, each in its own child process, started together as their
+    parallel builds (dsconform.opbuild) end: compute ops at once, I/O ops one at a time
     (dsconform.ops.OpChecks). Their scratch is under --scratch."""
     root = Path(tempfile.mkdtemp(prefix="ops-", dir=run.scratch))
     builds = run.op_builds
     checks = OpChecks(list(profile.ops), device=node.accelerator, scratch_root=root,
-                      build_result=(builds.wait if builds is not None else lambda op: None))
+                      build_result=(builds.wait if builds is not None else lambda op: None),
+                      build_done=(builds.finished if builds is not None else lambda op: True))
     yield checks
     checks.close()
     shutil.rmtree(root, ignore_errors=True)
@@ -60,7 +61,7 @@ def op_checks(run, node, profile):
 @pytest.fixture(scope="module")
 def report(run, op_checks) -> dict:
     """ds_report, run once and parsed; also written to --results/ds_report.json. (The op checks
-    start first, so they run while ds_report does.)"""
+    whose builds have ended start first, so they run while ds_report does.)"""
     parsed = parse_ds_report(run_ds_report())
     results = run.results
     if results is not None:

@@ -497,3 +497,23 @@ def test_op_checks_start_compute_ops_together_and_io_ops_one_at_a_time(tmp_path)
     assert log[-2:] == [("finished", "async_io"), ("started", "gds")]
     checks.close()
     assert gds.killed
+
+
+def test_op_checks_never_wait_for_a_build_before_their_op_is_asked_for(tmp_path):
+    from dsconform.ops import OpChecks
+
+    log, done = [], {"fused_adam": False, "cpu_adam": True}
+
+    def starter(op, *, device, scratch_dir):
+        log.append(op)
+        return _FakeCheck(log, op)
+
+    def build_result(op):
+        done[op] = True  # wait(op): returns once the build has ended
+        return {"loaded": True}
+
+    checks = OpChecks(["fused_adam", "cpu_adam"], device="cuda", scratch_root=tmp_path,
+                      build_result=build_result, build_done=done.get, starter=starter)
+    assert log == ["cpu_adam"]  # fused_adam's build still runs: not waited for
+    assert checks.get("fused_adam").proc.name == "fused_adam"
+    assert log == ["cpu_adam", "fused_adam"]

@@ -7,6 +7,10 @@ Every distributed test in the suite goes through `run_ranks`. Two modes:
   accelerator and GPU slice) so only the first call pays for importing deepspeed and
   initialising the process group. A failing, dying or hanging rank fails that one call and
   tears its pool down; the next call starts fresh processes.
+* Standby ranks (spares, on cuda on machines with >= 8 cores): another set of ranks per key,
+  started in the background, so a call that needs new processes does not wait for a CUDA
+  context, deepspeed and NCCL. Those for pooled calls also warm up (dist_rank.warm_up); a
+  fresh-process call (reuse=False) only takes ranks that never built an engine.
 * External (under torchrun, the DeepSpeed launcher or Slurm, see `external_rendezvous`): the
   current process is one rank of a job that already has a rendezvous; fn runs in-process and
   the ranks exchange outcomes so that every rank returns, skips or fails alike. Nobody can
@@ -551,7 +555,12 @@ def _start_pool(world_size: int, accelerator: str, gpus: tuple[str, ...],
 # Standby pools
 # ---------------------------------------------------------------------------------------------
 
+#: Standby pools by (world size, accelerator, GPUs, warmed up). Warmed-up ones serve pooled
+#: calls; a fresh-process call (reuse=False) only ever takes ranks that never built an engine, so
+#: "loads in a fresh process" keeps its meaning.
 _SPARES: dict[tuple, _Pool] = {}
+_HOLD = 0  # > 0 while a measurement runs (hold_spares): no spare starts then
+_SPARE_ENV: dict[str, str] | None = None  # the environment spares are started in
 #: Rank start-ups this process waited for: how many pools, how many of them were standbys, and
 #: the seconds calls spent waiting for ranks to become ready (see startup_stats).
 _STATS = {"pools": 0, "from_standby": 0, "waited_s": 0.0}
@@ -561,8 +570,6 @@ def startup_stats() -> dict[str, float]:
     """Rank pools started for calls in this process, how many came from standby, and the
     seconds calls waited for start-up; the plugin prints them after a run."""
     return dict(_STATS)
-_HOLD = 0  # > 0 while a measurement runs (hold_spares): no spare starts then
-_SPARE_ENV: dict[str, str] | None = None  # the environment spares are started in
 
 
 def spares_enabled(accelerator: str) -> bool:
@@ -583,12 +590,18 @@ def _plain_env() -> dict[str, str]:
             if k not in RANK_OWNED_ENV and k not in _VOLATILE_ENV}
 
 
-def _start_spare(world_size: int, accelerator: str, gpus: tuple[str, ...]) -> None:
+def _spare_key(world_size: int, accelerator: str, gpus: tuple[str, ...], fresh: bool) -> tuple:
+    return (world_size, accelerator, gpus, RANK_WARMUP and not fresh)
+
+
+def _start_spare(world_size: int, accelerator: str, gpus: tuple[str, ...], *,
+                 fresh: bool = False) -> None:
     """Start (without waiting) a standby pool for this key unless one exists, a measurement is
     running, or the environment differs from the one the first spare saw (a test's
-    monkeypatch is in force: its variables must not be baked into processes another test uses)."""
+    monkeypatch is in force: its variables must not be baked into processes another test uses).
+    fresh: for fresh-process calls, so never warmed up."""
     global _SPARE_ENV
-    key = (world_size, accelerator, gpus)
+    key = _spare_key(world_size, accelerator, gpus, fresh)
     if _HOLD or key in _SPARES or not spares_enabled(accelerator):
         return
     env = _plain_env()
@@ -598,9 +611,9 @@ def _start_spare(world_size: int, accelerator: str, gpus: tuple[str, ...]) -> No
         return
     try:
         _clear_build_locks()
-        # Standby ranks also build a first engine (dist_rank.warm_up): nobody waits for them.
-        _SPARES[key] = _Pool(world_size, accelerator, gpus, POOL_PG_TIMEOUT_S,
-                             warm=RANK_WARMUP)
+        # Standby ranks for pooled calls also build a first engine (dist_rank.warm_up): nobody
+        # waits for them.
+        _SPARES[key] = _Pool(world_size, accelerator, gpus, POOL_PG_TIMEOUT_S, warm=key[3])
     except Exception as exc:  # noqa: BLE001 - a spare is an optimisation: the call will spawn
         print(f"dsconform.dist: standby ranks not started ({exc})", file=sys.stderr)
 
@@ -634,7 +647,7 @@ def start_spares(world_sizes: list[int], accelerator: str = "cuda") -> list[tupl
             except InsufficientGPUs:
                 continue
             _start_spare(ws, accelerator, gpus)
-            if (ws, accelerator, gpus) in _SPARES:
+            if _spare_key(ws, accelerator, gpus, False) in _SPARES:
                 started.append((ws, accelerator, gpus))
     return started
 
@@ -703,7 +716,8 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
         if pool is None:
             pg_timeout_s = max(POOL_PG_TIMEOUT_S, timeout_s + 60) if reuse else timeout_s + 60
             t0 = time.monotonic()
-            pool = _take_spare(key, pg_timeout_s)
+            pool = _take_spare(_spare_key(world_size, accelerator, gpus, not reuse),
+                               pg_timeout_s)
             _STATS["from_standby"] += pool is not None
             pool = pool or _start_pool(world_size, accelerator, gpus, pg_timeout_s)
             _STATS["pools"] += 1
@@ -711,7 +725,7 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
             if not reuse:
                 # A fresh-process call is often followed by another (save, then load in new
                 # processes): its replacement starts now. Held off during measurements.
-                _start_spare(world_size, accelerator, gpus)
+                _start_spare(world_size, accelerator, gpus, fresh=True)
         healthy = False
         try:
             payload = pickle.dumps((list(sys.path), pool.env_delta(), call))
@@ -737,7 +751,7 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
             if started or not healthy:
                 # After the call, not during it: the replacement must not share the node with
                 # what the call measured.
-                _start_spare(world_size, accelerator, gpus)
+                _start_spare(world_size, accelerator, gpus, fresh=not reuse)
 
 
 # ---------------------------------------------------------------------------------------------

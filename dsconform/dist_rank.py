@@ -33,6 +33,8 @@ STACK_DUMP_SIGNAL = signal.SIGUSR1
 
 # Set once per process when it becomes a rank ("cuda" or "cpu").
 _accelerator: str | None = None
+# Whether this rank built a warm-up engine before its first call (warm_up).
+_warmed_up = False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -246,7 +248,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
               warm: bool = False) -> None:
     """Entry point of a spawned rank: initialise once (warm: and warm_up()), then run tasks until
     told to stop."""
-    global _accelerator
+    global _accelerator, _warmed_up
     # Own process group: the parent kills the rank together with anything it started
     # (compiler jobs of a JIT build, DataLoader workers).
     os.setpgrp()
@@ -281,6 +283,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         _accelerator = accelerator
         if warm:
             warm_up()
+            _warmed_up = True
         # torch and deepspeed leave ~200k long-lived objects; freezing them keeps the full
         # gc.collect() after each call at milliseconds instead of ~0.1 s.
         gc.collect()

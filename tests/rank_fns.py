@@ -169,3 +169,10 @@ def pid_and_calls() -> tuple[int, int]:
     global _calls
     _calls += 1
     return os.getpid(), _calls
+
+
+def warmed_up() -> bool:
+    """Whether this rank built dsconform's warm-up engine before its first call."""
+    from dsconform import dist_rank
+
+    return dist_rank._warmed_up

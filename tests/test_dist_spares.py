@@ -38,8 +38,17 @@ def _key(ws: int = 2) -> tuple:
     return (ws, "cpu", ())
 
 
-def _spare_pids(ws: int = 2) -> list[int]:
-    return list(dist._SPARES[_key(ws)].pids)
+def _spare(ws: int = 2, *, fresh: bool = False):
+    """The standby pool for pooled calls (fresh: for fresh-process calls), or None."""
+    return dist._SPARES.get(dist._spare_key(ws, "cpu", (), fresh))
+
+
+def _spare_pids(ws: int = 2, *, fresh: bool = False) -> list[int]:
+    return list(_spare(ws, fresh=fresh).pids)
+
+
+def _any_spare(ws: int) -> bool:
+    return _spare(ws) is not None or _spare(ws, fresh=True) is not None
 
 
 def test_auto_keeps_spares_for_cuda_on_big_machines_only(monkeypatch):
@@ -57,7 +66,7 @@ def test_fresh_calls_get_new_processes_that_ran_nothing(spares):
     first = dist.run_ranks(rank_fns.pid_and_calls, 2, timeout_s=TIMEOUT_S, reuse=False,
                            accelerator="cpu")
     assert [calls for _, calls in first] == [1, 1]
-    standby = _spare_pids()  # started as the first call began
+    standby = _spare_pids(fresh=True)  # started as the first call began
     t0 = time.monotonic()
     second = dist.run_ranks(rank_fns.pid_and_calls, 2, timeout_s=TIMEOUT_S, reuse=False,
                             accelerator="cpu")
@@ -67,7 +76,7 @@ def test_fresh_calls_get_new_processes_that_ran_nothing(spares):
     assert not {p for p, _ in first} & {p for p, _ in second}
     assert not any(psutil.pid_exists(p) for p, _ in first), "fresh ranks left running"
     # The third set is already starting; the second call found its ranks started.
-    assert _key() in dist._SPARES
+    assert _spare(fresh=True) is not None
     assert took < 10, f"a call on a started spare took {took:.1f} s"
 
 
@@ -82,7 +91,7 @@ def test_failure_is_replaced_by_a_spare(spares):
 
 def test_a_dead_spare_is_replaced_by_new_ranks(spares):
     dist.run_ranks(rank_fns.pid, 2, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
-    dead = _spare_pids()
+    dead = _spare_pids(fresh=True)
     for p in dead:
         psutil.Process(p).kill()
     out = dist.run_ranks(rank_fns.pid_and_calls, 2, timeout_s=TIMEOUT_S, reuse=False,
@@ -93,13 +102,13 @@ def test_a_dead_spare_is_replaced_by_new_ranks(spares):
 
 def test_no_spare_starts_while_held_and_held_waits_for_starting_ones(spares):
     dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
-    assert _key(1) in dist._SPARES
+    assert _spare(1, fresh=True) is not None
     with dist.hold_spares():
-        assert dist._SPARES[_key(1)].ready, "hold_spares did not wait for the starting spare"
+        assert _spare(1, fresh=True).ready, "hold_spares did not wait for the starting spare"
         dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
-        assert _key(1) not in dist._SPARES, "a spare started during a measurement"
+        assert not _any_spare(1), "a spare started during a measurement"
     dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
-    assert _key(1) in dist._SPARES
+    assert _spare(1, fresh=True) is not None
 
 
 def test_no_spare_is_started_in_a_tests_changed_environment(spares, monkeypatch):
@@ -107,7 +116,7 @@ def test_no_spare_is_started_in_a_tests_changed_environment(spares, monkeypatch)
     dist.shutdown_pools()
     monkeypatch.setenv("DSCONFORM_TEST_SPARE_ENV", "x")
     dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
-    assert _key(1) not in dist._SPARES
+    assert not _any_spare(1)
 
 
 def test_start_spares_and_shutdown_leave_nothing(spares):
@@ -135,3 +144,17 @@ def test_standby_ranks_have_built_an_engine_and_a_tests_first_call_is_cheaper(sp
         timings[label] = time.monotonic() - t0
     print(timings)
     assert timings["warm"] < timings["cold"] - 1.0, timings
+
+
+def test_fresh_process_calls_never_get_warmed_up_ranks(spares):
+    """A resume "in a fresh process" must run where no engine was ever built: the warmed-up
+    standby ranks serve pooled calls only."""
+    dist.start_spares([2], "cpu")
+    warm = _spare_pids()
+    assert dist.run_ranks(rank_fns.warmed_up, 2, timeout_s=TIMEOUT_S, reuse=False,
+                          accelerator="cpu") == [False, False]
+    assert dist.run_ranks(rank_fns.warmed_up, 2, timeout_s=TIMEOUT_S, reuse=False,
+                          accelerator="cpu") == [False, False]  # from the fresh standby
+    assert _spare_pids() == warm, "a fresh-process call took the warmed-up standby ranks"
+    assert dist.run_ranks(rank_fns.warmed_up, 2, timeout_s=TIMEOUT_S,
+                          accelerator="cpu") == [True, True]

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,15 @@ class Build:
     started: float
     result: dict[str, Any] | None = None
     output: str = ""
+    chunks: list[str] = field(default_factory=list)
+    reader: threading.Thread | None = None
+
+    def drain(self) -> None:
+        """Read the build's output as it comes: a build that prints more than a pipe holds
+        (64 KiB of compiler warnings) would otherwise stop until its op's test reads it, and
+        hold the extension lock that ranks needing the op wait on."""
+        for line in self.proc.stdout:
+            self.chunks.append(line)
 
 
 @dataclass
@@ -56,7 +66,9 @@ class ParallelBuilds:
             proc = subprocess.Popen([sys.executable, "-c", _CHILD, op], env=env, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     start_new_session=True)
-            self.builds[op] = Build(op, proc, time.monotonic())
+            b = self.builds[op] = Build(op, proc, time.monotonic())
+            b.reader = threading.Thread(target=b.drain, name=f"dsconform-build-{op}", daemon=True)
+            b.reader.start()
         return self
 
     def wait(self, op: str, timeout_s: float = 900) -> dict[str, Any] | None:
@@ -67,10 +79,12 @@ class ParallelBuilds:
             return None
         if b.result is None:
             try:
-                b.output, _ = b.proc.communicate(timeout=max(1.0, timeout_s))
+                b.proc.wait(timeout=max(1.0, timeout_s))
+                b.output = self._output(b)
             except subprocess.TimeoutExpired:
                 b.proc.kill()
-                b.output, _ = b.proc.communicate()
+                b.proc.wait()
+                b.output = self._output(b)
                 b.result = {"op": op, "loaded": False, "log_tail": b.output[-4000:],
                             "failure": f"op {op}: the parallel build did not finish within "
                                        f"{timeout_s:.0f} s"}
@@ -86,6 +100,12 @@ class ParallelBuilds:
             b.result["jobs"] = self.jobs_per_op
         return b.result
 
+    @staticmethod
+    def _output(b: Build) -> str:
+        if b.reader is not None:
+            b.reader.join(timeout=10)  # the pipe closes when the process (group) has exited
+        return "".join(b.chunks)
+
     def finished(self, op: str) -> bool:
         """Whether ``wait(op)`` would return at once (no build of op, or it has ended)."""
         b = self.builds.get(op)
@@ -97,4 +117,5 @@ class ParallelBuilds:
         for b in self.builds.values():
             if b.proc.poll() is None:
                 b.proc.kill()
-                b.proc.communicate()
+                b.proc.wait()
+                self._output(b)

@@ -24,3 +24,27 @@ def test_a_build_that_dies_is_a_result_not_a_hang():
     builds.builds["cpu_adam"].proc.kill()
     res = builds.wait("cpu_adam", timeout_s=60)
     assert not res["loaded"] and "without a result" in res["failure"]
+
+
+def test_a_build_that_prints_more_than_a_pipe_holds_still_finishes_unread(monkeypatch):
+    """Builds run while other tests do: nobody calls wait() until the op's test. A build whose
+    output fills the pipe (compiler warnings) must not stop there, holding the extension lock."""
+    import time
+
+    from dsconform import opbuild
+
+    child = ("import json, sys\n"
+             "sys.stdout.write('warning: something\\n' * 60000)\n"  # about 1.2 MB
+             f"print({opbuild._MARK!r} + json.dumps({{'op': sys.argv[1], 'loaded': True, "
+             "'failure': None, 'log_tail': ''}), flush=True)\n")
+    monkeypatch.setattr(opbuild, "_CHILD", child)
+    builds = ParallelBuilds.start(["chatty"], cores=1)
+    try:
+        deadline = time.monotonic() + 30
+        while not builds.finished("chatty") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert builds.finished("chatty"), "the build stopped on a full output pipe"
+        res = builds.wait("chatty")
+        assert res["loaded"] and len(builds.builds["chatty"].output) > 1_000_000
+    finally:
+        builds.close()

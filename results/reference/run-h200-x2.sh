@@ -81,8 +81,10 @@ if [ "$part" = cold ] || [ "$part" = warm ] || [ "$part" = nightly ]; then
             echo "exit status $?"; stamp "xdist -n 2" "$t"
         fi ;;
     nightly)
+        # The ops suite first: its selection starts the parallel op builds the ZeRO cells need.
         echo "== nightly tier: the ZeRO matrix"
-        budget "${BUDGET:-480}" "${pytest[@]}" suites/test_zero.py -m gpu --nightly \
+        budget "${BUDGET:-480}" "${pytest[@]}" suites/test_ops.py suites/test_zero.py -m gpu \
+            --nightly \
             --profile h200-x2 --results "$res/nightly-zero" --durations=10
         echo "exit status $?"; stamp "nightly ZeRO" "$t" ;;
     esac

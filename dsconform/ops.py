@@ -699,6 +699,7 @@ class IsolatedOpCheck:
         self.name = name
         self.proc = proc
         self._out: tuple[str, str] | None = None
+        self._timed_out: float | None = None
 
     @classmethod
     def start(cls, name: str, *, device: str = "cpu",
@@ -717,24 +718,32 @@ class IsolatedOpCheck:
                                 env=env, cwd=os.fspath(scratch_dir) if scratch_dir else None)
         return cls(name, proc)
 
-    def done(self) -> bool:
-        return self.proc.poll() is not None
+    def wait(self, timeout_s: float = 900) -> None:
+        """Wait for the check's process, reading its output meanwhile (a bare proc.wait()
+        would hang on a child whose output filled the pipe); a check past timeout_s is killed
+        and result() says so."""
+        import subprocess
+
+        if self._out is not None:
+            return
+        try:
+            self._out = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            stdout, stderr = self.proc.communicate()
+            self._timed_out = timeout_s
+            self._out = (str(stdout or ""), str(stderr or ""))
 
     def result(self, timeout_s: float = 900) -> dict[str, Any]:
         """The check's result (a dict) or its exception, as check_op_isolated describes."""
         import signal as _signal
-        import subprocess
 
         name, proc = self.name, self.proc
-        if self._out is None:
-            try:
-                self._out = proc.communicate(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                stdout, stderr = proc.communicate()
-                raise OpCrashed(f"op {name}: check did not finish within {timeout_s:.0f} s\n"
-                                f"{log_tail(str(stdout or '') + str(stderr or ''))}") from None
+        self.wait(timeout_s)
         stdout, stderr = self._out
+        if self._timed_out is not None:
+            raise OpCrashed(f"op {name}: check did not finish within {self._timed_out:.0f} s\n"
+                            f"{log_tail(stdout + stderr)}")
         output = stdout + stderr
         marker = stdout.rfind(_MARK)
         if marker < 0:
@@ -806,7 +815,7 @@ class OpChecks:
         if op in IO_OPS:
             for other, check in self.checks.items():
                 if other in IO_OPS and check is not None:
-                    check.proc.wait()
+                    check.wait()
         return self._start(op)  # waits for op's build
 
     def close(self) -> None:

@@ -472,6 +472,9 @@ class _FakeCheck:
         self.proc = _FakeProc(log, name)
         self.killed = False
 
+    def wait(self):
+        self.proc.wait()
+
     def kill(self):
         self.killed = True
 
@@ -517,3 +520,22 @@ def test_op_checks_never_wait_for_a_build_before_their_op_is_asked_for(tmp_path)
     assert log == ["cpu_adam"]  # fused_adam's build still runs: not waited for
     assert checks.get("fused_adam").proc.name == "fused_adam"
     assert log == ["cpu_adam", "fused_adam"]
+
+
+def test_a_disk_op_check_waiting_for_the_one_before_reads_its_output(tmp_path, monkeypatch):
+    """The second I/O op's check waits for the first; a first check that prints more than a
+    pipe holds must not hang that wait."""
+    import threading
+
+    from dsconform import ops
+
+    monkeypatch.setattr(ops, "_CHILD", "import sys; sys.stdout.write('x' * 1_000_000)\n")
+    checks = ops.OpChecks(["async_io", "gds"], device="cpu", scratch_root=tmp_path)
+    waiter = threading.Thread(target=checks.get, args=("gds",), daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    hung = waiter.is_alive()
+    checks.close()
+    assert not hung, "waiting for the first I/O op's check hung on its full output pipe"
+    with pytest.raises(ops.OpCrashed, match="exited 0 before reporting"):
+        checks.get("async_io").result()

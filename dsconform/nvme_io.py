@@ -147,36 +147,33 @@ def _expect(call: str, rc: int, want: int, path: Path) -> None:
                           "intra_op_parallelism, and prints the reason to stderr)")
 
 
-def write(handle: Any, buf: Any, path: Path, offset: int, mode: str) -> None:
-    """Write ``buf`` at ``offset`` through one of the API's families; checks return codes."""
-    p = str(path)
+def _transfer(handle: Any, buf: Any, path: Path, offset: int, mode: str, op: str) -> None:
+    """One ``op`` ("write" or "read") of ``buf`` at ``offset`` through one of the API's
+    families (sync_p<op>, p<op>(async=False), async_p<op>, p<op>(async=True)); checks the
+    return codes, and after an async call its wait()."""
+    p, name = str(path), f"p{op}"
     if mode == "sync":
-        _expect("sync_pwrite", handle.sync_pwrite(buf, p, offset), 1, path)
+        _expect(f"sync_{name}", getattr(handle, f"sync_{name}")(buf, p, offset), 1, path)
     elif mode == "flag_sync":
-        _expect("pwrite(async=False)", handle.pwrite(buf, p, False, False, offset), 1, path)
+        _expect(f"{name}(async=False)", getattr(handle, name)(buf, p, False, False, offset), 1,
+                path)
     elif mode in ("async", "flag_async"):
-        rc = (handle.async_pwrite(buf, p, offset) if mode == "async"
-              else handle.pwrite(buf, p, False, True, offset))
-        _expect(f"{'async_pwrite' if mode == 'async' else 'pwrite(async=True)'}", rc, 0, path)
-        _expect("wait() after one write", handle.wait(), 1, path)
+        rc = (getattr(handle, f"async_{name}")(buf, p, offset) if mode == "async"
+              else getattr(handle, name)(buf, p, False, True, offset))
+        _expect(f"async_{name}" if mode == "async" else f"{name}(async=True)", rc, 0, path)
+        _expect(f"wait() after one {op}", handle.wait(), 1, path)
     else:
         raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+
+
+def write(handle: Any, buf: Any, path: Path, offset: int, mode: str) -> None:
+    """Write ``buf`` at ``offset`` through one of the API's families; checks return codes."""
+    _transfer(handle, buf, path, offset, mode, "write")
 
 
 def read(handle: Any, buf: Any, path: Path, offset: int, mode: str) -> None:
     """Read into ``buf`` from ``offset`` through one of the API's families."""
-    p = str(path)
-    if mode == "sync":
-        _expect("sync_pread", handle.sync_pread(buf, p, offset), 1, path)
-    elif mode == "flag_sync":
-        _expect("pread(async=False)", handle.pread(buf, p, False, False, offset), 1, path)
-    elif mode in ("async", "flag_async"):
-        rc = (handle.async_pread(buf, p, offset) if mode == "async"
-              else handle.pread(buf, p, False, True, offset))
-        _expect(f"{'async_pread' if mode == 'async' else 'pread(async=True)'}", rc, 0, path)
-        _expect("wait() after one read", handle.wait(), 1, path)
-    else:
-        raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
+    _transfer(handle, buf, path, offset, mode, "read")
     _sync(buf)
 
 

@@ -69,6 +69,17 @@ def _never_lowers() -> contextlib.AbstractContextManager:
     return _patched(DynamicLossScaler, "update_scale", update_scale)
 
 
+def _step_inner_on_zero_grads(wrapper: Any) -> None:
+    """Run the wrapper's inner optimizer on zeroed gradients, as a buggy skip would: SGD's
+    momentum still moves the fp32 masters."""
+    masters = [p for group in wrapper.optimizer.param_groups for p in group["params"]]
+    for p in masters:
+        p.grad = torch.zeros_like(p)
+    wrapper.optimizer.step()
+    for p in masters:
+        p.grad = None
+
+
 def _skip_still_steps() -> contextlib.AbstractContextManager:
     """ZeRO 1/2's skip path still runs the inner optimizer (with zeroed gradients, as a buggy
     skip would): SGD's momentum then moves the fp32 masters although the step was skipped."""
@@ -79,12 +90,7 @@ def _skip_still_steps() -> contextlib.AbstractContextManager:
     def step(self, closure=None):
         result = original(self, closure)
         if self.overflow:
-            masters = [p for group in self.optimizer.param_groups for p in group["params"]]
-            for p in masters:
-                p.grad = torch.zeros_like(p)
-            self.optimizer.step()
-            for p in masters:
-                p.grad = None
+            _step_inner_on_zero_grads(self)
         return result
 
     return _patched(DeepSpeedZeroOptimizer, "step", step)
@@ -124,12 +130,7 @@ def _rank0_steps_alone() -> contextlib.AbstractContextManager:
     def step(self, closure=None):
         result = original(self, closure)
         if self.overflow and torch.distributed.get_rank() == 0:
-            masters = [p for group in self.optimizer.param_groups for p in group["params"]]
-            for p in masters:
-                p.grad = torch.zeros_like(p)
-            self.optimizer.step()
-            for p in masters:
-                p.grad = None
+            _step_inner_on_zero_grads(self)
         return result
 
     return _patched(FP16_UnfusedOptimizer, "step", step)

@@ -178,6 +178,30 @@ def _is_scaled_sign(v: torch.Tensor, rtol: float) -> str | None:
     return None
 
 
+def _compression_violations(sent: torch.Tensor, compensated: torch.Tensor,
+                            new_error: torch.Tensor, rtol: float, *, who: str, what: str,
+                            of: str, feedback: str, sent_name: str) -> list[str]:
+    """One compression step (a worker's message or a server's chunk): ``sent`` is one scale
+    and signs, keeps the norm of what was compressed (``compensated``: the input plus the old
+    error), and ``sent + new_error == compensated`` (the error feedback loses nothing)."""
+    problems = []
+    size = float(compensated.abs().max()) + float(sent.abs().max())
+    why = _is_scaled_sign(sent, rtol)
+    if why:
+        problems.append(f"{who}: {what} is not one scale and signs: {why}")
+    norm = float(torch.linalg.norm(compensated))
+    energy_ok, _ = _close(torch.linalg.norm(sent.to(torch.float64)).reshape(1),
+                          torch.linalg.norm(compensated).reshape(1), norm, rtol)
+    if not energy_ok:
+        problems.append(f"{who}: {what} has norm {float(torch.linalg.norm(sent)):.6g}, "
+                        f"compensated {of} {norm:.6g}: the scale must keep the norm")
+    ok, worst = _close(sent.to(torch.float64) + new_error, compensated, size, rtol)
+    if not ok:
+        problems.append(f"{who}: {feedback} error feedback loses {worst:.3g}: {sent_name} + new "
+                        f"error != {of} + old error")
+    return problems
+
+
 def round_violations(buffers: Sequence[torch.Tensor], worker_errors: Sequence[torch.Tensor],
                      server_errors: Sequence[torch.Tensor], result: RoundResult, *,
                      rtol: float = 1e-5) -> list[str]:
@@ -202,41 +226,18 @@ def round_violations(buffers: Sequence[torch.Tensor], worker_errors: Sequence[to
         x = torch.zeros(padded, dtype=torch.float64)
         x[:numel] = buffers[r].reshape(-1).to(torch.float64)
         c = x + worker_errors[r].to(torch.float64)
-        sent = result.worker_sent[r]
-        size = float(c.abs().max()) + float(sent.abs().max())
-        why = _is_scaled_sign(sent, rtol)
-        if why:
-            problems.append(f"rank {r}: worker message is not one scale and signs: {why}")
-        energy_ok, _ = _close(torch.linalg.norm(sent.to(torch.float64)).reshape(1),
-                              torch.linalg.norm(c).reshape(1), float(torch.linalg.norm(c)),
-                              rtol)
-        if not energy_ok:
-            problems.append(f"rank {r}: worker message has norm "
-                            f"{float(torch.linalg.norm(sent)):.6g}, compensated buffer "
-                            f"{float(torch.linalg.norm(c)):.6g}: the scale must keep the norm")
-        ok, worst = _close(sent.to(torch.float64) + result.worker_errors[r], c, size, rtol)
-        if not ok:
-            problems.append(f"rank {r}: worker error feedback loses {worst:.3g}: sent + new "
-                            f"error != buffer + old error")
+        problems += _compression_violations(
+            result.worker_sent[r], c, result.worker_errors[r], rtol,
+            who=f"rank {r}", what="worker message", of="buffer", feedback="worker",
+            sent_name="sent")
     for j in range(world):
         a = sum(result.worker_sent[r][j * chunk:(j + 1) * chunk].to(torch.float64)
                 for r in range(world)) / world
         m = a + server_errors[j].to(torch.float64)
-        out = result.padded_output[j * chunk:(j + 1) * chunk]
-        size = float(m.abs().max()) + float(out.abs().max())
-        why = _is_scaled_sign(out, rtol)
-        if why:
-            problems.append(f"server {j}: output chunk is not one scale and signs: {why}")
-        energy_ok, _ = _close(torch.linalg.norm(out.to(torch.float64)).reshape(1),
-                              torch.linalg.norm(m).reshape(1), float(torch.linalg.norm(m)), rtol)
-        if not energy_ok:
-            problems.append(f"server {j}: output chunk has norm "
-                            f"{float(torch.linalg.norm(out)):.6g}, compensated average "
-                            f"{float(torch.linalg.norm(m)):.6g}: the scale must keep the norm")
-        ok, worst = _close(out.to(torch.float64) + result.server_errors[j], m, size, rtol)
-        if not ok:
-            problems.append(f"server {j}: server error feedback loses {worst:.3g}: output + new "
-                            f"error != average + old error")
+        problems += _compression_violations(
+            result.padded_output[j * chunk:(j + 1) * chunk], m, result.server_errors[j], rtol,
+            who=f"server {j}", what="output chunk", of="average", feedback="server",
+            sent_name="output")
     if not torch.equal(result.output.reshape(-1), result.padded_output[:numel]) or \
             tuple(result.output.shape) != tuple(buffers[0].shape):
         problems.append("output is not the servers' chunks cut to the input's shape")

@@ -258,6 +258,19 @@ def roundtrip(handle: Any, settings: AioSettings, directory: Path, *, nbytes: in
     return Roundtrip(nbytes, offset, memory, mode, settings.block(), write_s, read_s, str(path))
 
 
+def _all_outstanding(handle: Any, bufs: list, paths: list[Path], op: str) -> None:
+    """Submit every ``op`` ("write" or "read") at once, alternating async_p<op> and
+    p<op>(async=True), then one wait() that must count them all."""
+    for i, (buf, path) in enumerate(zip(bufs, paths)):
+        rc = (getattr(handle, f"async_p{op}")(buf, str(path), 0) if i % 2 == 0
+              else getattr(handle, f"p{op}")(buf, str(path), False, True, 0))
+        _expect(f"asynchronous {op} {i}", rc, 0, path)
+    done = handle.wait()
+    if done != len(bufs):
+        raise NvmeIOError(f"one wait() after {len(bufs)} outstanding {op}s reported {done} "
+                          "completed")
+
+
 def outstanding(handle: Any, directory: Path, *, sizes: Sequence[int], memory: str,
                 seed: int) -> dict[str, Any]:
     """Issue one asynchronous write per size (alternating async_pwrite and pwrite(async=True)),
@@ -270,25 +283,12 @@ def outstanding(handle: Any, directory: Path, *, sizes: Sequence[int], memory: s
         for i, b in enumerate(srcs):
             fill_random(b.tensor, seed + i)
             _sync(b.tensor)
-        for i, (b, p) in enumerate(zip(srcs, paths)):
-            rc = (handle.async_pwrite(b.tensor, str(p), 0) if i % 2 == 0
-                  else handle.pwrite(b.tensor, str(p), False, True, 0))
-            _expect(f"asynchronous write {i}", rc, 0, p)
-        done = handle.wait()
-        if done != len(sizes):
-            raise NvmeIOError(f"one wait() after {len(sizes)} outstanding writes reported {done} "
-                              "completed")
+        _all_outstanding(handle, [b.tensor for b in srcs], paths, "write")
         for i, (b, p) in enumerate(zip(srcs, paths)):
             check_file(p, b.tensor, 0, f"outstanding write {i} of {len(sizes)}")
-        for i, (b, p) in enumerate(zip(dsts, paths)):
+        for b in dsts:
             b.tensor.zero_()
-            rc = (handle.async_pread(b.tensor, str(p), 0) if i % 2 == 0
-                  else handle.pread(b.tensor, str(p), False, True, 0))
-            _expect(f"asynchronous read {i}", rc, 0, p)
-        done = handle.wait()
-        if done != len(sizes):
-            raise NvmeIOError(f"one wait() after {len(sizes)} outstanding reads reported {done} "
-                              "completed")
+        _all_outstanding(handle, [b.tensor for b in dsts], paths, "read")
         for i, (s, d) in enumerate(zip(srcs, dsts)):
             _sync(d.tensor)
             if not torch.equal(s.tensor, d.tensor):

@@ -748,10 +748,10 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
                     _POOLS.popitem(last=False)[1].close()
             else:
                 pool.close()
-            if started or not healthy:
+            if reuse and (started or not healthy):
                 # After the call, not during it: the replacement must not share the node with
-                # what the call measured.
-                _start_spare(world_size, accelerator, gpus, fresh=not reuse)
+                # what the call measured. (A fresh-process call started its own before.)
+                _start_spare(world_size, accelerator, gpus)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -41,8 +41,9 @@ import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import wait as _wait_any
 from typing import Any
@@ -72,9 +73,10 @@ from dsconform.dist_xdist import (
 )
 
 __all__ = [
-    "InsufficientGPUs", "RankError", "RankTimeout", "WorldSizeMismatch",
+    "InsufficientGPUs", "RankCall", "RankError", "RankTimeout", "WorldSizeMismatch",
     "all_agree", "device", "external_rendezvous", "free_port", "gather", "gpu_slice",
-    "gpus_per_worker", "hold_spares", "port_range", "rank", "run_ranks", "seed_everything",
+    "gpus_per_worker", "hold_spares", "lanes_for", "port_range", "rank", "run_concurrently",
+    "run_ranks", "seed_everything", "start_lanes",
     "settle_spares", "shutdown_pools", "spares_enabled", "start_spares", "startup_stats",
     "visible_gpus", "worker_gpus", "world", "xdist_worker",
 ]
@@ -494,8 +496,10 @@ def shutdown_pools() -> None:
         while _POOLS:
             _, pool = _POOLS.popitem()
             pool.close()
-        while _SPARES:
-            _, pool = _SPARES.popitem()
+        idle = list(_SPARES.values()) + [p for pools in _LANES.values() for p in pools]
+        _SPARES.clear()
+        _LANES.clear()
+        for pool in idle:
             if pool.ready:
                 pool.close()
             else:
@@ -568,8 +572,11 @@ _STATS = {"pools": 0, "from_standby": 0, "waited_s": 0.0}
 
 def startup_stats() -> dict[str, float]:
     """Rank pools started for calls in this process, how many came from standby, and the
-    seconds calls waited for start-up; the plugin prints them after a run."""
-    return dict(_STATS)
+    seconds calls waited for start-up; lane pools started (lanes), the calls run on lanes
+    (lane_calls) and the seconds lanes waited for their ranks to start (lane_waited_s). The
+    plugin prints them after a run."""
+    return {**_STATS, "lanes": _LANE_STATS["started"], "lane_calls": _LANE_STATS["calls"],
+            "lane_waited_s": _LANE_STATS["waited_s"]}
 
 
 def spares_enabled(accelerator: str) -> bool:
@@ -661,6 +668,12 @@ def settle_spares() -> None:
                 _await_start(pool)
             except RankError:
                 _SPARES.pop(key, None)
+        for pools in _LANES.values():  # idle lane pools still starting (start_lanes)
+            for pool in list(pools):
+                try:
+                    _await_start(pool)
+                except RankError:
+                    pools.remove(pool)
 
 
 class hold_spares:  # noqa: N801 - used like a function: `with hold_spares():`
@@ -695,16 +708,37 @@ def _gpus_for(world_size: int, accelerator: str) -> tuple[str, ...]:
     return tuple(mine[:world_size])
 
 
-def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, kwargs: dict,
-                 accelerator: str, reuse: bool) -> list:
+def _pickle_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     try:
         # sys.path travels apart from fn: fn's module may only import with it.
-        call = pickle.dumps((fn, args, kwargs))
+        return pickle.dumps((fn, args, kwargs))
     except Exception as exc:  # noqa: BLE001 - lambdas, local functions, open files...
         raise TypeError(
             f"run_ranks cannot send {_fn_name(fn)} or its arguments to the ranks ({exc}); "
             "fn must be a module-level function of an importable module and args picklable"
         ) from exc
+
+
+def _send_and_collect(pool: _Pool, fn: Callable, call: bytes, timeout_s: float) -> list[tuple]:
+    """Run one pickled call on a started pool; every rank's reply (collect kills the pool and
+    raises when a rank fails, dies or runs past timeout_s)."""
+    payload = pickle.dumps((list(sys.path), pool.env_delta(), call))
+    for conn in pool.conns:
+        conn.send_bytes(payload)
+    return pool.collect(time.monotonic() + timeout_s, f"in {_fn_name(fn)}",
+                        f"timeout_s={timeout_s:g} s")
+
+
+def _healthy(replies: list[tuple]) -> bool:
+    """Only a clean result or a unanimous skip keeps a pool: after any failure a rank's state
+    (half-built engines, a process group out of step) must not reach the next test."""
+    kinds = {r[0] for r in replies}
+    return kinds == {"ok"} or (kinds == {"skip"} and len({r[1] for r in replies}) == 1)
+
+
+def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, kwargs: dict,
+                 accelerator: str, reuse: bool) -> list:
+    call = _pickle_call(fn, args, kwargs)
     gpus = _gpus_for(world_size, accelerator)
     key = (world_size, accelerator, gpus)
     with _LOCK:
@@ -728,15 +762,8 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
                 _start_spare(world_size, accelerator, gpus, fresh=True)
         healthy = False
         try:
-            payload = pickle.dumps((list(sys.path), pool.env_delta(), call))
-            for conn in pool.conns:
-                conn.send_bytes(payload)
-            replies = pool.collect(time.monotonic() + timeout_s, f"in {_fn_name(fn)}",
-                                   f"timeout_s={timeout_s:g} s")
-            # Only a clean result or a unanimous skip keeps the pool: after any failure a rank's
-            # state (half-built engines, a process group out of step) must not reach the next test.
-            kinds = {r[0] for r in replies}
-            healthy = kinds == {"ok"} or (kinds == {"skip"} and len({r[1] for r in replies}) == 1)
+            replies = _send_and_collect(pool, fn, call, timeout_s)
+            healthy = _healthy(replies)
             return _resolve(replies)
         finally:
             # Anything else (an exception, a timeout, Ctrl-C) leaves ranks mid-call: never reuse.
@@ -752,6 +779,244 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
                 # After the call, not during it: the replacement must not share the node with
                 # what the call measured. (A fresh-process call started its own before.)
                 _start_spare(world_size, accelerator, gpus)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lanes: independent calls at once
+# ---------------------------------------------------------------------------------------------
+
+#: How many pools per world size run_concurrently spreads independent calls over ("lanes");
+#: one-rank lanes take the GPUs in turn. "auto": LANES_AUTO on cuda machines with at least
+#: LANES_MIN_CORES cores, else 1 (every call in turn, as run_ranks). DSCONFORM_LANES=N forces N.
+#: Correctness cells are latency-bound (Python, kernel launches, engine set-up): a 2xH200 node
+#: runs several at once in about the time of one.
+LANES = os.environ.get("DSCONFORM_LANES", "auto").strip().lower()
+LANES_AUTO = 4
+LANES_MIN_CORES = 16
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """One run_ranks call, to be run with others by run_concurrently."""
+
+    fn: Callable
+    world_size: int
+    timeout_s: float
+    args: tuple = ()
+    kwargs: dict | None = None
+    accelerator: str | None = None
+
+
+#: Idle lane pools by (world size, accelerator, GPUs), kept between batches (shutdown_pools
+#: closes them); several per key.
+_LANES: dict[tuple, list[_Pool]] = {}
+_LANE_STATS = {"started": 0, "calls": 0, "waited_s": 0.0}
+
+
+def lanes_for(accelerator: str | None = None) -> int:
+    """The number of lanes run_concurrently uses by default here (DSCONFORM_LANES)."""
+    if LANES not in ("", "auto"):
+        try:
+            return max(1, int(LANES))
+        except ValueError:
+            raise ValueError(f"DSCONFORM_LANES must be 'auto' or a number, got {LANES!r}") from None
+    if _check_accelerator(accelerator) != "cuda" or (os.cpu_count() or 1) < LANES_MIN_CORES:
+        return 1
+    return LANES_AUTO
+
+
+def _lane_keys(world_size: int, accelerator: str, count: int) -> list[tuple]:
+    """The pool keys of count lanes: one-rank lanes go round this worker's GPUs, wider ones all
+    use the first world_size GPUs (their processes share them)."""
+    gpus = _gpus_for(world_size, accelerator)  # raises InsufficientGPUs
+    if accelerator == "cuda" and world_size == 1:
+        index, workers = xdist_worker()
+        visible = visible_gpus()
+        mine = gpu_slice(index, gpus_per_worker(len(visible), workers), visible)
+        return [(1, accelerator, (mine[i % len(mine)],)) for i in range(count)]
+    return [(world_size, accelerator, gpus)] * count
+
+
+def _new_lane(key: tuple, pg_timeout_s: float) -> _Pool:
+    """Start (without waiting) a lane pool; call with _LOCK held."""
+    _clear_build_locks()
+    _LANE_STATS["started"] += 1
+    return _Pool(key[0], key[1], key[2], pg_timeout_s, warm=RANK_WARMUP)
+
+
+def start_lanes(world_sizes: list[int], accelerator: str = "cuda",
+                lanes: int | None = None) -> int:
+    """Start lane pools for these world sizes now, in the background (a GPU run calls this at
+    collection, so they start while ops build); returns how many were started. Nothing starts
+    while a measurement holds standby ranks (hold_spares), or with one lane."""
+    lanes = lanes_for(accelerator) if lanes is None else lanes
+    started = 0
+    if lanes <= 1:
+        return 0
+    with _LOCK:
+        if _HOLD:
+            return 0
+        for ws in world_sizes:
+            try:
+                keys = _lane_keys(ws, accelerator, lanes)
+            except InsufficientGPUs:
+                continue
+            for key in set(keys):
+                idle = _LANES.setdefault(key, [])
+                while len(idle) < keys.count(key):
+                    try:
+                        idle.append(_new_lane(key, POOL_PG_TIMEOUT_S))
+                    except Exception as exc:  # noqa: BLE001 - an optimisation: calls start their own
+                        print(f"dsconform.dist: lane ranks not started ({exc})", file=sys.stderr)
+                        return started
+                    started += 1
+    return started
+
+
+def _lane_pool(key: tuple, pg_timeout_s: float) -> _Pool:
+    """An idle lane pool for key, else a new one; started up (RankError if it cannot start)."""
+    for attempt in range(3):  # the probed port can be taken between the probe and the bind
+        with _LOCK:
+            pool = None
+            idle = _LANES.get(key, [])
+            while idle and pool is None:
+                pool = idle.pop()
+                if pool.closed or pool.pg_timeout_s < pg_timeout_s:
+                    pool.kill()
+                    pool = None
+            if pool is None:
+                pool = _new_lane(key, pg_timeout_s)
+        t0 = time.monotonic()
+        try:
+            return _await_start(pool)
+        except RankError as exc:
+            if "address already in use" not in str(exc).lower() or attempt == 2:
+                raise
+        finally:
+            _LANE_STATS["waited_s"] += time.monotonic() - t0
+    raise AssertionError("unreachable")
+
+
+def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
+          qlock: threading.Lock, active: set, cancel: threading.Event,
+          on_done: Callable[[int, tuple], None] | None) -> None:
+    """One lane: take calls of its world size off the shared queue until none is left."""
+    pool: _Pool | None = None
+    try:
+        while not cancel.is_set():
+            with qlock:
+                if not queue:
+                    return
+                i = queue.popleft()
+            call = calls[i]
+            healthy = False
+            try:
+                need = max(POOL_PG_TIMEOUT_S, call.timeout_s + 60)
+                if pool is not None and (not pool.alive() or pool.pg_timeout_s < need):
+                    pool.close()
+                    pool = None
+                if pool is None:
+                    pool = _lane_pool(key, need)
+                    active.add(pool)
+                replies = _send_and_collect(pool, call.fn, pickled[i], call.timeout_s)
+                healthy = _healthy(replies)
+                outcome: tuple = ("ok", _resolve(replies))
+            except BaseException as exc:  # noqa: BLE001 - the call's own outcome, raised in its test
+                outcome = ("raise", exc)
+            finally:
+                _LANE_STATS["calls"] += 1
+                if not healthy and pool is not None:
+                    pool.kill()
+                    active.discard(pool)
+                    pool = None
+            outcomes[i] = outcome
+            if on_done is not None:
+                on_done(i, outcome)
+    finally:
+        if pool is not None:
+            active.discard(pool)
+            if cancel.is_set() or not pool.alive():
+                pool.kill()
+            else:
+                with _LOCK:
+                    _LANES.setdefault(key, []).append(pool)
+
+
+def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
+                     on_done: Callable[[int, tuple], None] | None = None) -> list[tuple]:
+    """Run independent calls at once, spread over `lanes` pools per world size (one-rank pools
+    on every GPU in turn). Each outcome is ("ok", the per-rank results) or ("raise", the
+    exception run_ranks would have raised for that call alone: RankError, RankTimeout, a
+    unanimous skip, InsufficientGPUs...). A failing call kills only its own lane's ranks; that
+    lane starts new ones for its next call. on_done(index, outcome) runs as each call ends.
+
+    With one lane, under torchrun/Slurm, or for a single call, the calls run one after another
+    through run_ranks. Ctrl-C kills every lane and re-raises."""
+    outcomes: list = [None] * len(calls)
+    lanes = lanes_for() if lanes is None else lanes
+
+    def finish(i: int, outcome: tuple) -> None:
+        outcomes[i] = outcome
+        if on_done is not None:
+            on_done(i, outcome)
+
+    if lanes <= 1 or len(calls) < 2 or external_rendezvous():
+        for i, c in enumerate(calls):
+            try:
+                finish(i, ("ok", run_ranks(c.fn, c.world_size, timeout_s=c.timeout_s,
+                                           args=c.args, kwargs=c.kwargs,
+                                           accelerator=c.accelerator)))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # noqa: BLE001 - the call's own outcome (a skip too)
+                finish(i, ("raise", exc))
+        return outcomes
+    groups: OrderedDict[tuple, deque] = OrderedDict()
+    pickled: list = [None] * len(calls)
+    norm: list = list(calls)
+    for i, c in enumerate(calls):
+        try:
+            if not isinstance(c.world_size, int) or c.world_size < 1:
+                raise ValueError(f"world_size must be an int >= 1, got {c.world_size!r}")
+            if c.timeout_s is None or c.timeout_s <= 0:
+                raise ValueError(f"timeout_s must be a positive number of seconds, "
+                                 f"got {c.timeout_s!r}")
+            accel = _check_accelerator(c.accelerator)
+            pickled[i] = _pickle_call(c.fn, tuple(c.args), dict(c.kwargs or {}))
+        except Exception as exc:  # noqa: BLE001
+            finish(i, ("raise", exc))
+            continue
+        norm[i] = RankCall(c.fn, c.world_size, float(c.timeout_s), tuple(c.args),
+                           dict(c.kwargs or {}), accel)
+        groups.setdefault((c.world_size, accel), deque()).append(i)
+    qlock, cancel, active = threading.Lock(), threading.Event(), set()
+    threads = []
+    for (ws, accel), queue in groups.items():
+        try:
+            keys = _lane_keys(ws, accel, min(lanes, len(queue)))
+        except InsufficientGPUs as exc:
+            for i in queue:
+                finish(i, ("raise", exc))
+            continue
+        for key in keys:
+            threads.append(threading.Thread(
+                target=_lane, name=f"dsconform-lane-ws{ws}",
+                args=(key, queue, norm, pickled, outcomes, qlock, active, cancel, on_done),
+                daemon=True))
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    except BaseException:
+        cancel.set()
+        for pool in list(active):
+            pool.kill()
+        for t in threads:
+            t.join(15)
+        raise
+    return outcomes
 
 
 # ---------------------------------------------------------------------------------------------

@@ -188,3 +188,30 @@ def evaluate(conditions: Mapping[str, Any], node: NodeFacts, profile: Profile, *
     if conditions.get("multinode") and not multinode:
         unmet.append(Unmet("multinode", "multi-node rendezvous", "single node", False))
     return Verdict(tuple(unmet), p.name)
+
+
+def _op_compatible(state: Any, op: str) -> bool | None:
+    """ds_report's probe for one op on this node's accelerator (False: not provided there).
+    Gates use the probe only; the ops suite proves that promised ops really load."""
+    if op not in state.op_cache:
+        try:
+            from deepspeed.ops.op_builder.all_ops import ALL_OPS
+            builder = ALL_OPS.get(op)
+            state.op_cache[op] = bool(builder and builder.is_compatible(verbose=False))
+        except Exception:  # DeepSpeed broken: report "unknown" rather than crash every gate
+            state.op_cache[op] = None
+    return state.op_cache[op]
+
+
+def item_verdict(item: pytest.Item, state: Any) -> Verdict | None:
+    """The gate's verdict for one collected test in this run (state: dsconform.runstate.RunState),
+    or None when it states no condition. The plugin applies it at setup; cell batches
+    (dsconform.batch) use it to leave out cells that will skip or fail a promise."""
+    marks = list(item.iter_markers(MARK))
+    names = {m.name for m in item.iter_markers()}
+    conditions = merge_conditions(marks, names)
+    if not conditions:
+        return None
+    return evaluate(conditions, state.gate_node, state.profile,
+                    op_compatible=lambda op: _op_compatible(state, op),
+                    multinode=state.multinode, whole_node=state.node)

@@ -24,6 +24,7 @@ from dsconform import (
     onebit_reference,
     versions,
 )
+from dsconform.batch import RankCall, batched, cell_results
 from dsconform.detect import GIB, NodeFacts
 from dsconform.dist import (
     InsufficientGPUs,
@@ -72,7 +73,8 @@ __all__ = [
     "ASSUMED_DEFAULTS", "GB", "GIB", "KNOWN_ISSUES", "OPTIMIZER_OPS", "Comparison",
     "FactsRecorder", "Rendezvous", "rendezvous_info",
     "InsufficientGPUs", "KnownIssue", "MetricsRecorder", "NcclFloor", "NodeFacts", "NvmePath",
-    "OpChecks", "OpCrashed", "OpUnavailableText", "Profile", "check_op_isolated", "parse_ds_report",
+    "OpChecks", "OpCrashed", "RankCall", "batched", "cell_results",
+    "OpUnavailableText", "Profile", "check_op_isolated", "parse_ds_report",
     "run_ds_report", "RankError", "RankTimeout", "RunState", "Tol", "accel_params", "all_agree",
     "compare_rank_results", "compare_traces", "defaults_mismatches", "device", "ds_config",
     "gather", "non_finite", "pairwise", "rank", "uncovered_pairs", "requires", "run_ranks",

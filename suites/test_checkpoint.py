@@ -54,8 +54,11 @@ import torch
 from dsconform.suite import (
     GB,
     Comparison,
+    RankCall,
     RankError,
     accel_params,
+    batched,
+    cell_results,
     checkpoint_state,
     checkpoint_storage,
     compare_states,
@@ -180,11 +183,13 @@ def check_round_trip(results: list[dict], tol, *, label: str,
 @pytest.mark.parametrize("accelerator, case", _params(
     RT_CELLS, cpu_tier=RT_CPU_TIER, gpu_tier=RT_GPU_TIER,
     build=lambda c: _case(c["stage"], c["offload"], c["dtype"])))
-def test_round_trip_is_exact(accelerator, case, scratch, profile):
+@batched(lambda params, workdir, run: RankCall(
+    ranks.round_trip, params["case"].world_size, _timeout(params["case"]),
+    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]))
+def test_round_trip_is_exact(accelerator, case, scratch, profile, request):
     """CKPT-RT-1: save then load MUST give back every saved value bit for bit and the same next
     steps."""
-    results = run_ranks(ranks.round_trip, case.world_size, args=(case, ckpt_dir(scratch, case)),
-                        accelerator=accelerator, timeout_s=_timeout(case))
+    results = cell_results(request, scratch)  # run at once with other cells (dsconform.batch)
     tol = tolerance("checkpoint", case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
     check_round_trip(results, tol, label=_label(accelerator, case)).assert_ok()

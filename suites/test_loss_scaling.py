@@ -51,9 +51,12 @@ from hypothesis.stateful import (
 )
 
 from dsconform.suite import (
+    RankCall,
     ScalerModel,
     ScalerSettings,
     accel_params,
+    batched,
+    cell_results,
     pairwise,
     requires,
     run_ranks,
@@ -382,16 +385,17 @@ def _cross_rank(results: list[dict]) -> list[str]:
     return problems
 
 
-def run_engine_case(case: ScalingCase, accelerator: str) -> list[dict]:
+def engine_call(case: ScalingCase, accelerator: str) -> RankCall:
     timeout = OP_TIMEOUT_S if case.optimizer == "fused_adam" else TIMEOUT_S
-    return run_ranks(train_with_overflows, case.world_size, args=(case,),
-                     accelerator=accelerator, timeout_s=timeout)
+    return RankCall(train_with_overflows, case.world_size, timeout, args=(case,),
+                    accelerator=accelerator)
 
 
 @pytest.mark.parametrize("accelerator, case", _engine_params())
-def test_overflow_handling(accelerator: str, case: ScalingCase):
+@batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]))
+def test_overflow_handling(accelerator: str, case: ScalingCase, request):
     """LOSS-SCALE-4: every step MUST scale, skip and apply as the model says, on every rank."""
-    problems = check_engine_run(case, run_engine_case(case, accelerator))
+    problems = check_engine_run(case, cell_results(request))
     assert not problems, (f"{accelerator}-{case.id} ({case.settings.describe()}, overflow "
                           f"pattern {_flags(list(case.pattern))}):\n  " + "\n  ".join(problems))
 
@@ -442,10 +446,12 @@ def check_bf16_run(results: list[dict]) -> list[str]:
 
 
 @pytest.mark.parametrize("accelerator, stage, world_size", _bf16_params())
-def test_bf16_has_no_scaler(accelerator: str, stage: int, world_size: int):
+@batched(lambda params, workdir, run: RankCall(
+    train_bf16, params["world_size"], TIMEOUT_S, args=(params["stage"], params["world_size"]),
+    accelerator=params["accelerator"]))
+def test_bf16_has_no_scaler(accelerator: str, stage: int, world_size: int, request):
     """LOSS-SCALE-5: bf16 MUST train with no loss scaler, to finite losses and weights."""
-    results = run_ranks(train_bf16, world_size, args=(stage, world_size),
-                        accelerator=accelerator, timeout_s=TIMEOUT_S)
+    results = cell_results(request)  # run at once with other cells (dsconform.batch)
     problems = check_bf16_run(results)
     assert not problems, f"{accelerator}-z{stage}-ws{world_size} bf16:\n  " + "\n  ".join(problems)
 
@@ -504,10 +510,12 @@ def check_convergence(case: CurveCase, results: list[dict], tol: Any) -> tuple[d
 
 
 @pytest.mark.parametrize("accelerator, case", _curve_params())
-def test_fp16_bf16_converge(accelerator: str, case: CurveCase, profile, metrics):
+@batched(lambda params, workdir, run: RankCall(
+    train_curve, params["case"].world_size, CURVE_TIMEOUT_S, args=(params["case"],),
+    accelerator=params["accelerator"]))
+def test_fp16_bf16_converge(accelerator: str, case: CurveCase, profile, metrics, request):
     """LOSS-SCALE-6: fp16 and bf16 MUST reach fp32's final loss within the table's margin."""
-    results = run_ranks(train_curve, case.world_size, args=(case,), accelerator=accelerator,
-                        timeout_s=CURVE_TIMEOUT_S)
+    results = cell_results(request)  # run at once with other cells (dsconform.batch)
     tol = tolerance("convergence", case.dtype, "sgd", profile.tolerances,
                     accelerator=accelerator)
     curves, problems = check_convergence(case, results, tol)

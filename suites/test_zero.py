@@ -30,7 +30,10 @@ from dsconform.suite import (
     KNOWN_ISSUES,
     OPTIMIZER_OPS,
     Comparison,
+    RankCall,
     accel_params,
+    batched,
+    cell_results,
     compare_rank_results,
     defaults_mismatches,
     pairwise,
@@ -161,14 +164,26 @@ def _resolve(case: ZeroCase, node) -> ZeroCase:
     return case.with_(world_size=node.gpu_count)
 
 
-def run_case(case: ZeroCase, accelerator: str, profile) -> Comparison:
-    """Train ZeRO and DDP side by side on the ranks; compare under the table's tolerance."""
+def case_call(case: ZeroCase, accelerator: str) -> RankCall:
+    """The rank call of one cell: ZeRO and DDP trained side by side on the ranks."""
+    return RankCall(train_zero_and_ddp, case.world_size,
+                    OP_TIMEOUT_S if OPTIMIZER_OPS[case.optimizer] else TIMEOUT_S, args=(case,),
+                    accelerator=accelerator)
+
+
+def compare_case(results: list, case: ZeroCase, accelerator: str, profile) -> Comparison:
+    """The ranks' ZeRO and DDP traces compared under the table's tolerance."""
     tol = tolerance(check_name(case), case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
-    results = run_ranks(train_zero_and_ddp, case.world_size, args=(case,),
-                        accelerator=accelerator,
-                        timeout_s=OP_TIMEOUT_S if OPTIMIZER_OPS[case.optimizer] else TIMEOUT_S)
     return compare_rank_results(results, tol, label=f"{accelerator}-{case.id}")
+
+
+def run_case(case: ZeroCase, accelerator: str, profile) -> Comparison:
+    """Train ZeRO and DDP side by side on the ranks; compare under the table's tolerance."""
+    call = case_call(case, accelerator)
+    results = run_ranks(call.fn, call.world_size, args=call.args, accelerator=accelerator,
+                        timeout_s=call.timeout_s)
+    return compare_case(results, case, accelerator, profile)
 
 
 def record(metrics, cmp: Comparison, case: ZeroCase, accelerator: str) -> None:
@@ -183,10 +198,15 @@ def record(metrics, cmp: Comparison, case: ZeroCase, accelerator: str) -> None:
                    **params)
 
 
-def test_zero_matches_ddp(accelerator: str, case: ZeroCase, node, profile, metrics):
+def _plan(params: dict, workdir, run) -> RankCall:
+    return case_call(_resolve(params["case"], run.node), params["accelerator"])
+
+
+@batched(_plan)  # the cells run at once where lanes are on (dsconform.batch)
+def test_zero_matches_ddp(accelerator: str, case: ZeroCase, node, profile, metrics, request):
     """ZERO-EQ-1: ZeRO MUST give DDP's per-step losses, boundary gradients and final parameters."""
     case = _resolve(case, node)
-    cmp = run_case(case, accelerator, profile)
+    cmp = compare_case(cell_results(request), case, accelerator, profile)
     record(metrics, cmp, case, accelerator)
     cmp.assert_ok()
 

@@ -176,3 +176,16 @@ def warmed_up() -> bool:
     from dsconform import dist_rank
 
     return dist_rank._warmed_up
+
+
+def sleep_then_pid(seconds: float) -> int:
+    """Sleep, then answer this rank's pid (calls that overlap in time show it)."""
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def sleep_window(seconds: float) -> tuple[float, float]:
+    """Sleep; return when the sleep began and ended (wall clock), to show calls overlapping."""
+    start = time.time()
+    time.sleep(seconds)
+    return start, time.time()

@@ -1,0 +1,115 @@
+"""Lanes (dsconform.dist.run_concurrently): independent calls at once over several pools.
+
+Run on the CPU accelerator with two lanes forced ("auto" gives one lane on this 2-core machine).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from dsconform import dist
+from dsconform.dist import RankCall
+
+try:
+    from tests import rank_fns
+except ImportError:
+    import rank_fns
+
+from tests.test_dist import assert_no_leftovers
+
+TIMEOUT_S = 60.0
+
+
+@pytest.fixture
+def clean():
+    dist.shutdown_pools()
+    yield
+    dist.shutdown_pools()
+    assert_no_leftovers()
+
+
+def _call(fn, ws: int = 2, *args, timeout_s: float = TIMEOUT_S) -> RankCall:
+    return RankCall(fn, ws, timeout_s, args=args, accelerator="cpu")
+
+
+def test_auto_lanes_only_on_big_cuda_machines(monkeypatch):
+    monkeypatch.setattr(dist, "LANES", "auto")
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    assert dist.lanes_for("cuda") == dist.LANES_AUTO and dist.lanes_for("cpu") == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert dist.lanes_for("cuda") == 1
+    monkeypatch.setattr(dist, "LANES", "3")
+    assert dist.lanes_for("cpu") == 3
+    monkeypatch.setattr(dist, "LANES", "many")
+    with pytest.raises(ValueError, match="DSCONFORM_LANES"):
+        dist.lanes_for("cpu")
+
+
+def test_calls_run_at_once_on_separate_pools(clean):
+    """Two 2-rank calls that each sleep 3 s finish in well under 6 s, on different processes,
+    and each returns its own ranks' values."""
+    dist.start_lanes([2], "cpu", lanes=2)  # as a GPU run does at collection
+    dist.settle_spares()
+    t0 = time.monotonic()
+    out = dist.run_concurrently([_call(rank_fns.sleep_then_pid, 2, 3.0),
+                                 _call(rank_fns.sleep_then_pid, 2, 3.0)], lanes=2)
+    took = time.monotonic() - t0
+    assert [o[0] for o in out] == ["ok", "ok"], out
+    pids = [set(o[1]) for o in out]
+    assert len(pids[0]) == 2 and not pids[0] & pids[1], pids
+    assert took < 5.5, f"two 3-s calls on two lanes took {took:.1f} s: they ran one after another"
+    stats = dist.startup_stats()
+    assert stats["lanes"] >= 2 and stats["lane_calls"] >= 2
+
+
+def test_a_failing_call_fails_alone_and_its_lane_recovers(clean):
+    """The failure is that call's outcome (the RankError run_ranks raises); the other calls,
+    before and after it on the same lane, still run; a skip stays a skip."""
+    calls = [_call(rank_fns.raise_on, 2, 1), _call(rank_fns.rank_and_sum),
+             _call(rank_fns.skip_all, 2, "not here"), _call(rank_fns.rank_and_sum),
+             _call(rank_fns.rank_and_sum, 1)]
+    done = []
+    out = dist.run_concurrently(calls, lanes=2, on_done=lambda i, o: done.append(i))
+    assert sorted(done) == list(range(len(calls)))
+    kind, exc = out[0]
+    assert kind == "raise" and isinstance(exc, dist.RankError) and "rank 1 of 2" in str(exc)
+    assert out[1][0] == out[3][0] == "ok" and out[1][1][0]["sum"] == 3.0
+    assert out[2][0] == "raise" and isinstance(out[2][1], pytest.skip.Exception)
+    assert "not here" in str(out[2][1])
+    assert out[4][0] == "ok" and out[4][1][0]["world"] == 1
+
+
+def test_a_hanging_call_times_out_alone(clean):
+    calls = [_call(rank_fns.hang_on, 2, 0, timeout_s=3.0), _call(rank_fns.rank_and_sum)]
+    out = dist.run_concurrently(calls, lanes=2)
+    assert out[0][0] == "raise" and isinstance(out[0][1], dist.RankTimeout)
+    assert out[1][0] == "ok"
+
+
+def test_bad_calls_are_their_own_outcome(clean):
+    calls = [RankCall(lambda: 1, 2, TIMEOUT_S, accelerator="cpu"), _call(rank_fns.noop),
+             RankCall(rank_fns.noop, 0, TIMEOUT_S, accelerator="cpu")]
+    out = dist.run_concurrently(calls, lanes=2)
+    assert out[0][0] == "raise" and isinstance(out[0][1], TypeError)
+    assert out[1] == ("ok", [None, None])
+    assert out[2][0] == "raise" and isinstance(out[2][1], ValueError)
+
+
+def test_one_lane_runs_calls_in_turn_through_run_ranks(clean):
+    out = dist.run_concurrently([_call(rank_fns.pid, 1), _call(rank_fns.pid, 1),
+                                 _call(rank_fns.raise_on, 1, 0)], lanes=1)
+    assert out[0] == out[1] and out[0][0] == "ok"  # the same pooled rank, one after the other
+    assert out[2][0] == "raise" and isinstance(out[2][1], dist.RankError)
+
+
+def test_one_rank_lanes_take_the_gpus_in_turn(monkeypatch):
+    monkeypatch.setattr(dist, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(dist, "xdist_worker", lambda: (0, 1))
+    keys = dist._lane_keys(1, "cuda", 4)
+    assert [k[2] for k in keys] == [("0",), ("1",), ("0",), ("1",)]
+    assert dist._lane_keys(2, "cuda", 2) == [(2, "cuda", ("0", "1"))] * 2
+    with pytest.raises(dist.InsufficientGPUs):
+        dist._lane_keys(3, "cuda", 2)

@@ -42,11 +42,12 @@ from dsconform.runstate import RunState, run_state
 
 __all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "has_plan"]
 
-#: plan(params, workdir, run) -> the cell's RankCall. params: the cell's parametrize values
-#: (item.callspec.params); workdir: a fresh directory under --scratch, removed after the call (the
-#: test's ``scratch`` when the cell runs alone); run: this run's RunState. An exception it raises
-#: (a preflight refusal) is the cell's outcome.
-Plan = Callable[[dict, Path, RunState], RankCall]
+#: plan(params, workdir, run) -> the cell's RankCall, or (RankCall, cleanup) where cleanup() runs
+#: once the call ended (a directory of its own on an NVMe path). params: the cell's parametrize
+#: values (item.callspec.params); workdir: a fresh directory under --scratch, removed after the
+#: call (the test's ``scratch`` when the cell runs alone); run: this run's RunState. An exception
+#: it raises (a preflight refusal, a skip) is the cell's outcome.
+Plan = Callable[[dict, Path, RunState], "RankCall | tuple[RankCall, Callable[[], Any]]"]
 _PLAN_ATTR = "_dsconform_batch_plan"
 
 
@@ -112,6 +113,12 @@ def _will_run(item: pytest.Item, rs: RunState) -> bool:
     return verdict is None or (verdict.ok and not verdict.broken_promises)
 
 
+def _split(planned: Any) -> tuple[RankCall, Callable[[], Any] | None]:
+    if isinstance(planned, tuple):
+        return planned[0], planned[1]
+    return planned, None
+
+
 def _params(item: pytest.Item) -> dict:
     callspec = getattr(item, "callspec", None)
     return dict(callspec.params) if callspec is not None else {}
@@ -127,11 +134,11 @@ def _run_batch(item: pytest.Item, rs: RunState, state: _State) -> None:
     if len(cells) < 2:
         return
     calls: list[RankCall] = []
-    owners: list[tuple[pytest.Item, Path]] = []
+    owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]] = []
     for it in cells:
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=rs.scratch))
         try:
-            call = _plan_of(it)(_params(it), workdir, rs)
+            call, cleanup = _split(_plan_of(it)(_params(it), workdir, rs))
         except (KeyboardInterrupt, SystemExit):
             shutil.rmtree(workdir, ignore_errors=True)
             raise
@@ -140,21 +147,29 @@ def _run_batch(item: pytest.Item, rs: RunState, state: _State) -> None:
             shutil.rmtree(workdir, ignore_errors=True)
             continue
         calls.append(call)
-        owners.append((it, workdir))
+        owners.append((it, workdir, cleanup))
+
+    def release(index: int) -> None:
+        it, workdir, cleanup = owners[index]
+        owners[index] = (it, workdir, None)
+        try:
+            if cleanup is not None:
+                cleanup()
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     def done(index: int, outcome: tuple) -> None:
-        it, workdir = owners[index]
-        state.outcomes[it.nodeid] = outcome
-        shutil.rmtree(workdir, ignore_errors=True)
+        state.outcomes[owners[index][0].nodeid] = outcome
+        release(index)
 
     lanes = dist.lanes_for("cuda" if rs.node.gpu_count else "cpu")
     t0 = time.monotonic()
     try:
         dist.run_concurrently(calls, lanes=lanes, on_done=done)
     finally:
-        for _, workdir in owners:
-            shutil.rmtree(workdir, ignore_errors=True)
-    tests = sorted({it.originalname for it, _ in owners})
+        for index in range(len(owners)):
+            release(index)
+    tests = sorted({it.originalname for it, _, _ in owners})
     state.batches.append({"cells": len(calls), "lanes": lanes,
                           "seconds": round(time.monotonic() - t0, 1),
                           "carried_by": item.nodeid, "tests": tests})
@@ -174,9 +189,14 @@ def cell_results(request: pytest.FixtureRequest, workdir: Path | str | None = No
         _run_batch(item, rs, state)
     outcome = state.outcomes.pop(item.nodeid, None)
     if outcome is None:
-        call = plan(_params(item), Path(workdir if workdir is not None else rs.scratch), rs)
-        return dist.run_ranks(call.fn, call.world_size, timeout_s=call.timeout_s,
-                              args=call.args, kwargs=call.kwargs, accelerator=call.accelerator)
+        call, cleanup = _split(plan(_params(item),
+                                    Path(workdir if workdir is not None else rs.scratch), rs))
+        try:
+            return dist.run_ranks(call.fn, call.world_size, timeout_s=call.timeout_s,
+                                  args=call.args, kwargs=call.kwargs, accelerator=call.accelerator)
+        finally:
+            if cleanup is not None:
+                cleanup()
     kind, value = outcome
     if kind == "raise":
         raise value

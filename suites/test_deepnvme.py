@@ -60,7 +60,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsconform.suite import (
+    RankCall,
     RankError,
+    batched,
+    cell_results,
     compare_rank_results,
     nvme,
     nvme_io,
@@ -493,22 +496,37 @@ def _zinf_params() -> list:
     return params
 
 
-@pytest.mark.nvme
-@pytest.mark.parametrize("accelerator, cell", _zinf_params())
-def test_zero_infinity_matches_ddp(accelerator, cell, nvme_entry, profile, run, node, scratch,
-                                   metrics):
-    """NVME-ZINF-1: ZeRO-3 offloading to NVMe MUST give DDP's losses, gradients, parameters."""
-    if accelerator == "cpu" and node.gpu_count:
+def _zinf_case(cell: dict, nvme_path: str) -> ZeroCase:
+    return ZeroCase(stage=3, dtype=cell["dtype"], optimizer=cell["optimizer"], grad_accum=1,
+                    world_size=2, offload_optimizer=True,
+                    offload_param=cell["offload"] == "param+opt", width=ZINF_WIDTH,
+                    steps=ZINF_STEPS, offload_device="nvme", nvme_path=nvme_path)
+
+
+def _zinf_plan(params: dict, workdir: Path, run) -> tuple:
+    """The cell's rank call, writing under a directory of its own on the entry's path (checked
+    before anything is written), removed once the call ended."""
+    accelerator, cell = params["accelerator"], params["cell"]
+    if accelerator == "cpu" and run.node.gpu_count:
         pytest.skip("on a GPU node the cuda cells run ZeRO-Infinity: a CPU-accelerator process "
                     "would rebuild async_io over the CUDA build in the shared extensions cache")
+    index, entry = params["nvme_entry"]
+    stack = contextlib.ExitStack()
+    d, _ = stack.enter_context(_target(run.profile, index, entry, run, workdir, 256 * MiB))
+    case = _zinf_case(cell, str(d))
+    return (RankCall(train_zero_infinity, case.world_size, TIMEOUT_S, args=(case,),
+                     accelerator=accelerator), stack.close)
+
+
+@pytest.mark.nvme
+@pytest.mark.parametrize("accelerator, cell", _zinf_params())
+@batched(_zinf_plan)  # the cells run at once where lanes are on (dsconform.batch)
+def test_zero_infinity_matches_ddp(accelerator, cell, nvme_entry, profile, run, node, scratch,
+                                   metrics, request):
+    """NVME-ZINF-1: ZeRO-3 offloading to NVMe MUST give DDP's losses, gradients, parameters."""
     index, entry = nvme_entry
-    with _target(profile, index, entry, run, scratch, 256 * MiB) as (d, _):
-        case = ZeroCase(stage=3, dtype=cell["dtype"], optimizer=cell["optimizer"], grad_accum=1,
-                        world_size=2, offload_optimizer=True,
-                        offload_param=cell["offload"] == "param+opt", width=ZINF_WIDTH,
-                        steps=ZINF_STEPS, offload_device="nvme", nvme_path=str(d))
-        results = run_ranks(train_zero_infinity, case.world_size, args=(case,),
-                            accelerator=accelerator, timeout_s=TIMEOUT_S)
+    results = cell_results(request, scratch)
+    case = _zinf_case(cell, "")
     tol = tolerance("zero_infinity", case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
     cmp = compare_rank_results(results, tol, label=f"{accelerator}-{case.id}")

@@ -12,9 +12,11 @@
 #                                                 # machine keeps its op cache while warm), then
 #                                                 # xdist with one GPU per worker
 #   bash results/reference/run-h200-x2.sh nightly # the nightly tier's ZeRO matrix, timed
+#   bash results/reference/run-h200-x2.sh coldwarm # cold then warm in one call (a lent machine
+#                                                  # goes back 30 s after a call), no xdist
 # Everything lands in $OUT: a log and a tarball of the results per part.
 set -uo pipefail
-part=${1:?usage: run-h200-x2.sh ds198|ds196|pair|cold|warm|nightly}
+part=${1:?usage: run-h200-x2.sh ds198|ds196|pair|cold|warm|coldwarm|nightly}
 out=${OUT:-/tmp/dsconform-out}
 mkdir -p "$out"
 exec > >(tee "$out/$part.log") 2>&1
@@ -44,6 +46,22 @@ if [ "$part" = pair ]; then
         t=$(date +%s)
         budget 250 "${pytest[@]}" "${sel[@]}" --results "$res/ds-$v"
         echo "exit status $?"; stamp "selection on DeepSpeed $v" "$t"
+    done
+    tar -C /tmp/dsconform-results -czf "$out/$part.tgz" "$part"
+    exit 0
+fi
+if [ "$part" = coldwarm ]; then
+    export DSCONFORM_CACHE=/tmp/dsconform-cache-0.19.8
+    rm -rf "$DSCONFORM_CACHE"
+    setup 0.19.8
+    nvidia-smi > "$res/nvidia-smi.txt" 2>&1
+    for pass in cold warm; do
+        echo "== acceptance tier, $pass op cache"
+        t=$(date +%s)
+        [ "$pass" = cold ] && b=${COLD_BUDGET:-300} || b=${WARM_BUDGET:-200}
+        budget "$b" "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/$pass" \
+            --durations=40
+        echo "exit status $?"; stamp "acceptance, $pass" "$t"
     done
     tar -C /tmp/dsconform-results -czf "$out/$part.tgz" "$part"
     exit 0

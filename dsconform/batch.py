@@ -49,18 +49,27 @@ __all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "has_pl
 #: it raises (a preflight refusal, a skip) is the cell's outcome.
 Plan = Callable[[dict, Path, RunState], "RankCall | tuple[RankCall, Callable[[], Any]]"]
 _PLAN_ATTR = "_dsconform_batch_plan"
+#: The user property (junit.xml) holding a batched cell's call seconds, its lane's wait included.
+BATCH_SECONDS = "dsconform_batch_seconds"
 
 
-def batched(plan: Plan) -> Callable:
-    """Decorate a parametrized test whose body gets its rank results from cell_results()."""
+def batched(plan: Plan, *, cost: float = 1.0) -> Callable:
+    """Decorate a parametrized test whose body gets its rank results from cell_results().
+    cost: about how long one cell's call takes (seconds on a GPU node); a batch starts the
+    costliest cells first, so that no long cell is left to run alone at the end."""
     def decorate(fn: Callable) -> Callable:
-        setattr(fn, _PLAN_ATTR, plan)
+        setattr(fn, _PLAN_ATTR, (plan, float(cost)))
         return fn
     return decorate
 
 
-def _plan_of(item: pytest.Item) -> Plan | None:
+def _batched_of(item: pytest.Item) -> tuple[Plan, float] | None:
     return getattr(getattr(item, "function", None), _PLAN_ATTR, None)
+
+
+def _plan_of(item: pytest.Item) -> Plan | None:
+    found = _batched_of(item)
+    return found[0] if found is not None else None
 
 
 def has_plan(item: pytest.Item) -> bool:
@@ -71,6 +80,7 @@ def has_plan(item: pytest.Item) -> bool:
 @dataclass
 class _State:
     outcomes: dict[str, tuple] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # each batched cell's call
     seen: set[str] = field(default_factory=set)  # cells a batch already decided about
     batches: list[dict] = field(default_factory=list)
 
@@ -119,6 +129,17 @@ def _split(planned: Any) -> tuple[RankCall, Callable[[], Any] | None]:
     return planned, None
 
 
+def _waits_for_build(item: pytest.Item, rs: RunState) -> bool:
+    """Whether the cell needs an op that this run's parallel builds have not finished."""
+    builds = rs.op_builds
+    if builds is None:
+        return False
+    marks = list(item.iter_markers(gating.MARK))
+    ops = gating.merge_conditions(marks, {m.name for m in item.iter_markers()}).get("op") or []
+    ops = [ops] if isinstance(ops, str) else list(ops)
+    return any(not builds.finished(op) for op in ops)
+
+
 def _params(item: pytest.Item) -> dict:
     callspec = getattr(item, "callspec", None)
     return dict(callspec.params) if callspec is not None else {}
@@ -133,6 +154,9 @@ def _run_batch(item: pytest.Item, rs: RunState, state: _State) -> None:
     state.seen.add(item.nodeid)
     if len(cells) < 2:
         return
+    # Cells that load an op still building (cold cache) last: the others run meanwhile; the
+    # costliest first otherwise.
+    cells.sort(key=lambda it: (_waits_for_build(it, rs), -_batched_of(it)[1]))
     calls: list[RankCall] = []
     owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]] = []
     for it in cells:
@@ -158,8 +182,10 @@ def _run_batch(item: pytest.Item, rs: RunState, state: _State) -> None:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
-    def done(index: int, outcome: tuple) -> None:
-        state.outcomes[owners[index][0].nodeid] = outcome
+    def done(index: int, outcome: tuple, seconds: float) -> None:
+        nodeid = owners[index][0].nodeid
+        state.outcomes[nodeid] = outcome
+        state.seconds[nodeid] = seconds
         release(index)
 
     lanes = dist.lanes_for("cuda" if rs.node.gpu_count else "cpu")
@@ -170,9 +196,13 @@ def _run_batch(item: pytest.Item, rs: RunState, state: _State) -> None:
         for index in range(len(owners)):
             release(index)
     tests = sorted({it.originalname for it, _, _ in owners})
+    took = sorted(((state.seconds.get(it.nodeid, 0.0), it.nodeid) for it, _, _ in owners),
+                  reverse=True)
     state.batches.append({"cells": len(calls), "lanes": lanes,
                           "seconds": round(time.monotonic() - t0, 1),
-                          "carried_by": item.nodeid, "tests": tests})
+                          "carried_by": item.nodeid, "tests": tests,
+                          "longest": [(round(sec, 1), nodeid) for sec, nodeid in took[:5]],
+                          "cell_seconds": round(sum(sec for sec, _ in took), 1)})
 
 
 def cell_results(request: pytest.FixtureRequest, workdir: Path | str | None = None) -> Any:
@@ -188,6 +218,8 @@ def cell_results(request: pytest.FixtureRequest, workdir: Path | str | None = No
     if item.nodeid not in state.seen and _enabled(rs):
         _run_batch(item, rs, state)
     outcome = state.outcomes.pop(item.nodeid, None)
+    if item.nodeid in state.seconds:  # in junit.xml: what this cell's call took in the batch
+        item.user_properties.append((BATCH_SECONDS, round(state.seconds.pop(item.nodeid), 2)))
     if outcome is None:
         call, cleanup = _split(plan(_params(item),
                                     Path(workdir if workdir is not None else rs.scratch), rs))

@@ -237,7 +237,7 @@ class _Pool:
     """world_size live rank processes sharing one process group."""
 
     def __init__(self, world_size: int, accelerator: str, gpus: tuple[str, ...],
-                 pg_timeout_s: float, warm: bool = False) -> None:
+                 pg_timeout_s: float, warm: bool = False, threads: int | None = None) -> None:
         self.world_size = world_size
         self.accelerator = accelerator
         self.gpus = gpus
@@ -265,6 +265,8 @@ class _Pool:
             # A cpu run sees no GPU, so it cannot touch another xdist worker's devices.
             "CUDA_VISIBLE_DEVICES": ",".join(gpus) if accelerator == "cuda" else "",
         }
+        if threads:  # lanes share the cores (CPU Adam, torch's CPU ops), read at import
+            base_env["OMP_NUM_THREADS"] = str(threads)
         try:
             for index in range(world_size):
                 env = dict(base_env, RANK=str(index), LOCAL_RANK=str(index))
@@ -642,10 +644,12 @@ def _take_spare(key: tuple, pg_timeout_s: float) -> _Pool | None:
         return None
 
 
-def start_spares(world_sizes: list[int], accelerator: str = "cuda") -> list[tuple]:
+def start_spares(world_sizes: list[int], accelerator: str = "cuda", *,
+                 fresh: bool = False) -> list[tuple]:
     """Start standby pools for these world sizes now (a run starting on a GPU node calls this
-    so rank start-up overlaps collection and op builds). Returns the keys started; world sizes
-    this xdist worker has too few GPUs for are left out."""
+    so rank start-up overlaps collection and op builds; fresh: the never-warmed ones that
+    fresh-process calls take). Returns the keys started; world sizes this xdist worker has too
+    few GPUs for are left out."""
     started = []
     with _LOCK:
         for ws in world_sizes:
@@ -653,8 +657,8 @@ def start_spares(world_sizes: list[int], accelerator: str = "cuda") -> list[tupl
                 gpus = _gpus_for(ws, accelerator)
             except InsufficientGPUs:
                 continue
-            _start_spare(ws, accelerator, gpus)
-            if _spare_key(ws, accelerator, gpus, False) in _SPARES:
+            _start_spare(ws, accelerator, gpus, fresh=fresh)
+            if _spare_key(ws, accelerator, gpus, fresh) in _SPARES:
                 started.append((ws, accelerator, gpus))
     return started
 
@@ -676,20 +680,61 @@ def settle_spares() -> None:
                     pools.remove(pool)
 
 
+def _started_now(pool: _Pool) -> bool:
+    """Whether a starting pool has started by now (every rank answered), without waiting."""
+    if pool.ready:
+        return True
+    if not all(conn.poll() for conn in pool.conns):
+        return False
+    try:
+        _await_start(pool)
+    except RankError:
+        return False  # killed by _await_start
+    return True
+
+
+#: Standby keys (world size, accelerator, GPUs, fresh) whose starting pools a hold stopped; they
+#: start again when the last hold ends.
+_STOPPED: list[tuple] = []
+
+
+def _stop_starting() -> None:
+    """Kill the standby and idle lane pools still starting (call with _LOCK held). Standby pools
+    are started again when the hold ends; lanes are started by the next batch that needs them."""
+    for key, pool in list(_SPARES.items()):
+        if not _started_now(pool):
+            pool.kill()
+            del _SPARES[key]
+            if not pool.ready and pool.closed:
+                _STOPPED.append((key[0], key[1], key[2], not key[3]))
+    for pools in _LANES.values():
+        for pool in list(pools):
+            if not _started_now(pool):
+                pool.kill()
+                pools.remove(pool)
+
+
 class hold_spares:  # noqa: N801 - used like a function: `with hold_spares():`
-    """While in force no standby pool starts, and those starting are waited for first: a
-    performance measurement must not share the node with a starting rank (CPU, a CUDA context,
-    NCCL set-up). The metrics fixture holds them for the whole test."""
+    """While in force no standby or lane pool starts, and those still starting are stopped (the
+    standby ones start again when the hold ends): a performance measurement must not share the
+    node with a starting rank (CPU, a CUDA context, NCCL set-up), and waiting for them cost
+    12 s before a measurement on 2xH200. The metrics fixture holds them for the whole test."""
 
     def __enter__(self) -> hold_spares:
         global _HOLD
-        _HOLD += 1
-        settle_spares()
+        with _LOCK:
+            _HOLD += 1
+            _stop_starting()
         return self
 
     def __exit__(self, *exc: object) -> None:
         global _HOLD
-        _HOLD -= 1
+        with _LOCK:
+            _HOLD -= 1
+            if _HOLD == 0:
+                while _STOPPED:
+                    ws, accel, gpus, fresh = _STOPPED.pop(0)
+                    _start_spare(ws, accel, gpus, fresh=fresh)
 
 
 def _gpus_for(world_size: int, accelerator: str) -> tuple[str, ...]:
@@ -811,6 +856,7 @@ class RankCall:
 #: closes them); several per key.
 _LANES: dict[tuple, list[_Pool]] = {}
 _LANE_STATS = {"started": 0, "calls": 0, "waited_s": 0.0}
+_LANE_STATS_LOCK = threading.Lock()  # lanes update them from their threads
 
 
 def lanes_for(accelerator: str | None = None) -> int:
@@ -837,11 +883,18 @@ def _lane_keys(world_size: int, accelerator: str, count: int) -> list[tuple]:
     return [(world_size, accelerator, gpus)] * count
 
 
+def _lane_threads() -> int:
+    """CPU threads per lane rank: the cores shared by every lane of one- and two-rank calls
+    (12 ranks with 4 lanes), so CPU Adam in several lanes at once does not oversubscribe them."""
+    return max(1, (os.cpu_count() or 1) // (3 * lanes_for()))
+
+
 def _new_lane(key: tuple, pg_timeout_s: float) -> _Pool:
     """Start (without waiting) a lane pool; call with _LOCK held."""
     _clear_build_locks()
     _LANE_STATS["started"] += 1
-    return _Pool(key[0], key[1], key[2], pg_timeout_s, warm=RANK_WARMUP)
+    return _Pool(key[0], key[1], key[2], pg_timeout_s, warm=RANK_WARMUP,
+                 threads=_lane_threads())
 
 
 def start_lanes(world_sizes: list[int], accelerator: str = "cuda",
@@ -893,7 +946,8 @@ def _lane_pool(key: tuple, pg_timeout_s: float) -> _Pool:
             if "address already in use" not in str(exc).lower() or attempt == 2:
                 raise
         finally:
-            _LANE_STATS["waited_s"] += time.monotonic() - t0
+            with _LANE_STATS_LOCK:
+                _LANE_STATS["waited_s"] += time.monotonic() - t0
     raise AssertionError("unreachable")
 
 
@@ -910,6 +964,7 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                 i = queue.popleft()
             call = calls[i]
             healthy = False
+            t0 = time.monotonic()
             try:
                 need = max(POOL_PG_TIMEOUT_S, call.timeout_s + 60)
                 if pool is not None and (not pool.alive() or pool.pg_timeout_s < need):
@@ -924,14 +979,15 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
             except BaseException as exc:  # noqa: BLE001 - the call's own outcome, raised in its test
                 outcome = ("raise", exc)
             finally:
-                _LANE_STATS["calls"] += 1
+                with _LANE_STATS_LOCK:
+                    _LANE_STATS["calls"] += 1
                 if not healthy and pool is not None:
                     pool.kill()
                     active.discard(pool)
                     pool = None
             outcomes[i] = outcome
             if on_done is not None:
-                on_done(i, outcome)
+                on_done(i, outcome, time.monotonic() - t0)
     finally:
         if pool is not None:
             active.discard(pool)
@@ -943,33 +999,36 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
 
 
 def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
-                     on_done: Callable[[int, tuple], None] | None = None) -> list[tuple]:
+                     on_done: Callable[[int, tuple, float], None] | None = None) -> list[tuple]:
     """Run independent calls at once, spread over `lanes` pools per world size (one-rank pools
     on every GPU in turn). Each outcome is ("ok", the per-rank results) or ("raise", the
     exception run_ranks would have raised for that call alone: RankError, RankTimeout, a
     unanimous skip, InsufficientGPUs...). A failing call kills only its own lane's ranks; that
-    lane starts new ones for its next call. on_done(index, outcome) runs as each call ends.
+    lane starts new ones for its next call. on_done(index, outcome, seconds) runs as each call
+    ends (seconds: from taking the call, its lane's start-up included).
 
     With one lane, under torchrun/Slurm, or for a single call, the calls run one after another
     through run_ranks. Ctrl-C kills every lane and re-raises."""
     outcomes: list = [None] * len(calls)
     lanes = lanes_for() if lanes is None else lanes
 
-    def finish(i: int, outcome: tuple) -> None:
+    def finish(i: int, outcome: tuple, seconds: float = 0.0) -> None:
         outcomes[i] = outcome
         if on_done is not None:
-            on_done(i, outcome)
+            on_done(i, outcome, seconds)
 
     if lanes <= 1 or len(calls) < 2 or external_rendezvous():
         for i, c in enumerate(calls):
+            t0 = time.monotonic()
             try:
-                finish(i, ("ok", run_ranks(c.fn, c.world_size, timeout_s=c.timeout_s,
-                                           args=c.args, kwargs=c.kwargs,
-                                           accelerator=c.accelerator)))
+                outcome: tuple = ("ok", run_ranks(c.fn, c.world_size, timeout_s=c.timeout_s,
+                                                  args=c.args, kwargs=c.kwargs,
+                                                  accelerator=c.accelerator))
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:  # noqa: BLE001 - the call's own outcome (a skip too)
-                finish(i, ("raise", exc))
+                outcome = ("raise", exc)
+            finish(i, outcome, time.monotonic() - t0)
         return outcomes
     groups: OrderedDict[tuple, deque] = OrderedDict()
     pickled: list = [None] * len(calls)

@@ -185,7 +185,8 @@ def check_round_trip(results: list[dict], tol, *, label: str,
     build=lambda c: _case(c["stage"], c["offload"], c["dtype"])))
 @batched(lambda params, workdir, run: RankCall(
     ranks.round_trip, params["case"].world_size, _timeout(params["case"]),
-    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]))
+    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]),
+    cost=3)
 def test_round_trip_is_exact(accelerator, case, scratch, profile, request):
     """CKPT-RT-1: save then load MUST give back every saved value bit for bit and the same next
     steps."""

@@ -512,7 +512,7 @@ def check_convergence(case: CurveCase, results: list[dict], tol: Any) -> tuple[d
 @pytest.mark.parametrize("accelerator, case", _curve_params())
 @batched(lambda params, workdir, run: RankCall(
     train_curve, params["case"].world_size, CURVE_TIMEOUT_S, args=(params["case"],),
-    accelerator=params["accelerator"]))
+    accelerator=params["accelerator"]), cost=6)
 def test_fp16_bf16_converge(accelerator: str, case: CurveCase, profile, metrics, request):
     """LOSS-SCALE-6: fp16 and bf16 MUST reach fp32's final loss within the table's margin."""
     results = cell_results(request)  # run at once with other cells (dsconform.batch)

@@ -72,7 +72,7 @@ def test_a_failing_call_fails_alone_and_its_lane_recovers(clean):
              _call(rank_fns.skip_all, 2, "not here"), _call(rank_fns.rank_and_sum),
              _call(rank_fns.rank_and_sum, 1)]
     done = []
-    out = dist.run_concurrently(calls, lanes=2, on_done=lambda i, o: done.append(i))
+    out = dist.run_concurrently(calls, lanes=2, on_done=lambda i, o, s: done.append(i))
     assert sorted(done) == list(range(len(calls)))
     kind, exc = out[0]
     assert kind == "raise" and isinstance(exc, dist.RankError) and "rank 1 of 2" in str(exc)

@@ -20,6 +20,11 @@ except ImportError:
 
 from tests.test_dist import assert_no_leftovers
 
+
+def assert_no_leftovers_of(pids: list[int]) -> None:
+    for pid in pids:
+        assert not psutil.pid_exists(pid), f"rank process {pid} is still alive (or unreaped)"
+
 TIMEOUT_S = 60.0
 
 
@@ -100,15 +105,28 @@ def test_a_dead_spare_is_replaced_by_new_ranks(spares):
     assert [calls for _, calls in out] == [1, 1]
 
 
-def test_no_spare_starts_while_held_and_held_waits_for_starting_ones(spares):
+def test_no_spare_starts_while_held_and_held_stops_starting_ones(spares):
+    """A hold kills the standby ranks still starting (nothing starts up beside a measurement,
+    and the measurement does not wait for them), keeps those that are ready, and starts the
+    stopped ones again when it ends."""
     dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
-    assert _spare(1, fresh=True) is not None
+    starting = _spare(1, fresh=True)
+    assert starting is not None and not starting.ready
+    dist.start_spares([2], "cpu")
+    dist.settle_spares()
+    ready = _spare_pids(2)
+    dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
+    starting = _spare(1, fresh=True)
+    assert starting is not None and not starting.ready
+    t0 = time.monotonic()
     with dist.hold_spares():
-        assert _spare(1, fresh=True).ready, "hold_spares did not wait for the starting spare"
+        assert time.monotonic() - t0 < 1.0, "the hold waited for the starting standby ranks"
+        assert _spare(1, fresh=True) is None and starting.closed
+        assert_no_leftovers_of(starting.pids)
+        assert _spare_pids(2) == ready, "the hold stopped standby ranks that were ready"
         dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
-        assert not _any_spare(1), "a spare started during a measurement"
-    dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
-    assert _spare(1, fresh=True) is not None
+        assert _spare(1, fresh=True) is None, "a spare started during a measurement"
+    assert _spare(1, fresh=True) is not None, "the stopped standby ranks were not started again"
 
 
 def test_no_spare_is_started_in_a_tests_changed_environment(spares, monkeypatch):

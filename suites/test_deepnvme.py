@@ -199,20 +199,28 @@ def _memories(node) -> tuple[str, ...]:
     return CPU_MEMORY + (GPU_MEMORY if node.gpu_count else ())
 
 
+def _roundtrip_plan(params: dict, workdir: Path, run) -> tuple:
+    """One NVME-IO-1 cell's rank call, in a directory checked before anything is written."""
+    iop = params["iop"]
+    settings = nvme.AioSettings(intra_op_parallelism=iop, **MATRIX_SETTINGS)
+    stack = contextlib.ExitStack()
+    d, facts = stack.enter_context(_target(run.profile, None, None, run, workdir, 8 * MiB))
+    size_unit, offset_unit = nvme.io_units(settings, facts)
+    # 5 blocks and 3 units: crosses block and queue boundaries, ends mid-block.
+    nbytes = (5 * settings.block_size // size_unit + 3) * size_unit
+    return (RankCall(io_roundtrip, 1, TIMEOUT_S, args=(str(d), settings),
+                     kwargs=dict(nbytes=nbytes, offset=3 * offset_unit, memory=params["memory"],
+                                 mode=params["mode"], seed=iop),
+                     accelerator=_accelerator(run.node)), stack.close)
+
+
 @NEEDS_AIO
 @pytest.mark.anynode
 @pytest.mark.parametrize("memory, mode, iop", _matrix_params())
-def test_aio_api_roundtrip(memory, mode, iop, profile, run, node, scratch):
+@batched(_roundtrip_plan, cost=0.3)  # the cells run at once where lanes are on (dsconform.batch)
+def test_aio_api_roundtrip(memory, mode, iop, scratch, request):
     """NVME-IO-1: every aio_handle API family MUST write and read back every byte exactly."""
-    settings = nvme.AioSettings(intra_op_parallelism=iop, **MATRIX_SETTINGS)
-    with _target(profile, None, None, run, scratch, 8 * MiB) as (d, facts):
-        size_unit, offset_unit = nvme.io_units(settings, facts)
-        # 5 blocks and 3 units: crosses block and queue boundaries, ends mid-block.
-        nbytes = (5 * settings.block_size // size_unit + 3) * size_unit
-        run_ranks(io_roundtrip, 1, timeout_s=TIMEOUT_S, accelerator=_accelerator(node),
-                  args=(str(d), settings),
-                  kwargs=dict(nbytes=nbytes, offset=3 * offset_unit, memory=memory, mode=mode,
-                              seed=iop))
+    cell_results(request, scratch)
 
 
 @NEEDS_AIO
@@ -245,20 +253,31 @@ def test_aio_offsets_and_sizes(data, profile, run, node):
                               seed=data.draw(st.integers(0, 2**31 - 1), label="seed")))
 
 
+OUTSTANDING_SIZES = [n * 97 + 1 for n in range(8)]  # in I/O units: all different, none round
+
+
+def _outstanding_plan(params: dict, workdir: Path, run) -> tuple:
+    """One NVME-IO-3 cell's rank call, in a directory checked before anything is written."""
+    settings = nvme.AioSettings(intra_op_parallelism=params["iop"], **MATRIX_SETTINGS)
+    stack = contextlib.ExitStack()
+    d, facts = stack.enter_context(_target(run.profile, None, None, run, workdir, 16 * MiB))
+    size_unit, _ = nvme.io_units(settings, facts)
+    sizes = [n * size_unit for n in OUTSTANDING_SIZES]
+    return (RankCall(io_outstanding, 1, TIMEOUT_S, args=(str(d), settings),
+                     kwargs=dict(sizes=sizes, memory=params["memory"], seed=7),
+                     accelerator=_accelerator(run.node)), stack.close)
+
+
 @NEEDS_AIO
 @pytest.mark.anynode
 @pytest.mark.parametrize("memory", [pytest.param(m, marks=_memory_marks(m))
                                     for m in CPU_MEMORY + GPU_MEMORY])
 @pytest.mark.parametrize("iop", [1, 4], ids=lambda n: f"iop{n}")
-def test_outstanding_then_one_wait(memory, iop, profile, run, node, scratch):
+@batched(_outstanding_plan, cost=0.3)  # at once where lanes are on (dsconform.batch)
+def test_outstanding_then_one_wait(memory, iop, scratch, request):
     """NVME-IO-3: eight operations outstanding MUST all complete at one wait(), byte-exact."""
-    settings = nvme.AioSettings(intra_op_parallelism=iop, **MATRIX_SETTINGS)
-    with _target(profile, None, None, run, scratch, 16 * MiB) as (d, facts):
-        size_unit, _ = nvme.io_units(settings, facts)
-        sizes = [(n * 97 + 1) * size_unit for n in range(8)]  # all different, none round
-        out = run_ranks(io_outstanding, 1, timeout_s=TIMEOUT_S, accelerator=_accelerator(node),
-                        args=(str(d), settings), kwargs=dict(sizes=sizes, memory=memory, seed=7))
-    assert out[0]["operations"] == len(sizes)
+    out = cell_results(request, scratch)
+    assert out[0]["operations"] == len(OUTSTANDING_SIZES)
 
 
 SETTINGS_STRATEGY = st.builds(

@@ -242,6 +242,7 @@ class _Pool:
         self.accelerator = accelerator
         self.gpus = gpus
         self.pg_timeout_s = pg_timeout_s
+        self.threads = threads  # OMP_NUM_THREADS of a lane's ranks; None: torch's default
         self.owner_pid = os.getpid()
         self.port = free_port()
         self.tmpdir = tempfile.mkdtemp(prefix="dsconform-ranks-")
@@ -791,6 +792,12 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
         if pool is not None and (not pool.alive() or pool.pg_timeout_s < timeout_s + 60):
             pool.close()
             pool = None
+        if pool is not None and _HOLD and pool.threads:
+            # Lane ranks share the cores (OMP_NUM_THREADS): never under a measurement.
+            _LANES.setdefault(key, []).append(pool)
+            pool = None
+        if pool is None and reuse and not _HOLD:
+            pool = _take_idle_lane(key, timeout_s + 60)
         started = pool is None
         if pool is None:
             pg_timeout_s = max(POOL_PG_TIMEOUT_S, timeout_s + 60) if reuse else timeout_s + 60
@@ -926,7 +933,56 @@ def start_lanes(world_sizes: list[int], accelerator: str = "cuda",
     return started
 
 
-def _lane_pool(key: tuple, pg_timeout_s: float) -> _Pool:
+def _take_idle_lane(key: tuple, pg_timeout_s: float) -> _Pool | None:
+    """An idle lane pool of key that has started (warmed up, like the pooled ranks it stands in
+    for), for a pooled run_ranks call outside measurements (its ranks have fewer CPU threads);
+    None if there is none. Call with _LOCK held."""
+    idle = _LANES.get(key, [])
+    for pool in list(idle):
+        if pool.ready and pool.alive() and pool.pg_timeout_s >= pg_timeout_s:
+            idle.remove(pool)
+            return pool
+    return None
+
+
+class _Spawner:
+    """Starts lane pools for lane threads from the thread that runs the batch. Ranks die with
+    the *thread* that started them (PR_SET_PDEATHSIG, dist_rank._exit_when_orphaned): a pool a
+    lane thread started itself would be killed when that thread ends, and its idle ranks with it.
+    The batch's thread calls serve() while it waits for the lanes."""
+
+    def __init__(self) -> None:
+        self.requests: deque = deque()
+        self.lock = threading.Lock()
+
+    def new_lane(self, key: tuple, pg_timeout_s: float, cancel: threading.Event) -> _Pool:
+        done = threading.Event()
+        slot: list = []
+        with self.lock:
+            self.requests.append((key, pg_timeout_s, slot, done))
+        while not done.wait(0.05):
+            if cancel.is_set():
+                raise RankError("the batch was interrupted before this lane's ranks started")
+        if isinstance(slot[0], BaseException):
+            raise slot[0]
+        return slot[0]
+
+    def serve(self) -> None:
+        while True:
+            with self.lock:
+                if not self.requests:
+                    return
+                key, pg_timeout_s, slot, done = self.requests.popleft()
+            try:
+                with _LOCK:
+                    slot.append(_new_lane(key, pg_timeout_s))
+            except BaseException as exc:  # noqa: BLE001 - the lane's call reports it
+                slot.append(exc)
+            done.set()
+
+
+def _lane_pool(key: tuple, pg_timeout_s: float, spawner: _Spawner,
+               cancel: threading.Event) -> _Pool:
     """An idle lane pool for key, else a new one; started up (RankError if it cannot start)."""
     for attempt in range(3):  # the probed port can be taken between the probe and the bind
         with _LOCK:
@@ -937,8 +993,8 @@ def _lane_pool(key: tuple, pg_timeout_s: float) -> _Pool:
                 if pool.closed or pool.pg_timeout_s < pg_timeout_s:
                     pool.kill()
                     pool = None
-            if pool is None:
-                pool = _new_lane(key, pg_timeout_s)
+        if pool is None:
+            pool = spawner.new_lane(key, pg_timeout_s, cancel)
         t0 = time.monotonic()
         try:
             return _await_start(pool)
@@ -952,8 +1008,8 @@ def _lane_pool(key: tuple, pg_timeout_s: float) -> _Pool:
 
 
 def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
-          qlock: threading.Lock, active: set, cancel: threading.Event,
-          on_done: Callable[[int, tuple], None] | None) -> None:
+          qlock: threading.Lock, active: set, cancel: threading.Event, spawner: _Spawner,
+          on_done: Callable[[int, tuple, float], None] | None) -> None:
     """One lane: take calls of its world size off the shared queue until none is left."""
     pool: _Pool | None = None
     try:
@@ -971,7 +1027,7 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                     pool.close()
                     pool = None
                 if pool is None:
-                    pool = _lane_pool(key, need)
+                    pool = _lane_pool(key, need, spawner, cancel)
                     active.add(pool)
                 replies = _send_and_collect(pool, call.fn, pickled[i], call.timeout_s)
                 healthy = _healthy(replies)
@@ -1048,7 +1104,7 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
         norm[i] = RankCall(c.fn, c.world_size, float(c.timeout_s), tuple(c.args),
                            dict(c.kwargs or {}), accel)
         groups.setdefault((c.world_size, accel), deque()).append(i)
-    qlock, cancel, active = threading.Lock(), threading.Event(), set()
+    qlock, cancel, active, spawner = threading.Lock(), threading.Event(), set(), _Spawner()
     threads = []
     for (ws, accel), queue in groups.items():
         try:
@@ -1060,14 +1116,16 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
         for key in keys:
             threads.append(threading.Thread(
                 target=_lane, name=f"dsconform-lane-ws{ws}",
-                args=(key, queue, norm, pickled, outcomes, qlock, active, cancel, on_done),
+                args=(key, queue, norm, pickled, outcomes, qlock, active, cancel, spawner,
+                      on_done),
                 daemon=True))
     for t in threads:
         t.start()
     try:
         for t in threads:
             while t.is_alive():
-                t.join(0.2)
+                spawner.serve()
+                t.join(0.05)
     except BaseException:
         cancel.set()
         for pool in list(active):

@@ -113,3 +113,24 @@ def test_one_rank_lanes_take_the_gpus_in_turn(monkeypatch):
     assert dist._lane_keys(2, "cuda", 2) == [(2, "cuda", ("0", "1"))] * 2
     with pytest.raises(dist.InsufficientGPUs):
         dist._lane_keys(3, "cuda", 2)
+
+
+def test_pooled_calls_use_idle_lanes_except_under_a_measurement(clean):
+    """After a batch, a pooled call takes an idle lane's started ranks instead of starting its
+    own; a call under hold_spares (a measurement) never runs in lane ranks, whose CPU threads
+    are limited."""
+    out = dist.run_concurrently([_call(rank_fns.pid, 1), _call(rank_fns.pid, 1)], lanes=2)
+    lane_pids = {o[1][0] for o in out}
+    assert len(lane_pids) == 2
+    with dist.hold_spares():
+        measured = dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, accelerator="cpu")[0]
+    assert measured not in lane_pids, "a measurement ran in lane ranks"
+    dist.shutdown_pools()
+    out = dist.run_concurrently([_call(rank_fns.pid, 1), _call(rank_fns.pid, 1)], lanes=2)
+    lane_pids = {o[1][0] for o in out}
+    t0 = time.monotonic()
+    plain = dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, accelerator="cpu")[0]
+    assert plain in lane_pids and time.monotonic() - t0 < 2.0
+    with dist.hold_spares():  # the pooled ranks came from a lane: not for a measurement
+        measured = dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, accelerator="cpu")[0]
+    assert measured not in lane_pids

@@ -40,7 +40,7 @@ from dsconform import dist, gating
 from dsconform.dist import RankCall
 from dsconform.runstate import RunState, run_state
 
-__all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "has_plan"]
+__all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "enabled", "has_plan"]
 
 #: plan(params, workdir, run) -> the cell's RankCall, or (RankCall, cleanup) where cleanup() runs
 #: once the call ended (a directory of its own on an NVMe path). params: the cell's parametrize
@@ -99,7 +99,8 @@ def batch_stats(config: pytest.Config) -> list[dict]:
     return list(_state(config).batches)
 
 
-def _enabled(rs: RunState) -> bool:
+def enabled(rs: RunState) -> bool:
+    """Whether this run batches cells (lanes > 1, not under xdist or torchrun/Slurm)."""
     if dist.xdist_worker()[1] > 1 or dist.external_rendezvous():
         return False
     accel = "cuda" if rs.node.gpu_count else "cpu"
@@ -215,7 +216,7 @@ def cell_results(request: pytest.FixtureRequest, workdir: Path | str | None = No
         raise TypeError(f"{item.name}: cell_results() needs the test decorated with @batched(plan)")
     rs = run_state(item.config)
     state = _state(item.config)
-    if item.nodeid not in state.seen and _enabled(rs):
+    if item.nodeid not in state.seen and enabled(rs):
         _run_batch(item, rs, state)
     outcome = state.outcomes.pop(item.nodeid, None)
     if item.nodeid in state.seconds:  # in junit.xml: what this cell's call took in the batch

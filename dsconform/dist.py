@@ -242,7 +242,6 @@ class _Pool:
         self.accelerator = accelerator
         self.gpus = gpus
         self.pg_timeout_s = pg_timeout_s
-        self.threads = threads  # OMP_NUM_THREADS of a lane's ranks; None: torch's default
         self.owner_pid = os.getpid()
         self.port = free_port()
         self.tmpdir = tempfile.mkdtemp(prefix="dsconform-ranks-")
@@ -792,12 +791,6 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
         if pool is not None and (not pool.alive() or pool.pg_timeout_s < timeout_s + 60):
             pool.close()
             pool = None
-        if pool is not None and _HOLD and pool.threads:
-            # Lane ranks share the cores (OMP_NUM_THREADS): never under a measurement.
-            _LANES.setdefault(key, []).append(pool)
-            pool = None
-        if pool is None and reuse and not _HOLD:
-            pool = _take_idle_lane(key, timeout_s + 60)
         started = pool is None
         if pool is None:
             pg_timeout_s = max(POOL_PG_TIMEOUT_S, timeout_s + 60) if reuse else timeout_s + 60
@@ -931,18 +924,6 @@ def start_lanes(world_sizes: list[int], accelerator: str = "cuda",
                         return started
                     started += 1
     return started
-
-
-def _take_idle_lane(key: tuple, pg_timeout_s: float) -> _Pool | None:
-    """An idle lane pool of key that has started (warmed up, like the pooled ranks it stands in
-    for), for a pooled run_ranks call outside measurements (its ranks have fewer CPU threads);
-    None if there is none. Call with _LOCK held."""
-    idle = _LANES.get(key, [])
-    for pool in list(idle):
-        if pool.ready and pool.alive() and pool.pg_timeout_s >= pg_timeout_s:
-            idle.remove(pool)
-            return pool
-    return None
 
 
 class _Spawner:

@@ -115,22 +115,19 @@ def test_one_rank_lanes_take_the_gpus_in_turn(monkeypatch):
         dist._lane_keys(3, "cuda", 2)
 
 
-def test_pooled_calls_use_idle_lanes_except_under_a_measurement(clean):
-    """After a batch, a pooled call takes an idle lane's started ranks instead of starting its
-    own; a call under hold_spares (a measurement) never runs in lane ranks, whose CPU threads
-    are limited."""
-    out = dist.run_concurrently([_call(rank_fns.pid, 1), _call(rank_fns.pid, 1)], lanes=2)
-    lane_pids = {o[1][0] for o in out}
-    assert len(lane_pids) == 2
-    with dist.hold_spares():
-        measured = dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, accelerator="cpu")[0]
-    assert measured not in lane_pids, "a measurement ran in lane ranks"
-    dist.shutdown_pools()
-    out = dist.run_concurrently([_call(rank_fns.pid, 1), _call(rank_fns.pid, 1)], lanes=2)
-    lane_pids = {o[1][0] for o in out}
-    t0 = time.monotonic()
-    plain = dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, accelerator="cpu")[0]
-    assert plain in lane_pids and time.monotonic() - t0 < 2.0
-    with dist.hold_spares():  # the pooled ranks came from a lane: not for a measurement
-        measured = dist.run_ranks(rank_fns.pid, 1, timeout_s=TIMEOUT_S, accelerator="cpu")[0]
-    assert measured not in lane_pids
+
+def test_idle_lane_ranks_outlive_the_batch_thread(clean):
+    """Ranks die with the thread that started them (PR_SET_PDEATHSIG): a lane that replaces
+    its failed ranks inside its own thread would leave dead ranks behind when it ends. The
+    batch's thread starts them instead, so idle lanes are alive for the next batch."""
+    dist.start_lanes([1], "cpu", lanes=2)
+    dist.settle_spares()
+    # The failing lane starts new ranks for the third call while the other lane sleeps.
+    calls = [_call(rank_fns.raise_on, 1, 0), _call(rank_fns.sleep_then_pid, 1, 5.0),
+             _call(rank_fns.pid, 1)]
+    out = dist.run_concurrently(calls, lanes=2)
+    assert [o[0] for o in out] == ["raise", "ok", "ok"]
+    time.sleep(1.0)
+    idle = [p for pools in dist._LANES.values() for p in pools]
+    assert len(idle) == 2 and all(p.alive() for p in idle), [
+        [pr.exitcode for pr in p.procs] for p in idle]

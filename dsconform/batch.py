@@ -135,10 +135,7 @@ def _waits_for_build(item: pytest.Item, rs: RunState) -> bool:
     builds = rs.op_builds
     if builds is None:
         return False
-    marks = list(item.iter_markers(gating.MARK))
-    ops = gating.merge_conditions(marks, {m.name for m in item.iter_markers()}).get("op") or []
-    ops = [ops] if isinstance(ops, str) else list(ops)
-    return any(not builds.finished(op) for op in ops)
+    return any(not builds.finished(op) for op in gating.item_ops(item))
 
 
 def _params(item: pytest.Item) -> dict:

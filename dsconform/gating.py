@@ -190,6 +190,13 @@ def evaluate(conditions: Mapping[str, Any], node: NodeFacts, profile: Profile, *
     return Verdict(tuple(unmet), p.name)
 
 
+def item_ops(item: pytest.Item) -> list[str]:
+    """The DeepSpeed ops a collected test says it loads (``requires(op=...)``)."""
+    marks = list(item.iter_markers(MARK))
+    ops = merge_conditions(marks, {m.name for m in item.iter_markers()}).get("op") or []
+    return [ops] if isinstance(ops, str) else list(ops)
+
+
 def _op_compatible(state: Any, op: str) -> bool | None:
     """ds_report's probe for one op on this node's accelerator (False: not provided there).
     Gates use the probe only; the ops suite proves that promised ops really load."""

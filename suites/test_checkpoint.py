@@ -631,8 +631,9 @@ def _engine_params() -> list:
     for accel in accel_params(2):
         for engine in ENGINES:
             marks = list(accel.marks) + [pytest.mark.benchmark]
-            if engine == "fast":
-                marks.append(requires(op="async_io"))
+            if engine == "fast":  # FastPersist's writer: DeepNVMe, and on GPUs the utils op
+                marks.append(requires(op=["async_io", "utils"] if accel.id == "cuda"
+                                      else "async_io"))
             out.append(pytest.param(accel.values[0], engine, id=f"{accel.id}-{engine}",
                                     marks=marks))
     return out

@@ -48,3 +48,38 @@ def test_a_build_that_prints_more_than_a_pipe_holds_still_finishes_unread(monkey
         assert res["loaded"] and len(builds.builds["chatty"].output) > 1_000_000
     finally:
         builds.close()
+
+
+class _Item:
+    """Just enough of a collected test for ops_to_build."""
+
+    def __init__(self, path: str, *marks) -> None:
+        self.fspath = path
+        self._marks = [m.mark for m in marks]
+
+    def get_closest_marker(self, name):
+        return next((m for m in self._marks if m.name == name), None)
+
+    def iter_markers(self, name=None):
+        return (m for m in self._marks if name is None or m.name == name)
+
+
+def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from dsconform.gating import requires
+    from fixtures.plugin import ops_to_build
+
+    items = [_Item("suites/test_ops.py"),
+             _Item("suites/test_checkpoint.py", pytest.mark.gpu,
+                   requires(op=["async_io", "utils"])),
+             _Item("suites/test_zero.py", requires(op="cpu_adam"))]  # a CPU cell: not built
+    profile = SimpleNamespace(ops=["cpu_adam", "async_io"])
+    gpu = SimpleNamespace(profile=profile, node=SimpleNamespace(gpu_count=2))
+    cpu = SimpleNamespace(profile=profile, node=SimpleNamespace(gpu_count=0))
+    assert ops_to_build(items, gpu) == ["cpu_adam", "async_io", "utils"]
+    assert ops_to_build(items, cpu) == ["cpu_adam", "async_io"]
+    assert ops_to_build(items[1:], gpu) == ["async_io", "utils"]
+    assert ops_to_build(items[1:], cpu) == []

@@ -8,6 +8,8 @@ planned, and with lanes the sleeping cells must overlap.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from dsconform import dist
@@ -65,13 +67,16 @@ def run_demo(pytester, tmp_path, monkeypatch):
     def _run(lanes: str):
         dist.shutdown_pools()
         log.write_text("")
+        windows = Path(str(log) + ".windows")
+        windows.write_text("")
         monkeypatch.setattr(dist, "LANES", lanes)
         results = pytester.path / f"results-{lanes}"
         result = pytester.runpytest("-p", "fixtures.plugin", "--results", str(results),
                                     "-p", "no:cacheprovider", "-rA")
         dist.shutdown_pools()
         junit = (results / "junit.xml").read_text()
-        return result, log.read_text().split(), junit, results
+        sleeps = [tuple(map(float, line.split())) for line in windows.read_text().splitlines()]
+        return result, log.read_text().split(), junit, sleeps
     return _run
 
 
@@ -90,9 +95,16 @@ def _outcomes(junit: str) -> dict:
     return out
 
 
-def test_batched_cells_keep_their_own_outcomes(run_demo):
-    serial, serial_planned, serial_junit, _ = run_demo("1")
-    batched, batch_planned, batch_junit, _ = run_demo("2")
+def _overlap(sleeps: list) -> bool:
+    (a0, a1), (b0, b1) = sleeps
+    return max(a0, b0) < min(a1, b1)
+
+
+def test_batched_cells_keep_their_own_outcomes_and_overlap(run_demo):
+    """The same outcomes with and without lanes; with two lanes the two 5-s cells (the first
+    two: both lanes start with one) run at the same time, with one lane one after the other."""
+    serial, serial_planned, serial_junit, serial_sleeps = run_demo("1")
+    batched, batch_planned, batch_junit, batch_sleeps = run_demo("2")
     expected = {"ok": "PASSED", "raise": "FAILED", "skip": "SKIPPED", "refused": "FAILED",
                 "sleep1": "PASSED", "sleep2": "PASSED", "gated": "SKIPPED"}
     assert _outcomes(serial_junit) == expected, serial.outlines
@@ -105,15 +117,5 @@ def test_batched_cells_keep_their_own_outcomes(run_demo):
     assert sorted(batch_planned) == sorted(serial_planned)
     assert "cell batch: 5 cells of test_cell at once (2 lanes per world size)" in text
     assert "cell batch" not in "\n".join(serial.outlines)
-
-
-def test_batched_cells_overlap(run_demo, tmp_path):
-    """With two lanes the two 5-s cells (the first two: both lanes start with one) run at the
-    same time; with one lane, one after the other."""
-    windows = tmp_path / "planned.txt.windows"
-    for lanes, overlap in (("2", True), ("1", False)):
-        windows.write_text("")
-        run_demo(lanes)
-        (a0, a1), (b0, b1) = [tuple(map(float, line.split()))
-                              for line in windows.read_text().splitlines()]
-        assert (max(a0, b0) < min(a1, b1)) == overlap, (lanes, a0, a1, b0, b1)
+    assert _overlap(batch_sleeps), batch_sleeps
+    assert not _overlap(serial_sleeps), serial_sleeps

@@ -11,6 +11,9 @@ Every distributed test in the suite goes through `run_ranks`. Two modes:
   started in the background, so a call that needs new processes does not wait for a CUDA
   context, deepspeed and NCCL. Those for pooled calls also warm up (dist_rank.warm_up); a
   fresh-process call (reuse=False) only takes ranks that never built an engine.
+* Lanes (run_concurrently): independent calls at once over several pools per world size,
+  one-rank pools on every GPU in turn; a failure kills only its own lane's ranks. Cell batches
+  (dsconform.batch) use them; they never run beside a measurement.
 * External (under torchrun, the DeepSpeed launcher or Slurm, see `external_rendezvous`): the
   current process is one rank of a job that already has a rendezvous; fn runs in-process and
   the ranks exchange outcomes so that every rank returns, skips or fails alike. Nobody can
@@ -23,8 +26,8 @@ Inside fn, use the helpers re-exported here: rank(), world(), device(), seed_eve
 gather(), all_agree().
 
 Call `shutdown_pools()` at the end of a pytest session (an atexit hook also does it).
-Calls are serialised (one lock per process); a pytest-xdist worker has its own pools, ports
-and GPUs (see dsconform.dist_xdist).
+run_ranks calls are serialised (one lock per process); a pytest-xdist worker has its own pools,
+ports and GPUs (see dsconform.dist_xdist).
 """
 
 from __future__ import annotations

@@ -708,8 +708,7 @@ def _stop_starting() -> None:
         if not _started_now(pool):
             pool.kill()
             del _SPARES[key]
-            if not pool.ready and pool.closed:
-                _STOPPED.append((key[0], key[1], key[2], not key[3]))
+            _STOPPED.append((key[0], key[1], key[2], not key[3]))
     for pools in _LANES.values():
         for pool in list(pools):
             if not _started_now(pool):
@@ -740,12 +739,17 @@ class hold_spares:  # noqa: N801 - used like a function: `with hold_spares():`
                     _start_spare(ws, accel, gpus, fresh=fresh)
 
 
+def _my_gpus() -> tuple[int, int, list[str], list[str]]:
+    """(xdist worker index, worker count, visible GPUs, this worker's slice of them)."""
+    index, count = xdist_worker()
+    visible = visible_gpus()
+    return index, count, visible, gpu_slice(index, gpus_per_worker(len(visible), count), visible)
+
+
 def _gpus_for(world_size: int, accelerator: str) -> tuple[str, ...]:
     if accelerator != "cuda":
         return ()
-    index, count = xdist_worker()
-    visible = visible_gpus()
-    mine = gpu_slice(index, gpus_per_worker(len(visible), count), visible)
+    index, count, visible, mine = _my_gpus()
     if world_size > len(mine):
         raise InsufficientGPUs(
             f"run_ranks(world_size={world_size}, accelerator='cuda') needs {world_size} GPUs; "
@@ -879,9 +883,7 @@ def _lane_keys(world_size: int, accelerator: str, count: int) -> list[tuple]:
     use the first world_size GPUs (their processes share them)."""
     gpus = _gpus_for(world_size, accelerator)  # raises InsufficientGPUs
     if accelerator == "cuda" and world_size == 1:
-        index, workers = xdist_worker()
-        visible = visible_gpus()
-        mine = gpu_slice(index, gpus_per_worker(len(visible), workers), visible)
+        mine = _my_gpus()[3]
         return [(1, accelerator, (mine[i % len(mine)],)) for i in range(count)]
     return [(world_size, accelerator, gpus)] * count
 
@@ -1072,21 +1074,15 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
         return outcomes
     groups: OrderedDict[tuple, deque] = OrderedDict()
     pickled: list = [None] * len(calls)
-    norm: list = list(calls)
     for i, c in enumerate(calls):
-        try:
-            if not isinstance(c.world_size, int) or c.world_size < 1:
-                raise ValueError(f"world_size must be an int >= 1, got {c.world_size!r}")
-            if c.timeout_s is None or c.timeout_s <= 0:
-                raise ValueError(f"timeout_s must be a positive number of seconds, "
-                                 f"got {c.timeout_s!r}")
+        try:  # what run_ranks would refuse, each call's own outcome
+            _check_world_size(c.world_size)
+            _check_timeout(c.timeout_s)
             accel = _check_accelerator(c.accelerator)
             pickled[i] = _pickle_call(c.fn, tuple(c.args), dict(c.kwargs or {}))
         except Exception as exc:  # noqa: BLE001
             finish(i, ("raise", exc))
             continue
-        norm[i] = RankCall(c.fn, c.world_size, float(c.timeout_s), tuple(c.args),
-                           dict(c.kwargs or {}), accel)
         groups.setdefault((c.world_size, accel), deque()).append(i)
     qlock, cancel, active, spawner = threading.Lock(), threading.Event(), set(), _Spawner()
     threads = []
@@ -1100,7 +1096,7 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
         for key in keys:
             threads.append(threading.Thread(
                 target=_lane, name=f"dsconform-lane-ws{ws}",
-                args=(key, queue, norm, pickled, outcomes, qlock, active, cancel, spawner,
+                args=(key, queue, calls, pickled, outcomes, qlock, active, cancel, spawner,
                       on_done),
                 daemon=True))
     for t in threads:
@@ -1218,6 +1214,17 @@ def _run_external(fn: Callable, world_size: int | None, timeout_s: float, args: 
 # The entry point
 # ---------------------------------------------------------------------------------------------
 
+def _check_timeout(timeout_s: Any) -> None:
+    if timeout_s is None or timeout_s <= 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+
+
+def _check_world_size(world_size: Any) -> None:
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(
+            f"world_size must be an int >= 1 outside torchrun/Slurm, got {world_size!r}")
+
+
 def run_ranks(fn: Callable, world_size: int | None, *, timeout_s: float, args: tuple = (),
               kwargs: dict | None = None, accelerator: str | None = None,
               reuse: bool = True) -> list:
@@ -1232,13 +1239,10 @@ def run_ranks(fn: Callable, world_size: int | None, *, timeout_s: float, args: t
     Under torchrun/Slurm (external_rendezvous()), runs fn in this process as one rank; there
     world_size must equal the job's size or be None/-1 ("whatever the job has").
     """
-    if timeout_s is None or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    _check_timeout(timeout_s)
     kwargs = dict(kwargs or {})
     if external_rendezvous():
         return _run_external(fn, world_size, timeout_s, tuple(args), kwargs, accelerator)
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(
-            f"world_size must be an int >= 1 outside torchrun/Slurm, got {world_size!r}")
+    _check_world_size(world_size)
     return _run_spawned(fn, world_size, float(timeout_s), tuple(args), kwargs,
                         _check_accelerator(accelerator), reuse)

@@ -2,32 +2,42 @@
 
 A correctness cell (ZeRO against DDP, a checkpoint round trip, a loss-scaling run) spends most of
 its second on Python, kernel launches and engine set-up, not on the GPUs. A test function marked
-``@batched(plan)`` hands its rank call to the run's cell batch: when the first such test of the
-run is reached, every selected, runnable cell of every batched test function still to come is
-planned (``plan(params, workdir, run) -> RankCall``) and run through
+``@batched(plan)`` hands its rank call to the run's cell batch: once collection ends, every
+selected, runnable cell of every batched test function is planned (``plan(params, workdir,
+run) -> RankCall``) and their calls start in a background thread through
 ``dsconform.dist.run_concurrently`` (several rank pools per world size; one-rank cells on every
-GPU in turn). Each test then takes its own outcome with ``cell_results(request)`` and checks it
-exactly as it would have checked a run_ranks call: the same results, the same RankError,
-RankTimeout or skip, raised in that test, and the same tolerance and known-issue handling.
+GPU in turn). Each test then takes its own outcome with ``cell_results(request)``, waiting for
+it if need be, and checks it exactly as it would have checked a run_ranks call: the same
+results, the same RankError, RankTimeout or skip, raised in that test, and the same tolerance
+and known-issue handling.
 
 What it changes:
-* The time: the first batched test of the run carries the batch's wall time (``--durations``
-  and junit show it there); the summary prints the batch (cells, lanes, seconds).
-* Nothing runs at the same time as a measuring test: the batch starts and ends inside one test.
+* The order (``phases``): the tests that neither are batched nor measure run first, while the
+  batch runs; then the batched tests, whose outcomes are ready or nearly; then the tests that
+  measure (the ``metrics`` fixture), each of which waits for the whole batch to end
+  (``wait_for_batch``), so nothing of the batch shares the node with a measurement. The
+  profile's promise tests still come first (the plugin).
+* The time: a test that waited for the batch shows it in its duration, and in junit.xml as
+  ``dsconform_batch_wait_seconds``; each batched cell's own call seconds are in
+  ``dsconform_batch_seconds``; the summary prints the batch (cells, lanes, seconds, waits).
 * Cells that the gate will skip, or fail as a broken promise, are left out of the batch and
   take their usual path.
 * A cell's plan gets a directory of its own under --scratch (``workdir``), removed as soon as
   its call ends, instead of the test's ``scratch`` fixture.
+* The batch's calls see the environment and sys.path of the end of collection, whatever a test
+  running meanwhile changes.
 
-Batches are off (every cell runs its call in its own test, as before) with one lane
+Batches are off (every cell runs its call in its own test, in the usual order) with one lane
 (``DSCONFORM_LANES``, "auto": only on cuda machines with >= 16 cores), under pytest-xdist
-(another worker may own a cell) and under torchrun/Slurm.
+(another worker may own a cell) and under torchrun/Slurm. A session that ends early (-x,
+Ctrl-C) stops the batch and kills its ranks.
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,7 +50,8 @@ from dsconform import dist, gating
 from dsconform.dist import RankCall
 from dsconform.runstate import RunState, run_state
 
-__all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "enabled", "has_plan"]
+__all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "enabled", "has_plan",
+           "in_batch", "measures", "phases", "running", "start", "stop", "wait_for_batch"]
 
 #: plan(params, workdir, run) -> the cell's RankCall, or (RankCall, cleanup) where cleanup() runs
 #: once the call ended (a directory of its own on an NVMe path). params: the cell's parametrize
@@ -51,6 +62,9 @@ Plan = Callable[[dict, Path, RunState], "RankCall | tuple[RankCall, Callable[[],
 _PLAN_ATTR = "_dsconform_batch_plan"
 #: The user property (junit.xml) holding a batched cell's call seconds, its lane's wait included.
 BATCH_SECONDS = "dsconform_batch_seconds"
+#: The user property holding the seconds a test waited for the background batch (its cell, or,
+#: for a measuring test, the whole batch).
+BATCH_WAIT = "dsconform_batch_wait_seconds"
 
 
 def batched(plan: Plan, *, cost: float = 1.0) -> Callable:
@@ -81,8 +95,14 @@ def has_plan(item: pytest.Item) -> bool:
 class _State:
     outcomes: dict[str, tuple] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)  # each batched cell's call
-    seen: set[str] = field(default_factory=set)  # cells a batch already decided about
+    members: set[str] = field(default_factory=set)  # cells of the background batch
+    pending: set[str] = field(default_factory=set)  # members whose call has not ended
     batches: list[dict] = field(default_factory=list)
+    waits: list[tuple[float, str]] = field(default_factory=list)  # (seconds, test) waiting for it
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    finished: bool = False  # the batch's thread has handed over every outcome and closed lanes
 
 
 _STATE = pytest.StashKey[_State]()
@@ -95,8 +115,12 @@ def _state(config: pytest.Config) -> _State:
 
 
 def batch_stats(config: pytest.Config) -> list[dict]:
-    """Each batch run so far: cells, lanes, seconds, the test that carried it."""
-    return list(_state(config).batches)
+    """Each batch run so far: cells, lanes, seconds, the tests that waited for it."""
+    state = _state(config)
+    with state.cond:
+        return [dict(b, waited_s=round(sum(w for w, _ in state.waits), 1),
+                     longest_wait=max(state.waits, default=None))
+                for b in state.batches]
 
 
 def enabled(rs: RunState) -> bool:
@@ -105,6 +129,38 @@ def enabled(rs: RunState) -> bool:
         return False
     accel = "cuda" if rs.node.gpu_count else "cpu"
     return dist.lanes_for(accel) > 1
+
+
+def measures(item: pytest.Item) -> bool:
+    """Whether the test records values with the ``metrics`` fixture in its own process or
+    ranks (a batched cell's values come from the batch): it must have the node to itself."""
+    return "metrics" in getattr(item, "fixturenames", ()) and not has_plan(item)
+
+
+def _shares_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = getattr(info, "name2fixturedefs", {}) or {}
+    return any(getattr(d[-1], "scope", "function") in ("module", "class", "package")
+               for d in defs.values() if d)
+
+
+def phases(items: list[pytest.Item]) -> dict[int, int]:
+    """Where each item goes in a run with a background batch, by id(item): 0 the tests that
+    neither are batched nor measure (they run while the batch does), 1 batched cells (their
+    outcomes are ready, or soon), 2 measuring tests (after the batch, on a quiet node). The
+    items of a module with a module-scoped fixture (the ops suite's ds_report and op checks)
+    stay together, at the latest phase among them, so that fixture is set up once."""
+    phase = {id(it): 2 if measures(it) else 1 if has_plan(it) else 0 for it in items}
+    latest: dict[str, int] = {}
+    shared = set()
+    for it in items:
+        if _shares_module_fixture(it):
+            shared.add(str(it.fspath))
+        latest[str(it.fspath)] = max(latest.get(str(it.fspath), 0), phase[id(it)])
+    for it in items:
+        if str(it.fspath) in shared:
+            phase[id(it)] = latest[str(it.fspath)]
+    return phase
 
 
 def _will_run(item: pytest.Item, rs: RunState) -> bool:
@@ -143,21 +199,24 @@ def _params(item: pytest.Item) -> dict:
     return dict(callspec.params) if callspec is not None else {}
 
 
-def _run_batch(item: pytest.Item, rs: RunState, state: _State) -> None:
-    items = item.session.items
-    start = next((i for i, it in enumerate(items) if it is item), len(items))
-    cells = [it for it in items[start:] if _plan_of(it) is not None
-             and it.nodeid not in state.seen and _will_run(it, rs)]
-    state.seen.update(it.nodeid for it in cells)
-    state.seen.add(item.nodeid)
+def start(session: pytest.Session, rs: RunState) -> int:
+    """Plan every selected cell the gate will run and start their calls in a background thread
+    (the plugin calls this once collection ends, with batches enabled); returns how many cells
+    it started. The other tests run meanwhile: each batched test waits for its own cell
+    (cell_results), each measuring test for the whole batch (wait_for_batch)."""
+    state = _state(session.config)
+    if state.thread is not None:
+        return 0
+    cells = [it for it in session.items if _plan_of(it) is not None and _will_run(it, rs)]
     if len(cells) < 2:
-        return
+        return 0
     # Cells that load an op still building (cold cache) last: the others run meanwhile; the
     # costliest first otherwise.
     cells.sort(key=lambda it: (_waits_for_build(it, rs), -_batched_of(it)[1]))
     calls: list[RankCall] = []
     owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]] = []
     for it in cells:
+        state.members.add(it.nodeid)
         workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=rs.scratch))
         try:
             call, cleanup = _split(_plan_of(it)(_params(it), workdir, rs))
@@ -170,6 +229,18 @@ def _run_batch(item: pytest.Item, rs: RunState, state: _State) -> None:
             continue
         calls.append(call)
         owners.append((it, workdir, cleanup))
+        state.pending.add(it.nodeid)
+    lanes = dist.lanes_for("cuda" if rs.node.gpu_count else "cpu")
+    state.thread = threading.Thread(target=_run, args=(state, calls, owners, lanes),
+                                    name="dsconform-cell-batch", daemon=True)
+    state.thread.start()
+    return len(calls)
+
+
+def _run(state: _State, calls: list[RankCall],
+         owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]], lanes: int) -> None:
+    """The batch's thread: run the calls, hand each outcome to its test as it ends."""
+    t0 = time.monotonic()
 
     def release(index: int) -> None:
         it, workdir, cleanup = owners[index]
@@ -182,42 +253,110 @@ def _run_batch(item: pytest.Item, rs: RunState, state: _State) -> None:
 
     def done(index: int, outcome: tuple, seconds: float) -> None:
         nodeid = owners[index][0].nodeid
-        state.outcomes[nodeid] = outcome
-        state.seconds[nodeid] = seconds
-        release(index)
+        try:
+            release(index)
+        except Exception as exc:  # noqa: BLE001 - a cleanup that fails is the cell's failure
+            if outcome[0] == "ok":
+                outcome = ("raise", exc)
+        with state.cond:
+            state.outcomes[nodeid] = outcome
+            state.seconds[nodeid] = seconds
+            state.pending.discard(nodeid)
+            state.cond.notify_all()
 
-    lanes = dist.lanes_for("cuda" if rs.node.gpu_count else "cpu")
-    t0 = time.monotonic()
     try:
-        dist.run_concurrently(calls, lanes=lanes, on_done=done)
+        dist.run_concurrently(calls, lanes=lanes, on_done=done, cancel=state.cancel)
+    except BaseException as exc:  # noqa: BLE001 - the harness failed: each waiting cell says so
+        with state.cond:
+            for it, _, _ in owners:
+                if it.nodeid in state.pending:
+                    state.outcomes[it.nodeid] = ("raise", RuntimeError(
+                        f"the cell batch stopped before this cell's call ended: {exc!r}"))
     finally:
         for index in range(len(owners)):
-            release(index)
-    tests = sorted({it.originalname for it, _, _ in owners})
-    took = sorted(((state.seconds.get(it.nodeid, 0.0), it.nodeid) for it, _, _ in owners),
-                  reverse=True)
-    state.batches.append({"cells": len(calls), "lanes": lanes,
-                          "seconds": round(time.monotonic() - t0, 1),
-                          "carried_by": item.nodeid, "tests": tests,
-                          "longest": [(round(sec, 1), nodeid) for sec, nodeid in took[:5]],
-                          "cell_seconds": round(sum(sec for sec, _ in took), 1)})
+            try:
+                release(index)
+            except Exception:  # noqa: BLE001 - the session goes on; the directory stays
+                pass
+        dist.close_lanes()
+        took = sorted(((state.seconds.get(it.nodeid, 0.0), it.nodeid) for it, _, _ in owners),
+                      reverse=True)
+        with state.cond:
+            state.batches.append({
+                "cells": len(calls), "lanes": lanes, "seconds": round(time.monotonic() - t0, 1),
+                "tests": sorted({it.originalname for it, _, _ in owners}),
+                "longest": [(round(sec, 1), nodeid) for sec, nodeid in took[:5]],
+                "cell_seconds": round(sum(sec for sec, _ in took), 1),
+                "stopped": state.cancel.is_set()})
+            state.pending.clear()  # a stopped batch: the cells left run in their own tests
+            state.finished = True
+            state.cond.notify_all()
+
+
+def in_batch(item: pytest.Item) -> bool:
+    """Whether the item's cell is (or was) in this run's background batch."""
+    return item.nodeid in _state(item.config).members
+
+
+def running(config: pytest.Config) -> bool:
+    """Whether the background batch is still running."""
+    state = _state(config)
+    return state.thread is not None and not state.finished
+
+
+def _wait(item: pytest.Item, ready: Callable[[_State], bool]) -> float:
+    state = _state(item.config)
+    t0 = time.monotonic()
+    with state.cond:
+        while not ready(state):
+            state.cond.wait(0.5)  # a timeout, so Ctrl-C reaches the main thread
+        waited = time.monotonic() - t0
+        if waited >= 0.05:
+            state.waits.append((round(waited, 1), item.nodeid))
+    if waited >= 0.05:
+        item.user_properties.append((BATCH_WAIT, round(waited, 2)))
+    return waited
+
+
+def wait_for_batch(item: pytest.Item) -> float:
+    """Wait until the background batch has ended (a measuring test: nothing else may run on
+    the node while it measures); returns the seconds waited, also in junit.xml as
+    dsconform_batch_wait_seconds."""
+    state = _state(item.config)
+    if state.thread is None:
+        return 0.0
+    return _wait(item, lambda s: s.finished)
+
+
+def stop(config: pytest.Config) -> None:
+    """Stop a batch still running (the session ends early: -x, Ctrl-C): its lanes' ranks are
+    killed."""
+    state = config.stash.get(_STATE, None)
+    if state is None or state.thread is None:
+        return
+    state.cancel.set()
+    state.thread.join(30)
 
 
 def cell_results(request: pytest.FixtureRequest, workdir: Path | str | None = None) -> Any:
     """This cell's per-rank results (what run_ranks returns), from the run's cell batch; raises
-    what its call raised. Not batched (batches off, or the only cell): the call runs here, with
-    workdir (the test's ``scratch``) as its directory."""
+    what its call raised. Waits for the call if the batch has not reached its end yet. Not
+    batched (batches off, or the only cell): the call runs here, with workdir (the test's
+    ``scratch``) as its directory."""
     item = request.node
     plan = _plan_of(item)
     if plan is None:
         raise TypeError(f"{item.name}: cell_results() needs the test decorated with @batched(plan)")
     rs = run_state(item.config)
     state = _state(item.config)
-    if item.nodeid not in state.seen and enabled(rs):
-        _run_batch(item, rs, state)
-    outcome = state.outcomes.pop(item.nodeid, None)
-    if item.nodeid in state.seconds:  # in junit.xml: what this cell's call took in the batch
-        item.user_properties.append((BATCH_SECONDS, round(state.seconds.pop(item.nodeid), 2)))
+    nodeid = item.nodeid
+    if nodeid in state.members:
+        _wait(item, lambda s: nodeid in s.outcomes or nodeid not in s.pending)
+    with state.cond:
+        outcome = state.outcomes.pop(nodeid, None)
+        seconds = state.seconds.get(nodeid)
+    if seconds is not None:  # in junit.xml: what this cell's call took in the batch
+        item.user_properties.append((BATCH_SECONDS, round(seconds, 2)))
     if outcome is None:
         call, cleanup = _split(plan(_params(item),
                                     Path(workdir if workdir is not None else rs.scratch), rs))

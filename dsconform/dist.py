@@ -77,7 +77,7 @@ from dsconform.dist_xdist import (
 
 __all__ = [
     "InsufficientGPUs", "RankCall", "RankError", "RankTimeout", "WorldSizeMismatch",
-    "all_agree", "device", "external_rendezvous", "free_port", "gather", "gpu_slice",
+    "all_agree", "close_lanes", "device", "external_rendezvous", "free_port", "gather", "gpu_slice",
     "gpus_per_worker", "hold_spares", "lanes_for", "port_range", "rank", "run_concurrently",
     "run_ranks", "seed_everything", "start_lanes",
     "settle_spares", "shutdown_pools", "spares_enabled", "start_spares", "startup_stats",
@@ -288,10 +288,11 @@ class _Pool:
             self.kill()
             raise
 
-    def env_delta(self) -> tuple[dict, list]:
+    def env_delta(self, now: dict | None = None) -> tuple[dict, list]:
         """Variables the parent set or removed since the ranks started (a test's monkeypatch),
-        so a pooled rank sees the same environment a fresh one would."""
-        now = os.environ
+        so a pooled rank sees the same environment a fresh one would. now: the environment to
+        send (a background batch's snapshot), else the parent's current one."""
+        now = os.environ if now is None else now
         changed = {k: v for k, v in now.items()
                    if self.spawn_env.get(k) != v and k not in RANK_OWNED_ENV}
         removed = [k for k in self.spawn_env if k not in now and k not in RANK_OWNED_ENV]
@@ -492,7 +493,16 @@ class _Pool:
 
 
 _POOLS: OrderedDict[tuple, _Pool] = OrderedDict()
-_LOCK = threading.RLock()
+_LOCK = threading.RLock()  # the pool tables (_POOLS, _SPARES, _LANES, _HOLD)
+_CALLS = threading.RLock()  # one run_ranks call at a time in this process
+
+
+def _close_idle(pools: list[_Pool]) -> None:
+    for pool in pools:
+        if pool.ready:
+            pool.close()
+        else:
+            pool.kill()  # still starting: nothing of it to flush
 
 
 def shutdown_pools() -> None:
@@ -504,11 +514,16 @@ def shutdown_pools() -> None:
         idle = list(_SPARES.values()) + [p for pools in _LANES.values() for p in pools]
         _SPARES.clear()
         _LANES.clear()
-        for pool in idle:
-            if pool.ready:
-                pool.close()
-            else:
-                pool.kill()  # still starting: nothing of it to flush
+        _close_idle(idle)
+
+
+def close_lanes() -> None:
+    """Stop the idle lane pools (a cell batch that ended: its lanes' CUDA contexts and memory
+    must not stay on the GPUs through the measurements that follow)."""
+    with _LOCK:
+        idle = [p for pools in _LANES.values() for p in pools]
+        _LANES.clear()
+    _close_idle(idle)
 
 
 atexit.register(shutdown_pools)
@@ -630,14 +645,23 @@ def _start_spare(world_size: int, accelerator: str, gpus: tuple[str, ...], *,
         print(f"dsconform.dist: standby ranks not started ({exc})", file=sys.stderr)
 
 
-def _take_spare(key: tuple, pg_timeout_s: float) -> _Pool | None:
-    """The standby pool for key, started up, or None (none kept, or it failed to start: the
-    caller then starts ranks the usual way, which reports a real start-up failure)."""
+def _pop_spare(key: tuple, pg_timeout_s: float) -> _Pool | None:
+    """Take the standby pool for key out of the table (call with _LOCK held), or None (none
+    kept, or one that cannot serve this call)."""
     pool = _SPARES.pop(key, None)
     if pool is None:
         return None
     if pool.pg_timeout_s < pg_timeout_s or pool.closed:
         pool.kill()
+        return None
+    return pool
+
+
+def _started_spare(pool: _Pool | None) -> _Pool | None:
+    """A taken standby pool once started up, or None (none, or it failed to start: the caller
+    then starts ranks the usual way, which reports a real start-up failure). Waits without
+    _LOCK held."""
+    if pool is None:
         return None
     try:
         return _await_start(pool)
@@ -771,10 +795,13 @@ def _pickle_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
         ) from exc
 
 
-def _send_and_collect(pool: _Pool, fn: Callable, call: bytes, timeout_s: float) -> list[tuple]:
+def _send_and_collect(pool: _Pool, fn: Callable, call: bytes, timeout_s: float,
+                      context: tuple[list, dict] | None = None) -> list[tuple]:
     """Run one pickled call on a started pool; every rank's reply (collect kills the pool and
-    raises when a rank fails, dies or runs past timeout_s)."""
-    payload = pickle.dumps((list(sys.path), pool.env_delta(), call))
+    raises when a rank fails, dies or runs past timeout_s). context: (sys.path, environment)
+    to send, as the caller saw them when its batch started; else the parent's current ones."""
+    path, environ = context if context is not None else (list(sys.path), None)
+    payload = pickle.dumps((list(path), pool.env_delta(environ), call))
     for conn in pool.conns:
         conn.send_bytes(payload)
     return pool.collect(time.monotonic() + timeout_s, f"in {_fn_name(fn)}",
@@ -793,17 +820,23 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
     call = _pickle_call(fn, args, kwargs)
     gpus = _gpus_for(world_size, accelerator)
     key = (world_size, accelerator, gpus)
-    with _LOCK:
-        pool = _POOLS.pop(key, None) if reuse else None
-        if pool is not None and (not pool.alive() or pool.pg_timeout_s < timeout_s + 60):
-            pool.close()
-            pool = None
-        started = pool is None
-        if pool is None:
+    # _CALLS serialises run_ranks calls; _LOCK only guards the pool tables, so a background
+    # cell batch (dsconform.batch) can take and start its lanes while a call runs here.
+    with _CALLS:
+        with _LOCK:
+            pool = _POOLS.pop(key, None) if reuse else None
+            spare = None
+            if pool is not None and (not pool.alive() or pool.pg_timeout_s < timeout_s + 60):
+                pool.close()
+                pool = None
+            started = pool is None
             pg_timeout_s = max(POOL_PG_TIMEOUT_S, timeout_s + 60) if reuse else timeout_s + 60
+            if pool is None:
+                spare = _pop_spare(_spare_key(world_size, accelerator, gpus, not reuse),
+                                   pg_timeout_s)
+        if pool is None:
             t0 = time.monotonic()
-            pool = _take_spare(_spare_key(world_size, accelerator, gpus, not reuse),
-                               pg_timeout_s)
+            pool = _started_spare(spare)
             _STATS["from_standby"] += pool is not None
             pool = pool or _start_pool(world_size, accelerator, gpus, pg_timeout_s)
             _STATS["pools"] += 1
@@ -811,7 +844,8 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
             if not reuse:
                 # A fresh-process call is often followed by another (save, then load in new
                 # processes): its replacement starts now. Held off during measurements.
-                _start_spare(world_size, accelerator, gpus, fresh=True)
+                with _LOCK:
+                    _start_spare(world_size, accelerator, gpus, fresh=True)
         healthy = False
         try:
             replies = _send_and_collect(pool, fn, call, timeout_s)
@@ -821,16 +855,17 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
             # Anything else (an exception, a timeout, Ctrl-C) leaves ranks mid-call: never reuse.
             if not healthy:
                 pool.kill()
-            elif reuse:
-                _POOLS[key] = pool
-                while len(_POOLS) > MAX_POOLS:
-                    _POOLS.popitem(last=False)[1].close()
-            else:
+            elif not reuse:
                 pool.close()
-            if reuse and (started or not healthy):
-                # After the call, not during it: the replacement must not share the node with
-                # what the call measured. (A fresh-process call started its own before.)
-                _start_spare(world_size, accelerator, gpus)
+            with _LOCK:
+                if healthy and reuse:
+                    _POOLS[key] = pool
+                    while len(_POOLS) > MAX_POOLS:
+                        _POOLS.popitem(last=False)[1].close()
+                if reuse and (started or not healthy):
+                    # After the call, not during it: the replacement must not share the node
+                    # with what the call measured. (A fresh-process call started its own before.)
+                    _start_spare(world_size, accelerator, gpus)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -995,7 +1030,8 @@ def _lane_pool(key: tuple, pg_timeout_s: float, spawner: _Spawner,
 
 def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
           qlock: threading.Lock, active: set, cancel: threading.Event, spawner: _Spawner,
-          on_done: Callable[[int, tuple, float], None] | None) -> None:
+          on_done: Callable[[int, tuple, float], None] | None,
+          context: tuple[list, dict]) -> None:
     """One lane: take calls of its world size off the shared queue until none is left."""
     pool: _Pool | None = None
     try:
@@ -1015,7 +1051,7 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                 if pool is None:
                     pool = _lane_pool(key, need, spawner, cancel)
                     active.add(pool)
-                replies = _send_and_collect(pool, call.fn, pickled[i], call.timeout_s)
+                replies = _send_and_collect(pool, call.fn, pickled[i], call.timeout_s, context)
                 healthy = _healthy(replies)
                 outcome: tuple = ("ok", _resolve(replies))
             except BaseException as exc:  # noqa: BLE001 - the call's own outcome, raised in its test
@@ -1027,6 +1063,8 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                     pool.kill()
                     active.discard(pool)
                     pool = None
+            if cancel.is_set():  # stopped from outside: what the kill did is no outcome
+                return
             outcomes[i] = outcome
             if on_done is not None:
                 on_done(i, outcome, time.monotonic() - t0)
@@ -1041,13 +1079,19 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
 
 
 def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
-                     on_done: Callable[[int, tuple, float], None] | None = None) -> list[tuple]:
+                     on_done: Callable[[int, tuple, float], None] | None = None,
+                     cancel: threading.Event | None = None) -> list[tuple]:
     """Run independent calls at once, spread over `lanes` pools per world size (one-rank pools
     on every GPU in turn). Each outcome is ("ok", the per-rank results) or ("raise", the
     exception run_ranks would have raised for that call alone: RankError, RankTimeout, a
     unanimous skip, InsufficientGPUs...). A failing call kills only its own lane's ranks; that
     lane starts new ones for its next call. on_done(index, outcome, seconds) runs as each call
     ends (seconds: from taking the call, its lane's start-up included).
+
+    The calls see sys.path and the environment as they were when run_concurrently was called,
+    whatever the calling process changes meanwhile (it may run other tests: a background batch).
+    cancel: setting it stops the batch from another thread: every lane's ranks are killed, the
+    calls not finished get no outcome (None) and no on_done.
 
     With one lane, under torchrun/Slurm, or for a single call, the calls run one after another
     through run_ranks. Ctrl-C kills every lane and re-raises."""
@@ -1061,6 +1105,8 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
 
     if lanes <= 1 or len(calls) < 2 or external_rendezvous():
         for i, c in enumerate(calls):
+            if cancel is not None and cancel.is_set():
+                break
             t0 = time.monotonic()
             try:
                 outcome: tuple = ("ok", run_ranks(c.fn, c.world_size, timeout_s=c.timeout_s,
@@ -1084,7 +1130,9 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
             finish(i, ("raise", exc))
             continue
         groups.setdefault((c.world_size, accel), deque()).append(i)
-    qlock, cancel, active, spawner = threading.Lock(), threading.Event(), set(), _Spawner()
+    cancel = threading.Event() if cancel is None else cancel
+    qlock, active, spawner = threading.Lock(), set(), _Spawner()
+    context = (list(sys.path), dict(os.environ))
     threads = []
     for (ws, accel), queue in groups.items():
         try:
@@ -1097,21 +1145,27 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
             threads.append(threading.Thread(
                 target=_lane, name=f"dsconform-lane-ws{ws}",
                 args=(key, queue, calls, pickled, outcomes, qlock, active, cancel, spawner,
-                      on_done),
+                      on_done, context),
                 daemon=True))
     for t in threads:
         t.start()
-    try:
-        for t in threads:
-            while t.is_alive():
-                spawner.serve()
-                t.join(0.05)
-    except BaseException:
+    def stop() -> None:
         cancel.set()
         for pool in list(active):
             pool.kill()
         for t in threads:
             t.join(15)
+
+    try:
+        for t in threads:
+            while t.is_alive():
+                if cancel.is_set():
+                    stop()
+                    return outcomes
+                spawner.serve()
+                t.join(0.05)
+    except BaseException:
+        stop()
         raise
     return outcomes
 

@@ -17,6 +17,7 @@ from tests import rank_fns  # noqa: F401 - imported once, before pytester snapsh
 
 SUITE = '''
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,16 @@ CALLS = {"ok": (rank_fns.rank_and_sum, ()), "raise": (rank_fns.raise_on, (1,)),
          "skip": (rank_fns.skip_all, ("not on this node",)),
          "sleep1": (rank_fns.sleep_window, (5.0,)), "sleep2": (rank_fns.sleep_window, (5.0,)),
          "gated": (rank_fns.noop, ())}
+
+
+def _stamp(what):
+    with open(os.environ["DEMO_PLANNED"] + ".order", "a") as log:
+        log.write("%s %f\\n" % (what, time.time()))
+
+
+def test_measures(metrics):
+    _stamp("measures")
+    metrics.record("demo.value", 1.0, unit="x", better="higher")
 
 
 def plan(params, workdir, run):
@@ -45,6 +56,7 @@ def plan(params, workdir, run):
 @pytest.mark.parametrize("kind", ["sleep1", "sleep2", "ok", "raise", "skip", "refused",
                                   pytest.param("gated", marks=requires(min_gpus=64))])
 def test_cell(kind, request, scratch):
+    _stamp("cell")
     results = cell_results(request, scratch)
     if kind == "ok":
         assert [r["sum"] for r in results] == [3.0, 3.0]
@@ -54,13 +66,48 @@ def test_cell(kind, request, scratch):
 
 
 def test_not_batched():
-    pass
+    _stamp("not_batched")
+'''
+
+#: A module whose tests share a module-scoped fixture: they stay together, in the latest phase
+#: among them (measuring), so its measuring test comes before its batched cell and must wait for
+#: the batch to end, that cell's 12 s included (one rank: it runs beside the two-rank cells and
+#: ends last).
+SHARED = '''
+import os
+import time
+
+import pytest
+from dsconform.suite import RankCall, batched, cell_results
+from tests import rank_fns
+
+
+@pytest.fixture(scope="module")
+def shared():
+    return 1
+
+
+def test_shared_measures(shared, metrics):
+    with open(os.environ["DEMO_PLANNED"] + ".order", "a") as log:
+        log.write("shared_measures %f\\n" % time.time())
+
+
+def plan(params, workdir, run):
+    return RankCall(rank_fns.sleep_window, 1, 60, args=(12.0,), accelerator="cpu")
+
+
+@batched(plan)
+@pytest.mark.parametrize("n", [1])
+def test_shared_cell(n, shared, request):
+    window = cell_results(request)[0]
+    with open(os.environ["DEMO_PLANNED"] + ".order", "a") as log:
+        log.write("shared_cell %f\\n" % window[1])
 '''
 
 
 @pytest.fixture
 def run_demo(pytester, tmp_path, monkeypatch):
-    pytester.makepyfile(test_demo=SUITE)
+    pytester.makepyfile(test_demo=SUITE, test_demo_shared=SHARED)
     log = tmp_path / "planned.txt"
     monkeypatch.setenv("DEMO_PLANNED", str(log))
 
@@ -69,6 +116,8 @@ def run_demo(pytester, tmp_path, monkeypatch):
         log.write_text("")
         windows = Path(str(log) + ".windows")
         windows.write_text("")
+        order = Path(str(log) + ".order")
+        order.write_text("")
         monkeypatch.setattr(dist, "LANES", lanes)
         results = pytester.path / f"results-{lanes}"
         result = pytester.runpytest("-p", "fixtures.plugin", "--results", str(results),
@@ -76,7 +125,9 @@ def run_demo(pytester, tmp_path, monkeypatch):
         dist.shutdown_pools()
         junit = (results / "junit.xml").read_text()
         sleeps = [tuple(map(float, line.split())) for line in windows.read_text().splitlines()]
-        return result, log.read_text().split(), junit, sleeps
+        stamps = [(w, float(t)) for w, t in (line.split() for line in
+                                             order.read_text().splitlines())]
+        return result, log.read_text().split(), junit, sleeps, stamps
     return _run
 
 
@@ -102,9 +153,12 @@ def _overlap(sleeps: list) -> bool:
 
 def test_batched_cells_keep_their_own_outcomes_and_overlap(run_demo):
     """The same outcomes with and without lanes; with two lanes the two 5-s cells (the first
-    two: both lanes start with one) run at the same time, with one lane one after the other."""
-    serial, serial_planned, serial_junit, serial_sleeps = run_demo("1")
-    batched, batch_planned, batch_junit, batch_sleeps = run_demo("2")
+    two: both lanes start with one) run at the same time, with one lane one after the other.
+    With lanes the batch runs in the background: the test that is neither batched nor measuring
+    runs first, before the batch's cells have ended, and the measuring test runs last, after
+    every cell has ended; without lanes the file's order stands."""
+    serial, serial_planned, serial_junit, serial_sleeps, serial_order = run_demo("1")
+    batched, batch_planned, batch_junit, batch_sleeps, batch_order = run_demo("2")
     expected = {"ok": "PASSED", "raise": "FAILED", "skip": "SKIPPED", "refused": "FAILED",
                 "sleep1": "PASSED", "sleep2": "PASSED", "gated": "SKIPPED"}
     assert _outcomes(serial_junit) == expected, serial.outlines
@@ -115,7 +169,21 @@ def test_batched_cells_keep_their_own_outcomes_and_overlap(run_demo):
     # The gate's skip is decided before planning: the gated cell never reaches the batch.
     assert "gated" not in batch_planned and "gated" not in serial_planned
     assert sorted(batch_planned) == sorted(serial_planned)
-    assert "cell batch: 5 cells of test_cell at once (2 lanes per world size)" in text
+    assert "cell batch: 6 cells started in the background (2 lanes per world size)" in text
+    assert "cell batch: 6 cells of test_cell, test_shared_cell at once (2 lanes per world " \
+        "size)" in text
     assert "cell batch" not in "\n".join(serial.outlines)
     assert _overlap(batch_sleeps), batch_sleeps
     assert not _overlap(serial_sleeps), serial_sleeps
+    # The order the tests ran in: the file's without lanes; the batch's phases with.
+    assert [w for w, _ in serial_order] == (["measures"] + ["cell"] * 6 + ["not_batched"]
+                                            + ["shared_measures", "shared_cell"])
+    assert [w for w, _ in batch_order] == (["not_batched"] + ["cell"] * 6 + ["measures"]
+                                           + ["shared_measures", "shared_cell"])
+    stamp = dict(batch_order)
+    last_sleep_end = max(end for _, end in batch_sleeps)
+    assert stamp["not_batched"] < last_sleep_end, "the unbatched test waited for the batch"
+    # shared_cell's stamp is the end of its call's sleep, the batch's last call.
+    assert stamp["shared_measures"] >= stamp["shared_cell"], \
+        "a measuring test ran beside the batch"
+    assert "dsconform_batch_wait_seconds" in batch_junit

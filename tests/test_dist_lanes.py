@@ -131,3 +131,58 @@ def test_idle_lane_ranks_outlive_the_batch_thread(clean):
     idle = [p for pools in dist._LANES.values() for p in pools]
     assert len(idle) == 2 and all(p.alive() for p in idle), [
         [pr.exitcode for pr in p.procs] for p in idle]
+
+
+def test_a_batch_stopped_from_another_thread_kills_its_lanes(clean):
+    """cancel (a session that ends early) kills the lanes mid-call: the batch returns at once,
+    the calls it stopped have no outcome and no on_done."""
+    import threading
+
+    cancel = threading.Event()
+    done = []
+    calls = [_call(rank_fns.hang_forever_in_sleep, 1), _call(rank_fns.hang_forever_in_sleep, 1)]
+    threading.Timer(8.0, cancel.set).start()
+    t0 = time.monotonic()
+    out = dist.run_concurrently(calls, lanes=2, on_done=lambda i, o, s: done.append(i),
+                                cancel=cancel)
+    assert time.monotonic() - t0 < 30.0
+    assert out == [None, None] and done == []
+
+
+def test_a_batch_sees_the_environment_it_started_with(clean, monkeypatch):
+    """A background batch's calls must not pick up what a test running meanwhile sets: the
+    variable changes while the lanes' ranks are still starting."""
+    import threading
+
+    monkeypatch.setenv("DSCONFORM_DEMO_VAR", "at-start")
+    calls = [_call(rank_fns.noop, 1),
+             RankCall(rank_fns.read_env_var, 1, TIMEOUT_S, args=("DSCONFORM_DEMO_VAR",),
+                      accelerator="cpu")]
+    out: list = []
+    worker = threading.Thread(target=lambda: out.extend(dist.run_concurrently(calls, lanes=2)))
+    worker.start()
+    time.sleep(0.5)
+    monkeypatch.setenv("DSCONFORM_DEMO_VAR", "changed-meanwhile")
+    worker.join(120)
+    assert out[1] == ("ok", ["at-start"]), out
+
+
+def test_run_ranks_runs_while_a_batch_does(clean):
+    """A background batch starts while a test in the main thread is inside run_ranks: the
+    batch takes its lanes and runs at once (run_ranks's call lock is not the pool tables'
+    lock), so the calls overlap."""
+    import threading
+
+    dist.start_lanes([1], "cpu", lanes=2)
+    dist.settle_spares()
+    dist.run_ranks(rank_fns.noop, 1, timeout_s=TIMEOUT_S, accelerator="cpu")  # pooled now
+    calls = [_call(rank_fns.sleep_window, 1, 2.0), _call(rank_fns.sleep_window, 1, 2.0)]
+    out: list = []
+    worker = threading.Timer(1.0, lambda: out.extend(dist.run_concurrently(calls, lanes=2)))
+    worker.start()
+    mine = dist.run_ranks(rank_fns.sleep_window, 1, timeout_s=TIMEOUT_S, args=(5.0,),
+                          accelerator="cpu")[0]
+    worker.join(120)
+    assert [o[0] for o in out] == ["ok", "ok"], out
+    windows = [o[1][0] for o in out]
+    assert all(max(a, mine[0]) < min(b, mine[1]) for a, b in windows), (mine, windows)

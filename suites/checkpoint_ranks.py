@@ -230,7 +230,8 @@ def snapshot(engine: Any, *, layout: bool = True) -> dict[str, Any]:
         if master is not None:
             snap[f"fp32/{n}"] = _cpu(master)
     if layout:
-        snap.update(flatten_state(engine.optimizer.state_dict(), "optimizer"))
+        snap.update(_without_padding(engine.optimizer,
+                                     flatten_state(engine.optimizer.state_dict(), "optimizer")))
     if engine.lr_scheduler is not None:
         snap.update(flatten_state(engine.lr_scheduler.state_dict(), "scheduler"))
     snap["engine/global_steps"] = engine.global_steps
@@ -243,6 +244,46 @@ def snapshot(engine: Any, *, layout: bool = True) -> dict[str, Any]:
         if isinstance(value, (bool, int, float)):
             snap[f"loss_scaler/{field}"] = value
     return snap
+
+
+def _without_padding(optimizer: Any, flat: dict[str, Any]) -> dict[str, Any]:
+    """ZeRO-3's flat partitions (``fp32_flat_groups[i]`` and the moments of sub-group i) end
+    each parameter's slice with padding that is never written: on the rank whose slice runs
+    past the parameter's end it holds whatever the allocator left, NaN at times (seen once on
+    the CPU machine, the same NaN saved and loaded). The padding is no state: it is zeroed in
+    the compared copy, per DeepSpeed's own record of it (groups_padding), and every element
+    that is state is still compared. Other stages are returned as they are."""
+    paddings = getattr(optimizer, "groups_padding", None)
+    parts = getattr(optimizer, "fp16_partitioned_groups", None)
+    if paddings is None or parts is None or len(paddings) != len(parts):
+        return flat
+    masks = []
+    for group, pads in zip(parts, paddings):
+        pieces = [torch.ones(t.numel(), dtype=torch.bool) for t in group]
+        for piece, pad in zip(pieces, pads):
+            if pad:
+                piece[piece.numel() - pad:] = False
+        masks.append(torch.cat(pieces) if pieces else torch.ones(0, dtype=torch.bool))
+    out = dict(flat)
+    for name, value in flat.items():
+        index = _sub_group_of(name)
+        if (index is None or index >= len(masks) or not isinstance(value, torch.Tensor)
+                or value.dim() != 1 or value.numel() != masks[index].numel()
+                or bool(masks[index].all())):
+            continue
+        out[name] = value.masked_fill(~masks[index], 0)
+    return out
+
+
+def _sub_group_of(name: str) -> int | None:
+    """The ZeRO-3 sub-group a flat optimizer leaf belongs to: ``optimizer/fp32_flat_groups[i]``
+    or ``optimizer/.../state/i/<moment>`` (the inner optimizer numbers its fp32 flats in
+    sub-group order)."""
+    import re
+
+    found = (re.fullmatch(r"optimizer/fp32_flat_groups\[(\d+)\]", name)
+             or re.fullmatch(r"optimizer/.*/state/(\d+)/[^/]+", name))
+    return int(found.group(1)) if found else None
 
 
 def full_state(engine: Any) -> dict[str, Any]:

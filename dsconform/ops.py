@@ -23,6 +23,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -790,8 +791,27 @@ class OpChecks:
         self.starter = starter
         self.checks: dict[str, IsolatedOpCheck | None] = {}
         io = [op for op in ops if op in IO_OPS]
+        self.ops = list(ops)
         self.eager = [op for op in ops if op not in IO_OPS] + io[:1]
+        self.lock = threading.RLock()  # get() from a test and from start_all's thread
+        self.closed = False
         self._start_ready()
+
+    def start_all(self) -> threading.Thread:
+        """Start every check in the background, each once its build has ended, the I/O ones one
+        after another (a run with a background cell batch: the ops tests then only read the
+        results). Returns the thread doing it."""
+        def run() -> None:
+            for op in self.ops:
+                if self.closed:
+                    return
+                try:
+                    self.get(op)
+                except Exception:  # noqa: BLE001 - the op's own test calls get() and reports it
+                    pass
+        thread = threading.Thread(target=run, name="dsconform-op-checks", daemon=True)
+        thread.start()
+        return thread
 
     def _start_ready(self) -> None:
         for op in self.eager:
@@ -806,22 +826,35 @@ class OpChecks:
         scratch = self.scratch_root / op
         scratch.mkdir(parents=True, exist_ok=True)
         self.checks[op] = self.starter(op, device=self.device, scratch_dir=scratch)
+        if self.closed:
+            self.checks[op].kill()
         return self.checks[op]
 
     def get(self, op: str) -> IsolatedOpCheck | None:
-        self._start_ready()
-        if op in self.checks:
-            return self.checks[op]
-        if op in IO_OPS:
-            for other, check in self.checks.items():
-                if other in IO_OPS and check is not None:
-                    check.wait()
-        return self._start(op)  # waits for op's build
+        with self.lock:
+            self._start_ready()
+            if op in self.checks:
+                return self.checks[op]
+            if op in IO_OPS:
+                for other, check in self.checks.items():
+                    if other in IO_OPS and check is not None:
+                        check.wait()
+            return self._start(op)  # waits for op's build
 
     def close(self) -> None:
-        for check in self.checks.values():
+        self.closed = True  # start_all's thread starts nothing more; _start kills a late one
+        for check in list(self.checks.values()):
             if check is not None:
                 check.kill()
+
+
+def checks_for_run(run: Any, scratch_root: str | os.PathLike[str]) -> OpChecks:
+    """The profile's promised ops' checks for this run (run: dsconform.runstate.RunState), each
+    started as its parallel build (run.op_builds) ends, their scratch under scratch_root."""
+    builds = run.op_builds
+    return OpChecks(list(run.profile.ops), device=run.node.accelerator, scratch_root=scratch_root,
+                    build_result=(builds.wait if builds is not None else lambda op: None),
+                    build_done=(builds.finished if builds is not None else lambda op: True))
 
 
 class OpUnavailableText(RuntimeError):

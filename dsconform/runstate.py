@@ -40,6 +40,10 @@ class RunState:
     facts: list[records.Fact] = field(default_factory=list)  # `facts` fixture, for compare
     # The promised ops' builds, started in parallel after collection (dsconform.opbuild).
     op_builds: Any = None
+    # With a background cell batch: the ops suite's checks (dsconform.ops.OpChecks) and its
+    # ds_report (a concurrent.futures.Future of the text), started after collection too.
+    op_checks: Any = None
+    ds_report: Any = None
 
     @property
     def node(self) -> NodeFacts:

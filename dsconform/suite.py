@@ -58,7 +58,13 @@ from dsconform.equivalence import (
 from dsconform.gating import accel_params, requires
 from dsconform.known_issues import KNOWN_ISSUES, KnownIssue
 from dsconform.lossscale import ModelStep, ScalerModel, ScalerSettings, ScalerState, read_scaler
-from dsconform.ops import OpChecks, OpCrashed, OpUnavailableText, check_op_isolated
+from dsconform.ops import (
+    OpChecks,
+    OpCrashed,
+    OpUnavailableText,
+    check_op_isolated,
+    checks_for_run,
+)
 from dsconform.profile import NcclFloor, NvmePath, Profile
 from dsconform.records import FactsRecorder, MetricsRecorder
 from dsconform.removed import ONEBIT_OPTIMIZERS
@@ -73,7 +79,7 @@ __all__ = [
     "ASSUMED_DEFAULTS", "GB", "GIB", "KNOWN_ISSUES", "OPTIMIZER_OPS", "Comparison",
     "FactsRecorder", "Rendezvous", "rendezvous_info",
     "InsufficientGPUs", "KnownIssue", "MetricsRecorder", "NcclFloor", "NodeFacts", "NvmePath",
-    "OpChecks", "OpCrashed", "RankCall", "batched", "cell_results",
+    "OpChecks", "OpCrashed", "RankCall", "batched", "cell_results", "checks_for_run",
     "OpUnavailableText", "Profile", "check_op_isolated", "parse_ds_report",
     "run_ds_report", "RankError", "RankTimeout", "RunState", "Tol", "accel_params", "all_agree",
     "compare_rank_results", "compare_traces", "defaults_mismatches", "device", "ds_config",

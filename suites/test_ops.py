@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from dsconform.suite import (
-    OpChecks,
     OpCrashed,
     OpUnavailableText,
+    checks_for_run,
     parse_ds_report,
     run_ds_report,
     run_state,
@@ -44,15 +44,16 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="module")
-def op_checks(run, node, profile):
+def op_checks(run):
     """Every promised op's check, each in its own child process, started together as their
     parallel builds (dsconform.opbuild) end: compute ops at once, I/O ops one at a time
-    (dsconform.ops.OpChecks). Their scratch is under --scratch."""
+    (dsconform.ops.OpChecks). Their scratch is under --scratch. In a run with a background
+    cell batch the plugin started them after collection (run.op_checks)."""
+    if run.op_checks is not None:
+        yield run.op_checks
+        return
     root = Path(tempfile.mkdtemp(prefix="ops-", dir=run.scratch))
-    builds = run.op_builds
-    checks = OpChecks(list(profile.ops), device=node.accelerator, scratch_root=root,
-                      build_result=(builds.wait if builds is not None else lambda op: None),
-                      build_done=(builds.finished if builds is not None else lambda op: True))
+    checks = checks_for_run(run, root)
     yield checks
     checks.close()
     shutil.rmtree(root, ignore_errors=True)
@@ -61,8 +62,10 @@ def op_checks(run, node, profile):
 @pytest.fixture(scope="module")
 def report(run, op_checks) -> dict:
     """ds_report, run once and parsed; also written to --results/ds_report.json. (The op checks
-    whose builds have ended start first, so they run while ds_report does.)"""
-    parsed = parse_ds_report(run_ds_report())
+    whose builds have ended start first, so they run while ds_report does; in a run with a
+    background cell batch, both started after collection.)"""
+    text = run.ds_report.result() if run.ds_report is not None else run_ds_report()
+    parsed = parse_ds_report(text)
     results = run.results
     if results is not None:
         (results / "ds_report.json").write_text(json.dumps(parsed, indent=2, sort_keys=True))
@@ -125,8 +128,7 @@ def test_promised_op(promised_op, report, op_checks, node, metrics, profile, run
         metrics.record(f"{promised_op}.max_abs_diff", result["max_abs_diff"], unit="abs",
                        better="lower", steps=result["steps"], rtol=result["rtol"],
                        atol=result["atol"])
-    for key in ("write_gbps", "read_gbps"):
-        if key in result:
-            metrics.record(f"{promised_op}.{key}", result[key], unit="GB/s", better="higher",
-                           bytes=result["bytes"])
+    # The I/O ops' check moves one buffer once: its GB/s is one round, below what a performance
+    # value needs (3), and in a run with a background batch it is taken beside the batch. The
+    # DeepNVMe suite measures throughput (3 rounds, floors); only the bytes are checked here.
     assert not problems, "\n".join(problems)

@@ -55,12 +55,14 @@ if [ "$part" = coldwarm ]; then
     rm -rf "$DSCONFORM_CACHE"
     setup 0.19.8
     nvidia-smi > "$res/nvidia-smi.txt" 2>&1
-    for pass in cold warm; do
+    # ALT_LANES=N: a third pass, warm, with DSCONFORM_LANES=N (lane count compared on one machine)
+    for pass in cold warm ${ALT_LANES:+warm-lanes$ALT_LANES}; do
         echo "== acceptance tier, $pass op cache"
         t=$(date +%s)
         [ "$pass" = cold ] && b=${COLD_BUDGET:-300} || b=${WARM_BUDGET:-200}
-        budget "$b" "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/$pass" \
-            --durations=40
+        lanes=auto; [ "${pass#warm-lanes}" != "$pass" ] && lanes=${pass#warm-lanes}
+        DSCONFORM_LANES=$lanes budget "$b" "${pytest[@]}" suites -m gpu --profile h200-x2 \
+            --results "$res/$pass" --durations=40
         echo "exit status $?"; stamp "acceptance, $pass" "$t"
     done
     tar -C /tmp/dsconform-results -czf "$out/$part.tgz" "$part"

@@ -878,7 +878,10 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
 #: Correctness cells are latency-bound (Python, kernel launches, engine set-up): a 2xH200 node
 #: runs several at once in about the time of one.
 LANES = os.environ.get("DSCONFORM_LANES", "auto").strip().lower()
-LANES_AUTO = 4
+#: 3, not 4: on 2xH200 the batch took as long with 3 lanes per world size as with 4 (42.5 s
+#: and 43.7 s, one machine, warm), and fewer ranks starting at once left the other tests less
+#: to wait for (15 s against 21 s of rank start-up waited; the tier 77 s against 83 s).
+LANES_AUTO = 3
 LANES_MIN_CORES = 16
 
 
@@ -925,7 +928,7 @@ def _lane_keys(world_size: int, accelerator: str, count: int) -> list[tuple]:
 
 def _lane_threads() -> int:
     """CPU threads per lane rank: the cores shared by every lane of one- and two-rank calls
-    (12 ranks with 4 lanes), so CPU Adam in several lanes at once does not oversubscribe them."""
+    (9 ranks with 3 lanes), so CPU Adam in several lanes at once does not oversubscribe them."""
     return max(1, (os.cpu_count() or 1) // (3 * lanes_for()))
 
 

@@ -13,7 +13,10 @@
 #                                                 # xdist with one GPU per worker
 #   bash results/reference/run-h200-x2.sh nightly # the nightly tier's ZeRO matrix, timed
 #   bash results/reference/run-h200-x2.sh coldwarm # cold then warm in one call (a lent machine
-#                                                  # goes back 30 s after a call), no xdist
+#                                                  # goes back 30 s after a call), no xdist;
+#                                                  # ALT_LANES=N adds a warm pass with N lanes,
+#                                                  # NIGHTLY_BUDGET=S the nightly tier after
+#                                                  # (stopped by SIGINT at S s)
 # Everything lands in $OUT: a log and a tarball of the results per part.
 set -uo pipefail
 part=${1:?usage: run-h200-x2.sh ds198|ds196|pair|cold|warm|coldwarm|nightly}
@@ -65,6 +68,13 @@ if [ "$part" = coldwarm ]; then
             --results "$res/$pass" --durations=40
         echo "exit status $?"; stamp "acceptance, $pass" "$t"
     done
+    if [ -n "${NIGHTLY_BUDGET:-}" ]; then  # then the whole nightly tier, warm, within the budget
+        echo "== nightly tier (whole suite), warm op cache, budget $NIGHTLY_BUDGET s"
+        t=$(date +%s)
+        budget "$NIGHTLY_BUDGET" "${pytest[@]}" suites -m gpu --nightly --profile h200-x2 \
+            --results "$res/nightly" --durations=20
+        echo "exit status $?"; stamp "nightly" "$t"
+    fi
     tar -C /tmp/dsconform-results -czf "$out/$part.tgz" "$part"
     exit 0
 fi

@@ -431,7 +431,8 @@ class _Pool:
             conn, proc = self.conns[index], self.procs[index]
             try:
                 if conn.poll():
-                    replies[index] = conn.recv()
+                    # Plain pickle bytes (dist_rank._reply): no tensor arrives as a shared fd.
+                    replies[index] = pickle.loads(conn.recv_bytes())
                     pending.discard(index)
                     continue
             except (EOFError, OSError):

@@ -186,6 +186,16 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     threading.Thread(target=watch, daemon=True, name="dsconform-orphan-watch").start()
 
 
+def _reply(conn: Connection, obj: Any) -> None:
+    """Send obj to the parent as plain pickle bytes. Connection.send pickles with the
+    multiprocessing ForkingPickler, for which torch registers its tensor reductions: a CPU
+    tensor then travels as a shared-memory file descriptor, and every tensor the parent keeps
+    holds one open. A cell batch keeps every cell's results until its test reads them: the
+    nightly batch on 2xH200 (712 cells) ran out of descriptors ("received 0 items of
+    ancdata"). Plain pickle copies the bytes instead."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _flush_and_exit(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -288,10 +298,10 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         # gc.collect() after each call at milliseconds instead of ~0.1 s.
         gc.collect()
         gc.freeze()
-        conn.send(("ready", os.getpid()))
+        _reply(conn, ("ready", os.getpid()))
     except BaseException as exc:  # noqa: BLE001 - the parent must hear why startup failed
         try:
-            conn.send(_error_outcome(exc))
+            _reply(conn, _error_outcome(exc))
         finally:
             _flush_and_exit(1)
 
@@ -322,9 +332,9 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
             outcome = call_outcome(fn, args, kwargs)
             del fn, args, kwargs
         try:
-            conn.send(outcome)
+            _reply(conn, outcome)
         except Exception:  # noqa: BLE001 - e.g. an unpicklable return value
-            conn.send(picklable_outcome(outcome))
+            _reply(conn, picklable_outcome(outcome))
         del outcome
         # After the reply, so back-to-back calls overlap this with the parent's bookkeeping.
         _restore(environ, cwd, default_dtype, grad_enabled)

@@ -189,3 +189,10 @@ def sleep_window(seconds: float) -> tuple[float, float]:
     start = time.time()
     time.sleep(seconds)
     return start, time.time()
+
+
+def tensors(n: int) -> list:
+    """n small CPU tensors (what a cell returns: states, traces)."""
+    import torch
+
+    return [torch.full((16,), float(i)) for i in range(n)]

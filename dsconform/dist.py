@@ -13,7 +13,9 @@ Every distributed test in the suite goes through `run_ranks`. Two modes:
   fresh-process call (reuse=False) only takes ranks that never built an engine.
 * Lanes (run_concurrently): independent calls at once over several pools per world size,
   one-rank pools on every GPU in turn; a failure kills only its own lane's ranks. Cell batches
-  (dsconform.batch) use them; they never run beside a measurement.
+  (dsconform.batch) use them from a background thread while the main thread runs other tests
+  (their run_ranks calls and the lanes only share the pool tables' lock); they never run beside
+  a measurement. Ranks reply in plain pickle bytes (no tensor travels as a shared descriptor).
 * External (under torchrun, the DeepSpeed launcher or Slurm, see `external_rendezvous`): the
   current process is one rank of a job that already has a rendezvous; fn runs in-process and
   the ranks exchange outcomes so that every rank returns, skips or fails alike. Nobody can

@@ -52,7 +52,7 @@ from dsconform.dist import RankCall
 from dsconform.runstate import RunState, run_state
 
 __all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "enabled", "has_plan",
-           "in_batch", "measures", "phases", "running", "start", "stop", "wait_for_batch"]
+           "in_batch", "measures", "phases", "start", "stop", "wait_for_batch"]
 
 #: plan(params, workdir, run) -> the cell's RankCall, or (RankCall, cleanup) where cleanup() runs
 #: once the call ended (a directory of its own on an NVMe path). params: the cell's parametrize
@@ -304,12 +304,6 @@ def _run(state: _State, calls: list[RankCall],
 def in_batch(item: pytest.Item) -> bool:
     """Whether the item's cell is (or was) in this run's background batch."""
     return item.nodeid in _state(item.config).members
-
-
-def running(config: pytest.Config) -> bool:
-    """Whether the background batch is still running."""
-    state = _state(config)
-    return state.thread is not None and not state.finished
 
 
 def _wait(item: pytest.Item, ready: Callable[[_State], bool]) -> float:

@@ -1094,8 +1094,9 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
     lane starts new ones for its next call. on_done(index, outcome, seconds) runs as each call
     ends (seconds: from taking the call, its lane's start-up included).
 
-    The calls see sys.path and the environment as they were when run_concurrently was called,
-    whatever the calling process changes meanwhile (it may run other tests: a background batch).
+    On lanes, the calls see sys.path and the environment as they were when run_concurrently
+    was called, whatever the calling process changes meanwhile (it may run other tests: a
+    background batch); through run_ranks (one lane) they see them as each call starts.
     cancel: setting it stops the batch from another thread: every lane's ranks are killed, the
     calls not finished get no outcome (None) and no on_done.
 

@@ -54,12 +54,15 @@ from dsconform.runstate import RunState, run_state
 __all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "enabled", "has_plan",
            "in_batch", "measures", "phases", "start", "stop", "wait_for_batch"]
 
-#: plan(params, workdir, run) -> the cell's RankCall, or (RankCall, cleanup) where cleanup() runs
-#: once the call ended (a directory of its own on an NVMe path). params: the cell's parametrize
+#: plan(params, workdir, run) -> the cell's RankCall, or a list of RankCalls (steps run in turn on
+#: one lane, a fresh=True step on new processes; the cell's results are then the list of each
+#: step's), or either with a cleanup, (calls, cleanup), where cleanup() runs once the call ended
+#: (a directory of its own on an NVMe path). params: the cell's parametrize
 #: values (item.callspec.params); workdir: a fresh directory under --scratch, removed after the
 #: call (the test's ``scratch`` when the cell runs alone); run: this run's RunState. An exception
 #: it raises (a preflight refusal, a skip) is the cell's outcome.
-Plan = Callable[[dict, Path, RunState], "RankCall | tuple[RankCall, Callable[[], Any]]"]
+Plan = Callable[[dict, Path, RunState],
+                "RankCall | list[RankCall] | tuple[RankCall | list[RankCall], Callable[[], Any]]"]
 _PLAN_ATTR = "_dsconform_batch_plan"
 #: The user property (junit.xml) holding a batched cell's call seconds, its lane's wait included.
 BATCH_SECONDS = "dsconform_batch_seconds"
@@ -181,7 +184,7 @@ def _will_run(item: pytest.Item, rs: RunState) -> bool:
     return verdict is None or (verdict.ok and not verdict.broken_promises)
 
 
-def _split(planned: Any) -> tuple[RankCall, Callable[[], Any] | None]:
+def _split(planned: Any) -> tuple[RankCall | list[RankCall], Callable[[], Any] | None]:
     if isinstance(planned, tuple):
         return planned[0], planned[1]
     return planned, None
@@ -214,7 +217,7 @@ def start(session: pytest.Session, rs: RunState) -> int:
     # Cells that load an op still building (cold cache) last: the others run meanwhile; the
     # costliest first otherwise.
     cells.sort(key=lambda it: (_waits_for_build(it, rs), -_batched_of(it)[1]))
-    calls: list[RankCall] = []
+    calls: list[RankCall | list[RankCall]] = []
     owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]] = []
     for it in cells:
         state.members.add(it.nodeid)
@@ -238,7 +241,7 @@ def start(session: pytest.Session, rs: RunState) -> int:
     return len(calls)
 
 
-def _run(state: _State, calls: list[RankCall],
+def _run(state: _State, calls: list[RankCall | list[RankCall]],
          owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]], lanes: int) -> None:
     """The batch's thread: run the calls, hand each outcome to its test as it ends."""
     t0 = time.monotonic()
@@ -295,7 +298,10 @@ def _run(state: _State, calls: list[RankCall],
                 "tests": sorted({it.originalname for it, _, _ in owners}),
                 "longest": [(round(sec, 1), nodeid) for sec, nodeid in took[:5]],
                 "cell_seconds": round(sum(sec for sec, _ in took), 1),
-                "stopped": state.cancel.is_set(), "sync_seconds": round(sync_s, 1)})
+                # Stopped early: cancelled with cells left (a session that ends right after its
+                # last cell's test also cancels, while the lanes close).
+                "stopped": state.cancel.is_set() and bool(state.pending),
+                "sync_seconds": round(sync_s, 1)})
             state.pending.clear()  # a stopped batch: the cells left run in their own tests
             state.finished = True
             state.cond.notify_all()
@@ -363,8 +369,7 @@ def cell_results(request: pytest.FixtureRequest, workdir: Path | str | None = No
         call, cleanup = _split(plan(_params(item),
                                     Path(workdir if workdir is not None else rs.scratch), rs))
         try:
-            return dist.run_ranks(call.fn, call.world_size, timeout_s=call.timeout_s,
-                                  args=call.args, kwargs=call.kwargs, accelerator=call.accelerator)
+            return dist.run_steps(call)
         finally:
             if cleanup is not None:
                 cleanup()

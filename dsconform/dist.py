@@ -81,7 +81,7 @@ __all__ = [
     "InsufficientGPUs", "RankCall", "RankError", "RankTimeout", "WorldSizeMismatch",
     "all_agree", "close_lanes", "device", "external_rendezvous", "free_port", "gather", "gpu_slice",
     "gpus_per_worker", "hold_spares", "lanes_for", "port_range", "rank", "run_concurrently",
-    "run_ranks", "seed_everything", "start_lanes",
+    "run_ranks", "run_steps", "seed_everything", "start_lanes",
     "settle_spares", "shutdown_pools", "spares_enabled", "start_spares", "startup_stats",
     "visible_gpus", "worker_gpus", "world", "xdist_worker",
 ]
@@ -256,6 +256,7 @@ class _Pool:
         self.pids: list[int] = []
         self.closed = False
         self.ready = False  # every rank said "ready" (see _await_start)
+        self.used = False  # a call was sent to these ranks (a fresh step needs a pool without)
         self.started = time.monotonic()
         # What the ranks inherited; each call forwards the parent's changes since (see env_delta).
         self.spawn_env = dict(os.environ)
@@ -805,6 +806,7 @@ def _send_and_collect(pool: _Pool, fn: Callable, call: bytes, timeout_s: float,
     to send, as the caller saw them when its batch started; else the parent's current ones."""
     path, environ = context if context is not None else (list(sys.path), None)
     payload = pickle.dumps((list(path), pool.env_delta(environ), call))
+    pool.used = True
     for conn in pool.conns:
         conn.send_bytes(payload)
     return pool.collect(time.monotonic() + timeout_s, f"in {_fn_name(fn)}",
@@ -890,7 +892,9 @@ LANES_MIN_CORES = 16
 
 @dataclass(frozen=True)
 class RankCall:
-    """One run_ranks call, to be run with others by run_concurrently."""
+    """One run_ranks call, to be run with others by run_concurrently. fresh: run it on new
+    processes, never on ranks that ran an earlier call (run_ranks(reuse=False)): the second
+    step of a save-then-resume-in-new-processes cell."""
 
     fn: Callable
     world_size: int
@@ -898,6 +902,20 @@ class RankCall:
     args: tuple = ()
     kwargs: dict | None = None
     accelerator: str | None = None
+    fresh: bool = False
+
+
+def _steps(entry: RankCall | list[RankCall]) -> tuple[RankCall, ...]:
+    return (entry,) if isinstance(entry, RankCall) else tuple(entry)
+
+
+def run_steps(entry: RankCall | list[RankCall]) -> Any:
+    """One run_concurrently entry through run_ranks here: a call's per-rank results, or for a
+    list of steps, one after another (a fresh step on new processes), the list of theirs."""
+    results = [run_ranks(c.fn, c.world_size, timeout_s=c.timeout_s, args=c.args,
+                         kwargs=c.kwargs, accelerator=c.accelerator, reuse=not c.fresh)
+               for c in _steps(entry)]
+    return results if isinstance(entry, list) else results[0]
 
 
 #: Idle lane pools by (world size, accelerator, GPUs), kept between batches (shutdown_pools
@@ -1009,17 +1027,22 @@ class _Spawner:
 
 
 def _lane_pool(key: tuple, pg_timeout_s: float, spawner: _Spawner,
-               cancel: threading.Event) -> _Pool:
-    """An idle lane pool for key, else a new one; started up (RankError if it cannot start)."""
+               cancel: threading.Event, fresh: bool = False,
+               started: _Pool | None = None) -> _Pool:
+    """An idle lane pool for key (fresh: one that ran no call yet), else a new one (started:
+    one started ahead for this); started up (RankError if it cannot start)."""
     for attempt in range(3):  # the probed port can be taken between the probe and the bind
+        pool, started = started, None
         with _LOCK:
-            pool = None
             idle = _LANES.get(key, [])
-            while idle and pool is None:
-                pool = idle.pop()
-                if pool.closed or pool.pg_timeout_s < pg_timeout_s:
-                    pool.kill()
-                    pool = None
+            for candidate in reversed(list(idle)) if pool is None else ():
+                if candidate.closed or candidate.pg_timeout_s < pg_timeout_s:
+                    idle.remove(candidate)
+                    candidate.kill()
+                elif not (fresh and candidate.used):
+                    idle.remove(candidate)
+                    pool = candidate
+                    break
         if pool is None:
             pool = spawner.new_lane(key, pg_timeout_s, cancel)
         t0 = time.monotonic()
@@ -1034,41 +1057,61 @@ def _lane_pool(key: tuple, pg_timeout_s: float, spawner: _Spawner,
     raise AssertionError("unreachable")
 
 
+def _need(call: RankCall) -> float:
+    return max(POOL_PG_TIMEOUT_S, call.timeout_s + 60)
+
+
 def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
           qlock: threading.Lock, active: set, cancel: threading.Event, spawner: _Spawner,
           on_done: Callable[[int, tuple, float], None] | None,
           context: tuple[list, dict]) -> None:
-    """One lane: take calls of its world size off the shared queue until none is left."""
+    """One lane: take calls of its world size off the shared queue until none is left; an
+    entry of several steps runs them in turn, a fresh step on ranks that ran no call."""
     pool: _Pool | None = None
+    ahead: _Pool | None = None  # started while the step before a fresh step runs
     try:
         while not cancel.is_set():
             with qlock:
                 if not queue:
                     return
                 i = queue.popleft()
-            call = calls[i]
-            healthy = False
+            steps = _steps(calls[i])
+            healthy = True
             t0 = time.monotonic()
             try:
-                need = max(POOL_PG_TIMEOUT_S, call.timeout_s + 60)
-                if pool is not None and (not pool.alive() or pool.pg_timeout_s < need):
-                    pool.close()
-                    pool = None
-                if pool is None:
-                    pool = _lane_pool(key, need, spawner, cancel)
-                    active.add(pool)
-                replies = _send_and_collect(pool, call.fn, pickled[i], call.timeout_s, context)
-                healthy = _healthy(replies)
-                outcome: tuple = ("ok", _resolve(replies))
+                results = []
+                for j, (step, payload) in enumerate(zip(steps, pickled[i])):
+                    need = _need(step)
+                    if pool is not None and (not pool.alive() or pool.pg_timeout_s < need
+                                             or (step.fresh and pool.used)):
+                        active.discard(pool)
+                        pool.close()
+                        pool = None
+                    if pool is None:
+                        pool, ahead = _lane_pool(key, need, spawner, cancel, fresh=step.fresh,
+                                                 started=ahead), None
+                        active.add(pool)
+                    if j + 1 < len(steps) and steps[j + 1].fresh and ahead is None:
+                        ahead = spawner.new_lane(key, _need(steps[j + 1]), cancel)
+                        active.add(ahead)
+                    healthy = False
+                    replies = _send_and_collect(pool, step.fn, payload, step.timeout_s, context)
+                    healthy = _healthy(replies)
+                    results.append(_resolve(replies))
+                outcome: tuple = ("ok", results if isinstance(calls[i], list) else results[0])
             except BaseException as exc:  # noqa: BLE001 - the call's own outcome, raised in its test
                 outcome = ("raise", exc)
             finally:
                 with _LANE_STATS_LOCK:
-                    _LANE_STATS["calls"] += 1
+                    _LANE_STATS["calls"] += len(steps)
                 if not healthy and pool is not None:
                     pool.kill()
                     active.discard(pool)
                     pool = None
+                if ahead is not None:  # a step before the fresh one failed: not needed
+                    ahead.kill()
+                    active.discard(ahead)
+                    ahead = None
             if cancel.is_set():  # stopped from outside: what the kill did is no outcome
                 return
             outcomes[i] = outcome
@@ -1084,7 +1127,7 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                     _LANES.setdefault(key, []).append(pool)
 
 
-def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
+def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | None = None,
                      on_done: Callable[[int, tuple, float], None] | None = None,
                      cancel: threading.Event | None = None) -> list[tuple]:
     """Run independent calls at once, spread over `lanes` pools per world size (one-rank pools
@@ -1101,7 +1144,12 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
     calls not finished get no outcome (None) and no on_done.
 
     With one lane, under torchrun/Slurm, or for a single call, the calls run one after another
-    through run_ranks. Ctrl-C kills every lane and re-raises."""
+    through run_ranks. Ctrl-C kills every lane and re-raises.
+
+    An entry may be a list of steps (RankCalls of one world size and accelerator): they run in
+    turn on one lane, a step with fresh=True on new processes (started while the step before
+    it runs); the outcome is ("ok", the list of each step's per-rank results), or the first
+    failing step's exception."""
     outcomes: list = [None] * len(calls)
     lanes = lanes_for() if lanes is None else lanes
 
@@ -1116,9 +1164,7 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
                 break
             t0 = time.monotonic()
             try:
-                outcome: tuple = ("ok", run_ranks(c.fn, c.world_size, timeout_s=c.timeout_s,
-                                                  args=c.args, kwargs=c.kwargs,
-                                                  accelerator=c.accelerator))
+                outcome: tuple = ("ok", run_steps(c))
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:  # noqa: BLE001 - the call's own outcome (a skip too)
@@ -1129,14 +1175,22 @@ def run_concurrently(calls: list[RankCall], *, lanes: int | None = None,
     pickled: list = [None] * len(calls)
     for i, c in enumerate(calls):
         try:  # what run_ranks would refuse, each call's own outcome
-            _check_world_size(c.world_size)
-            _check_timeout(c.timeout_s)
-            accel = _check_accelerator(c.accelerator)
-            pickled[i] = _pickle_call(c.fn, tuple(c.args), dict(c.kwargs or {}))
+            steps = _steps(c)
+            if not steps:
+                raise ValueError("an entry of run_concurrently has no steps")
+            for step in steps:
+                _check_world_size(step.world_size)
+                _check_timeout(step.timeout_s)
+            accels = {_check_accelerator(step.accelerator) for step in steps}
+            if len(accels) > 1 or len({step.world_size for step in steps}) > 1:
+                raise ValueError("the steps of one entry must share world size and accelerator")
+            accel = accels.pop()
+            pickled[i] = [_pickle_call(step.fn, tuple(step.args), dict(step.kwargs or {}))
+                          for step in steps]
         except Exception as exc:  # noqa: BLE001
             finish(i, ("raise", exc))
             continue
-        groups.setdefault((c.world_size, accel), deque()).append(i)
+        groups.setdefault((steps[0].world_size, accel), deque()).append(i)
     cancel = threading.Event() if cancel is None else cancel
     qlock, active, spawner = threading.Lock(), set(), _Spawner()
     context = (list(sys.path), dict(os.environ))

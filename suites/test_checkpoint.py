@@ -221,17 +221,24 @@ def check_resume(first: list[dict], second: list[dict], tol, *, label: str) -> C
     return cmp
 
 
+def _resume_steps(params: dict, workdir: Path, run) -> list[RankCall]:
+    """Save on ranks that may have run other cells, then load and go on in new processes
+    (fresh=True: nothing of the first run left in memory; check_resume verifies the pids)."""
+    case, accelerator = params["case"], params["accelerator"]
+    d = ckpt_dir(workdir, case)
+    return [RankCall(ranks.resume_save, case.world_size, _timeout(case), args=(case, d),
+                     accelerator=accelerator),
+            RankCall(ranks.resume_load, case.world_size, _timeout(case), args=(case, d),
+                     accelerator=accelerator, fresh=True)]
+
+
 @pytest.mark.parametrize("accelerator, case", _params(
     RESUME_CELLS, cpu_tier=RESUME_CPU_TIER, gpu_tier=RESUME_GPU_TIER,
     build=lambda c: CkptCase(stage=c["stage"], dtype=c["dtype"], optimizer=c["optimizer"])))
-def test_resume_in_fresh_process(accelerator, case, scratch, profile):
+@batched(_resume_steps, cost=8)
+def test_resume_in_fresh_process(accelerator, case, scratch, profile, request):
     """CKPT-RESUME-1: N steps, save, load in a fresh process, M steps MUST equal N + M steps."""
-    d = ckpt_dir(scratch, case)
-    first = run_ranks(ranks.resume_save, case.world_size, args=(case, d),
-                      accelerator=accelerator, timeout_s=_timeout(case))
-    # reuse=False: new processes, nothing of the first run left in memory.
-    second = run_ranks(ranks.resume_load, case.world_size, args=(case, d),
-                       accelerator=accelerator, timeout_s=_timeout(case), reuse=False)
+    first, second = cell_results(request, scratch)  # run at once with other cells
     tol = tolerance("resume", case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
     check_resume(first, second, tol, label=_label(accelerator, case)).assert_ok()

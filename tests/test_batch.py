@@ -187,3 +187,43 @@ def test_batched_cells_keep_their_own_outcomes_and_overlap(run_demo):
     assert stamp["shared_measures"] >= stamp["shared_cell"], \
         "a measuring test ran beside the batch"
     assert "dsconform_batch_wait_seconds" in batch_junit
+
+
+#: Cells of two steps, the second on new processes (the resume-in-a-fresh-process shape), and no
+#: measuring test: the session ends as soon as the last cell's test has its outcome.
+STEPS = '''
+import pytest
+from dsconform.suite import RankCall, batched, cell_results
+from tests import rank_fns
+
+
+def plan(params, workdir, run):
+    return [RankCall(rank_fns.pid_and_calls, 2, 60, accelerator="cpu"),
+            RankCall(rank_fns.pid_and_calls, 2, 60, accelerator="cpu", fresh=True)]
+
+
+@batched(plan)
+@pytest.mark.parametrize("n", [1, 2])
+def test_steps(n, request, scratch):
+    first, second = cell_results(request, scratch)
+    assert not {p for p, _ in first} & {p for p, _ in second}, (first, second)
+    assert [c for _, c in second] == [1, 1], second
+'''
+
+
+@pytest.mark.parametrize("lanes", ["1", "2"])
+def test_cells_of_steps_and_a_batch_that_ended_on_its_own(pytester, monkeypatch, lanes):
+    """A plan may return steps: the cell gets each step's results, the fresh step's from new
+    processes, with batches and without. A batch whose cells all ended is not reported as
+    stopped early, even when the session ends right after its last cell's test."""
+    pytester.makepyfile(test_steps_demo=STEPS)
+    dist.shutdown_pools()
+    monkeypatch.setattr(dist, "LANES", lanes)
+    result = pytester.runpytest("-p", "fixtures.plugin", "--results",
+                                str(pytester.path / "results"), "-p", "no:cacheprovider")
+    dist.shutdown_pools()
+    result.assert_outcomes(passed=2)
+    text = "\n".join(result.outlines)
+    if lanes == "2":
+        assert "cell batch: 2 cells of test_steps at once" in text, text
+    assert "stopped early" not in text, text

@@ -186,3 +186,52 @@ def test_run_ranks_runs_while_a_batch_does(clean):
     assert [o[0] for o in out] == ["ok", "ok"], out
     windows = [o[1][0] for o in out]
     assert all(max(a, mine[0]) < min(b, mine[1]) for a, b in windows), (mine, windows)
+
+
+def _steps(ws: int, fresh: bool) -> list[RankCall]:
+    return [_call(rank_fns.pid_and_calls, ws), _call(rank_fns.pid_and_calls, ws),
+            RankCall(rank_fns.pid_and_calls, ws, TIMEOUT_S, accelerator="cpu", fresh=fresh)]
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_steps_run_in_turn_and_a_fresh_step_gets_new_processes(clean, lanes):
+    """A list of steps is one entry: its outcome lists each step's results. Steps share the
+    lane's ranks (the second answers its second call) until a fresh step, which runs on
+    processes that ran no call before: neither its lane's nor an idle pool that ran one.
+    With one lane the steps go through run_ranks (reuse=False for the fresh one)."""
+    dist.start_lanes([2], "cpu", lanes=2)
+    dist.settle_spares()
+    # A batch of plain calls first: idle lane pools that ran a call, which a fresh step must
+    # not take.
+    dist.run_concurrently([_call(rank_fns.pid_and_calls)] * 2, lanes=lanes)
+    out = dist.run_concurrently([_call(rank_fns.pid_and_calls), _steps(2, True),
+                                 _steps(2, False)], lanes=lanes)
+    assert [o[0] for o in out] == ["ok"] * 3, out
+    first, second, third = out[1][1]
+    assert [c for _, c in second] == [c + 1 for _, c in first]  # the same ranks, in turn
+    assert {p for p, _ in first} == {p for p, _ in second}
+    assert [c for _, c in third] == [1, 1], f"the fresh step ran on used ranks: {third}"
+    assert not {p for p, _ in third} & {p for p, _ in first}
+    reused = out[2][1][2]  # no fresh flag: the lane's ranks again
+    assert [c for _, c in reused] == [c + 2 for _, c in out[2][1][0]]
+    # A fresh call on its own (no step before it to start its ranks ahead), with used idle
+    # pools about.
+    alone = dist.run_concurrently([_steps(2, True)[2]] * 2, lanes=lanes)
+    assert [[c for _, c in o[1]] for o in alone] == [[1, 1], [1, 1]], alone
+
+
+def test_a_failing_step_is_the_entry_outcome_and_later_steps_do_not_run(clean):
+    calls = [[_call(rank_fns.raise_on, 2, 0),
+              RankCall(rank_fns.pid_and_calls, 2, TIMEOUT_S, accelerator="cpu", fresh=True)],
+             _call(rank_fns.rank_and_sum),
+             [_call(rank_fns.noop, 2), _call(rank_fns.noop, 1)]]
+    out = dist.run_concurrently(calls, lanes=2)
+    assert out[0][0] == "raise" and isinstance(out[0][1], dist.RankError), out[0]
+    assert out[1][0] == "ok"
+    assert out[2][0] == "raise" and "share world size" in str(out[2][1])
+    assert_no_leftovers_after_shutdown()
+
+
+def assert_no_leftovers_after_shutdown() -> None:
+    dist.shutdown_pools()
+    assert_no_leftovers()

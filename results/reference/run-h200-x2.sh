@@ -11,14 +11,18 @@
 #   bash results/reference/run-h200-x2.sh warm    # the same again (call right after `cold`: the
 #                                                 # machine keeps its op cache while warm), then
 #                                                 # xdist with one GPU per worker
-#   bash results/reference/run-h200-x2.sh nightly # the nightly tier's ZeRO matrix, timed
+#   bash results/reference/run-h200-x2.sh nightly # the nightly tier, timed (warm op cache)
 #   bash results/reference/run-h200-x2.sh coldwarm # cold then warm in one call (a lent machine
 #                                                  # goes back 30 s after a call), no xdist;
 #                                                  # ALT_LANES=N adds a warm pass with N lanes,
 #                                                  # NIGHTLY_BUDGET=S the nightly tier after
-#                                                  # (stopped by SIGINT at S s)
+#                                                  # (stopped by SIGINT at S s; NIGHTLY_BUDGET=rest:T
+#                                                  # gives it what is left of T s from the start)
+#   PROFILE=auto runs the same parts on another node kind; NIGHTLY_SEL="suites/test_zero.py ..." narrows the nightly tier (default: every suite)
 # Everything lands in $OUT: a log and a tarball of the results per part.
 set -uo pipefail
+start=$(date +%s)
+profile=${PROFILE:-h200-x2}  # PROFILE=auto: another node kind (the 1xH200 kind, say)
 part=${1:?usage: run-h200-x2.sh ds198|ds196|pair|cold|warm|coldwarm|nightly}
 out=${OUT:-/tmp/dsconform-out}
 mkdir -p "$out"
@@ -39,7 +43,7 @@ if [ "$part" = pair ]; then
     # The suites that pin semantics and the 1-bit optimizers, once per DeepSpeed version, with
     # the identical command (a comparison lists tests present in one run only as not run).
     sel=(suites/test_profile.py suites/test_ops.py suites/test_collectives.py suites/test_zero.py
-         suites/test_loss_scaling.py suites/test_onebit.py -m gpu --profile h200-x2 --durations=15)
+         suites/test_loss_scaling.py suites/test_onebit.py -m gpu --profile "$profile" --durations=15)
     setup 0.19.8
     echo "== auto with no usable GPU (CUDA_VISIBLE_DEVICES=): must fail naming 2 present, 0 usable"
     CUDA_VISIBLE_DEVICES= budget 60 "${pytest[@]}" suites -m gpu -x --results "$res/unusable"
@@ -64,14 +68,17 @@ if [ "$part" = coldwarm ]; then
         t=$(date +%s)
         [ "$pass" = cold ] && b=${COLD_BUDGET:-300} || b=${WARM_BUDGET:-200}
         lanes=auto; [ "${pass#warm-lanes}" != "$pass" ] && lanes=${pass#warm-lanes}
-        DSCONFORM_LANES=$lanes budget "$b" "${pytest[@]}" suites -m gpu --profile h200-x2 \
+        DSCONFORM_LANES=$lanes budget "$b" "${pytest[@]}" suites -m gpu --profile "$profile" \
             --results "$res/$pass" --durations=40
         echo "exit status $?"; stamp "acceptance, $pass" "$t"
     done
     if [ -n "${NIGHTLY_BUDGET:-}" ]; then  # then the whole nightly tier, warm, within the budget
-        echo "== nightly tier (whole suite), warm op cache, budget $NIGHTLY_BUDGET s"
+        nb=$NIGHTLY_BUDGET
+        [ "${nb#rest:}" != "$nb" ] && nb=$(( ${nb#rest:} - $(date +%s) + start ))
+        echo "== nightly tier (${NIGHTLY_SEL:-every suite}), warm op cache, budget $nb s"
         t=$(date +%s)
-        budget "$NIGHTLY_BUDGET" "${pytest[@]}" suites -m gpu --nightly --profile h200-x2 \
+        # shellcheck disable=SC2086
+        budget "$nb" "${pytest[@]}" ${NIGHTLY_SEL:-suites} -m gpu --nightly --profile "$profile" \
             --results "$res/nightly" --durations=20
         echo "exit status $?"; stamp "nightly" "$t"
     fi
@@ -90,7 +97,7 @@ if [ "$part" = cold ] || [ "$part" = warm ] || [ "$part" = nightly ]; then
             # A fresh machine: set up, and warm the op cache with the ops suite alone.
             setup 0.19.8
             t=$(date +%s)
-            budget 240 "${pytest[@]}" suites/test_ops.py -m gpu --profile h200-x2 \
+            budget 240 "${pytest[@]}" suites/test_ops.py -m gpu --profile "$profile" \
                 --results "$res/ops-cold"
             echo "exit status $?"; stamp "ops suite, cold op cache" "$t"
         fi
@@ -100,23 +107,22 @@ if [ "$part" = cold ] || [ "$part" = warm ] || [ "$part" = nightly ]; then
     case $part in
     cold|warm)
         echo "== acceptance tier, $part op cache"
-        budget "${BUDGET:-400}" "${pytest[@]}" suites -m gpu --profile h200-x2 \
+        budget "${BUDGET:-400}" "${pytest[@]}" suites -m gpu --profile "$profile" \
             --results "$res/accept" --durations=30
         echo "exit status $?"; stamp "acceptance, $part" "$t"
         if [ "$part" = warm ] && [ "${XDIST:-1}" = 1 ]; then
             echo "== xdist, one GPU per worker (-n 2): ZeRO and collectives"
             t=$(date +%s)
             budget 150 "${pytest[@]}" suites/test_zero.py suites/test_collectives.py -m gpu \
-                --profile h200-x2 -n 2 --results "$res/xdist-n2"
+                --profile "$profile" -n 2 --results "$res/xdist-n2"
             echo "exit status $?"; stamp "xdist -n 2" "$t"
         fi ;;
     nightly)
-        # The ops suite first: its selection starts the parallel op builds the ZeRO cells need.
-        echo "== nightly tier: the ZeRO matrix"
-        budget "${BUDGET:-480}" "${pytest[@]}" suites/test_ops.py suites/test_zero.py -m gpu \
-            --nightly \
-            --profile h200-x2 --results "$res/nightly-zero" --durations=10
-        echo "exit status $?"; stamp "nightly ZeRO" "$t" ;;
+        echo "== nightly tier (${NIGHTLY_SEL:-every suite})"
+        # shellcheck disable=SC2086
+        budget "${BUDGET:-480}" "${pytest[@]}" ${NIGHTLY_SEL:-suites} -m gpu --nightly \
+            --profile "$profile" --results "$res/nightly" --durations=30
+        echo "exit status $?"; stamp "nightly" "$t" ;;
     esac
     tar -C /tmp/dsconform-results -czf "$out/$part.tgz" "$part"
     exit 0
@@ -129,18 +135,18 @@ if [ "$part" = ds198 ]; then
     python3 -m dsconform.cli detect > "$res/detected.toml"
     echo "== acceptance tier, cold op cache"
     t=$(date +%s)
-    budget 330 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept-cold" \
+    budget 330 "${pytest[@]}" suites -m gpu --profile "$profile" --results "$res/accept-cold" \
         --durations=25
     echo "exit status $?"; stamp "acceptance, cold" "$t"
     echo "== acceptance tier, warm op cache"
     t=$(date +%s)
-    budget 200 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept-warm" \
+    budget 200 "${pytest[@]}" suites -m gpu --profile "$profile" --results "$res/accept-warm" \
         --durations=10
     echo "exit status $?"; stamp "acceptance, warm" "$t"
 else
     echo "== acceptance tier on DeepSpeed $version (cold op cache), 1-bit optimizers included"
     t=$(date +%s)
-    budget 420 "${pytest[@]}" suites -m gpu --profile h200-x2 --results "$res/accept" \
+    budget 420 "${pytest[@]}" suites -m gpu --profile "$profile" --results "$res/accept" \
         --durations=25
     echo "exit status $?"; stamp "acceptance $version" "$t"
 fi

@@ -26,6 +26,9 @@ What it changes:
   its call ends, instead of the test's ``scratch`` fixture.
 * The batch's calls see the environment and sys.path of the end of collection, whatever a test
   running meanwhile changes.
+* A cell may be several steps (a plan returning a list of RankCalls): they run in turn on one
+  lane, and a ``fresh=True`` step on new, never warmed-up ranks, started while the step before
+  it runs (the resume in a fresh process).
 
 Batches are off (every cell runs its call in its own test, in the usual order) with one lane
 (``DSCONFORM_LANES``, "auto": only on cuda machines with >= 16 cores), under pytest-xdist

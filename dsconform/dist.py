@@ -256,7 +256,6 @@ class _Pool:
         self.pids: list[int] = []
         self.closed = False
         self.ready = False  # every rank said "ready" (see _await_start)
-        self.used = False  # a call was sent to these ranks (a fresh step needs a pool without)
         self.started = time.monotonic()
         # What the ranks inherited; each call forwards the parent's changes since (see env_delta).
         self.spawn_env = dict(os.environ)
@@ -806,7 +805,6 @@ def _send_and_collect(pool: _Pool, fn: Callable, call: bytes, timeout_s: float,
     to send, as the caller saw them when its batch started; else the parent's current ones."""
     path, environ = context if context is not None else (list(sys.path), None)
     payload = pickle.dumps((list(path), pool.env_delta(environ), call))
-    pool.used = True
     for conn in pool.conns:
         conn.send_bytes(payload)
     return pool.collect(time.monotonic() + timeout_s, f"in {_fn_name(fn)}",
@@ -893,8 +891,8 @@ LANES_MIN_CORES = 16
 @dataclass(frozen=True)
 class RankCall:
     """One run_ranks call, to be run with others by run_concurrently. fresh: run it on new
-    processes, never on ranks that ran an earlier call (run_ranks(reuse=False)): the second
-    step of a save-then-resume-in-new-processes cell."""
+    processes that ran no call and built no warm-up engine (run_ranks(reuse=False)): the
+    second step of a save-then-resume-in-new-processes cell."""
 
     fn: Callable
     world_size: int
@@ -953,11 +951,12 @@ def _lane_threads() -> int:
     return max(1, (os.cpu_count() or 1) // (3 * lanes_for()))
 
 
-def _new_lane(key: tuple, pg_timeout_s: float) -> _Pool:
-    """Start (without waiting) a lane pool; call with _LOCK held."""
+def _new_lane(key: tuple, pg_timeout_s: float, fresh: bool = False) -> _Pool:
+    """Start (without waiting) a lane pool; call with _LOCK held. fresh: for a fresh step, so
+    never warmed up (as run_ranks' fresh-process standby ranks)."""
     _clear_build_locks()
     _LANE_STATS["started"] += 1
-    return _Pool(key[0], key[1], key[2], pg_timeout_s, warm=RANK_WARMUP,
+    return _Pool(key[0], key[1], key[2], pg_timeout_s, warm=RANK_WARMUP and not fresh,
                  threads=_lane_threads())
 
 
@@ -1000,11 +999,12 @@ class _Spawner:
         self.requests: deque = deque()
         self.lock = threading.Lock()
 
-    def new_lane(self, key: tuple, pg_timeout_s: float, cancel: threading.Event) -> _Pool:
+    def new_lane(self, key: tuple, pg_timeout_s: float, cancel: threading.Event,
+                 fresh: bool = False) -> _Pool:
         done = threading.Event()
         slot: list = []
         with self.lock:
-            self.requests.append((key, pg_timeout_s, slot, done))
+            self.requests.append((key, pg_timeout_s, fresh, slot, done))
         while not done.wait(0.05):
             if cancel.is_set():
                 raise RankError("the batch was interrupted before this lane's ranks started")
@@ -1017,10 +1017,10 @@ class _Spawner:
             with self.lock:
                 if not self.requests:
                     return
-                key, pg_timeout_s, slot, done = self.requests.popleft()
+                key, pg_timeout_s, fresh, slot, done = self.requests.popleft()
             try:
                 with _LOCK:
-                    slot.append(_new_lane(key, pg_timeout_s))
+                    slot.append(_new_lane(key, pg_timeout_s, fresh))
             except BaseException as exc:  # noqa: BLE001 - the lane's call reports it
                 slot.append(exc)
             done.set()
@@ -1029,22 +1029,19 @@ class _Spawner:
 def _lane_pool(key: tuple, pg_timeout_s: float, spawner: _Spawner,
                cancel: threading.Event, fresh: bool = False,
                started: _Pool | None = None) -> _Pool:
-    """An idle lane pool for key (fresh: one that ran no call yet), else a new one (started:
-    one started ahead for this); started up (RankError if it cannot start)."""
+    """An idle lane pool for key, else a new one; fresh: always a new one, never warmed up
+    (started: one started ahead for it). Started up (RankError if it cannot start)."""
     for attempt in range(3):  # the probed port can be taken between the probe and the bind
         pool, started = started, None
         with _LOCK:
             idle = _LANES.get(key, [])
-            for candidate in reversed(list(idle)) if pool is None else ():
-                if candidate.closed or candidate.pg_timeout_s < pg_timeout_s:
-                    idle.remove(candidate)
-                    candidate.kill()
-                elif not (fresh and candidate.used):
-                    idle.remove(candidate)
-                    pool = candidate
-                    break
+            while idle and pool is None and not fresh:
+                pool = idle.pop()
+                if pool.closed or pool.pg_timeout_s < pg_timeout_s:
+                    pool.kill()
+                    pool = None
         if pool is None:
-            pool = spawner.new_lane(key, pg_timeout_s, cancel)
+            pool = spawner.new_lane(key, pg_timeout_s, cancel, fresh)
         t0 = time.monotonic()
         try:
             return _await_start(pool)
@@ -1083,7 +1080,7 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                 for j, (step, payload) in enumerate(zip(steps, pickled[i])):
                     need = _need(step)
                     if pool is not None and (not pool.alive() or pool.pg_timeout_s < need
-                                             or (step.fresh and pool.used)):
+                                             or step.fresh):
                         active.discard(pool)
                         pool.close()
                         pool = None
@@ -1092,7 +1089,7 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                                                  started=ahead), None
                         active.add(pool)
                     if j + 1 < len(steps) and steps[j + 1].fresh and ahead is None:
-                        ahead = spawner.new_lane(key, _need(steps[j + 1]), cancel)
+                        ahead = spawner.new_lane(key, _need(steps[j + 1]), cancel, fresh=True)
                         active.add(ahead)
                     healthy = False
                     replies = _send_and_collect(pool, step.fn, payload, step.timeout_s, context)

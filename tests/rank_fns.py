@@ -171,6 +171,13 @@ def pid_and_calls() -> tuple[int, int]:
     return os.getpid(), _calls
 
 
+def pid_calls_warmed() -> tuple[int, int, bool]:
+    """pid_and_calls, and whether this rank built the warm-up engine before its first call."""
+    from dsconform import dist_rank
+
+    return (*pid_and_calls(), bool(dist_rank._warmed_up))
+
+
 def warmed_up() -> bool:
     """Whether this rank built dsconform's warm-up engine before its first call."""
     from dsconform import dist_rank

@@ -190,14 +190,15 @@ def test_run_ranks_runs_while_a_batch_does(clean):
 
 def _steps(ws: int, fresh: bool) -> list[RankCall]:
     return [_call(rank_fns.pid_and_calls, ws), _call(rank_fns.pid_and_calls, ws),
-            RankCall(rank_fns.pid_and_calls, ws, TIMEOUT_S, accelerator="cpu", fresh=fresh)]
+            RankCall(rank_fns.pid_calls_warmed, ws, TIMEOUT_S, accelerator="cpu", fresh=fresh)]
 
 
 @pytest.mark.parametrize("lanes", [1, 2])
 def test_steps_run_in_turn_and_a_fresh_step_gets_new_processes(clean, lanes):
     """A list of steps is one entry: its outcome lists each step's results. Steps share the
-    lane's ranks (the second answers its second call) until a fresh step, which runs on
-    processes that ran no call before: neither its lane's nor an idle pool that ran one.
+    lane's ranks (the second answers its second call) until a fresh step, which runs on new
+    processes that ran no call and built no warm-up engine: neither its lane's nor an idle
+    pool.
     With one lane the steps go through run_ranks (reuse=False for the fresh one)."""
     dist.start_lanes([2], "cpu", lanes=2)
     dist.settle_spares()
@@ -210,14 +211,17 @@ def test_steps_run_in_turn_and_a_fresh_step_gets_new_processes(clean, lanes):
     first, second, third = out[1][1]
     assert [c for _, c in second] == [c + 1 for _, c in first]  # the same ranks, in turn
     assert {p for p, _ in first} == {p for p, _ in second}
-    assert [c for _, c in third] == [1, 1], f"the fresh step ran on used ranks: {third}"
-    assert not {p for p, _ in third} & {p for p, _ in first}
+    assert [c for _, c, _ in third] == [1, 1], f"the fresh step ran on used ranks: {third}"
+    assert not any(w for _, _, w in third), f"the fresh step ran on warmed-up ranks: {third}"
+    assert not {p for p, _, _ in third} & {p for p, _ in first}
     reused = out[2][1][2]  # no fresh flag: the lane's ranks again
-    assert [c for _, c in reused] == [c + 2 for _, c in out[2][1][0]]
-    # A fresh call on its own (no step before it to start its ranks ahead), with used idle
-    # pools about.
+    assert [c for _, c, _ in reused] == [c + 2 for _, c in out[2][1][0]]
+    # A fresh call on its own (no step before it to start its ranks ahead), with used and
+    # warmed-up idle pools about.
+    dist.start_lanes([2], "cpu", lanes=2)
+    dist.settle_spares()
     alone = dist.run_concurrently([_steps(2, True)[2]] * 2, lanes=lanes)
-    assert [[c for _, c in o[1]] for o in alone] == [[1, 1], [1, 1]], alone
+    assert [[(c, w) for _, c, w in o[1]] for o in alone] == [[(1, False)] * 2] * 2, alone
 
 
 def test_a_failing_step_is_the_entry_outcome_and_later_steps_do_not_run(clean):

@@ -172,10 +172,8 @@ def pid_and_calls() -> tuple[int, int]:
 
 
 def pid_calls_warmed() -> tuple[int, int, bool]:
-    """pid_and_calls, and whether this rank built the warm-up engine before its first call."""
-    from dsconform import dist_rank
-
-    return (*pid_and_calls(), bool(dist_rank._warmed_up))
+    """pid_and_calls, and warmed_up."""
+    return (*pid_and_calls(), warmed_up())
 
 
 def warmed_up() -> bool:

@@ -78,6 +78,7 @@ class NodeResult:
     rendezvous: dict[str, Any] | None = None
     run_id: str = ""               # the run's own identity: a copied folder has the same one
     absent: bool = False           # expected (--expect) and no folder was found
+    has_benchmarks: bool = True    # False: summary.json without the benchmarks.json beside it
 
     @classmethod
     def missing(cls, name: str) -> NodeResult:
@@ -108,6 +109,13 @@ class NodeResult:
             why = EXIT_STATUS.get(status, "unknown")
             notes = "; ".join(self.notices)
             out.append(f"pytest exit status {status} ({why})" + (f": {notes}" if notes else ""))
+        if self.finished and not self.outcomes and not any(
+                sum(c.values()) for c in self.capabilities.values() if isinstance(c, dict)):
+            out.append("the run recorded no test outcome: it proves nothing about the node (a "
+                       "selection that matched nothing, or a --collect-only run)")
+        if self.finished and not self.has_benchmarks:
+            out.append("no benchmarks.json beside summary.json: its outcomes and measurements "
+                       "cannot be read (an incomplete copy of the folder?)")
         return out
 
     @property
@@ -223,9 +231,6 @@ def load_node(path: Path) -> NodeResult:
             doc = compare.load(bench_path)
         except compare.CompareInputError as e:
             raise AggregateInputError(str(e)) from None
-        if not isinstance(doc.get("dsconform"), dict):
-            raise AggregateInputError(f"{bench_path}: a pytest-benchmark file without dsconform "
-                                      "outcomes (no 'dsconform' section): not a suite run")
     outcomes = list(((doc or {}).get("dsconform") or {}).get("outcomes") or [])
     finished = True
     if summary_path.exists():
@@ -256,7 +261,8 @@ def load_node(path: Path) -> NodeResult:
         known_issues=summ.get("known_issues") or [], outcomes=outcomes, measures=measures,
         environment=compare.environment(doc) if doc is not None else {},
         rendezvous=rdzv if isinstance(rdzv, dict) else None,
-        run_id=f"{hostname}|{(doc or {}).get('datetime', '')}|{rank}" if doc else "")
+        run_id=f"{hostname}|{(doc or {}).get('datetime', '')}|{rank}" if doc else "",
+        has_benchmarks=doc is not None or not finished)
 
 
 def _is_node_dir(path: Path) -> bool:

@@ -1,4 +1,4 @@
-"""The ``dsconform`` command: detect, validate, report.
+"""The ``dsconform`` command: profiles, ds_report, compare, aggregate, nvme-tune, bundle.
 
 Exit codes: 0 success; 2 invalid input (a profile that does not validate, an unreadable file);
 1 for a command that ran and found a problem (reserved for comparisons).
@@ -78,6 +78,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         base, new = compare.load(args.base), compare.load(args.new)
     except compare.CompareInputError as e:
         return unusable(e)
+    for label, doc in ((args.base, base), (args.new, new)):
+        if compare.ran_nothing(doc):
+            return unusable(f"{label}: the run recorded no test outcome and no measurement: "
+                            "nothing to compare (a --collect-only run, a selection that matched "
+                            "nothing, or a run stopped before its first test ended)")
     result = compare.compare(base, new, threshold=args.threshold, base_label=args.base,
                              new_label=args.new)
     if args.markdown == "-":

@@ -85,9 +85,22 @@ def load(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as e:
         raise CompareInputError(f"{p}: cannot read: {e}") from None
     except json.JSONDecodeError as e:
-        raise CompareInputError(f"{p}: not JSON: {e}") from None
+        hint = ""
+        if p.name in ("junit.xml", "records.jsonl") or p.suffix in (".xml", ".jsonl"):
+            hint = " (give the benchmarks.json beside it, or the results directory)"
+        raise CompareInputError(f"{p}: not JSON: {e}{hint}") from None
     check(doc, str(p))
+    if not isinstance(doc.get("dsconform"), dict):
+        raise CompareInputError(f"{p}: a pytest-benchmark file without dsconform outcomes (no "
+                                "'dsconform' section): not a suite run")
     return doc
+
+
+def ran_nothing(doc: dict[str, Any]) -> bool:
+    """A results document with no test outcome and no measurement: a --collect-only run, a
+    selection that matched nothing, or a run stopped before its first test ended. Comparing it
+    would compare nothing."""
+    return not doc["dsconform"].get("outcomes") and not doc["benchmarks"]
 
 
 def _is_number(v: Any) -> bool:

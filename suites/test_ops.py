@@ -73,7 +73,8 @@ def report(run, op_checks) -> dict:
 
 
 def test_ds_report_describes_this_install(report, node):
-    """ds_report MUST run, list ops, and name the DeepSpeed and torch that are installed."""
+    """OPS-REPORT-1: ds_report MUST run, list ops, and name the DeepSpeed and torch that are
+    installed."""
     assert report["ops"], "ds_report listed no ops"
     env = report["env"]
     assert env.get("deepspeed_version", "").startswith(node.deepspeed_version or "?"), \
@@ -86,7 +87,8 @@ def test_ds_report_describes_this_install(report, node):
 
 
 def test_unpromised_ops_are_reported(report, profile):
-    """Ops the profile does not promise MUST be reported with ds_report's status, never failed."""
+    """OPS-REPORT-2: Ops the profile does not promise MUST be reported with ds_report's status,
+    never failed."""
     rows = [f"{name}: installed={'yes' if op['installed'] else 'no'}, "
             f"compatible={'yes' if op['compatible'] else 'no'}"
             + (f" ({'; '.join(op['warnings'])})" if op["warnings"] else "")
@@ -95,7 +97,8 @@ def test_unpromised_ops_are_reported(report, profile):
 
 
 def test_promised_op(promised_op, report, op_checks, node, metrics, profile, run):
-    """A promised op MUST be ds_report-compatible, build, load, and compute like its reference."""
+    """OPS-LOAD-1: A promised op MUST be ds_report-compatible, build, load, and compute like its
+    reference."""
     problems = []
     status = report["ops"].get(promised_op)
     if status is None:

@@ -37,14 +37,14 @@ def test_gpus_usable(node):
 
 @pytest.mark.gpu
 def test_gpu_count(profile, node):
-    """The node MUST show exactly the number of GPUs the profile promises."""
+    """PROF-GPU-1: The node MUST show exactly the number of GPUs the profile promises."""
     want = _promised(profile.gpu_count, "gpus.count", profile)
     assert node.gpu_count == want, f"expected {want} GPUs, found {node.gpu_count}"
 
 
 @pytest.mark.gpu
 def test_gpu_model(profile, node):
-    """Every GPU's name MUST contain the promised model string."""
+    """PROF-GPU-2: Every GPU's name MUST contain the promised model string."""
     want = _promised(profile.gpu_model, "gpus.model", profile)
     wrong = [f"GPU {i}: {g.name}" for i, g in enumerate(node.gpus) if want.lower() not in
              g.name.lower()]
@@ -53,7 +53,7 @@ def test_gpu_model(profile, node):
 
 @pytest.mark.gpu
 def test_gpu_memory(profile, node):
-    """Every GPU MUST have at least the promised memory (GiB = 2**30 bytes)."""
+    """PROF-GPU-3: Every GPU MUST have at least the promised memory (GiB = 2**30 bytes)."""
     want = _promised(profile.gpu_min_memory_gib, "gpus.min_memory_gib", profile)
     small = [f"GPU {i}: {g.memory_gib:.1f} GiB" for i, g in enumerate(node.gpus)
              if g.memory_gib < want]
@@ -62,7 +62,7 @@ def test_gpu_memory(profile, node):
 
 @pytest.mark.gpu
 def test_compute_capability(profile, node):
-    """Every GPU MUST have the promised compute capability."""
+    """PROF-GPU-4: Every GPU MUST have the promised compute capability."""
     want = _promised(profile.gpu_compute_capability, "gpus.compute_capability", profile)
     wrong = [f"GPU {i}: {g.compute_capability}" for i, g in enumerate(node.gpus)
              if g.compute_capability != want]
@@ -72,7 +72,8 @@ def test_compute_capability(profile, node):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_half_precision_matmul(profile, node, dtype):
-    """A promised half-precision dtype MUST run a matmul on every GPU with a sane result."""
+    """PROF-GPU-5: A promised half-precision dtype MUST run a matmul on every GPU with a sane
+    result."""
     if getattr(profile, dtype) is not True:
         pytest.skip(f"profile {profile.name} makes no promise about gpus.{dtype}")
     import torch
@@ -91,7 +92,7 @@ def test_half_precision_matmul(profile, node, dtype):
 
 @pytest.mark.gpu
 def test_nccl_version(profile, node):
-    """torch's NCCL MUST be at least the promised minimum version."""
+    """PROF-NCCL-1: torch's NCCL MUST be at least the promised minimum version."""
     want = _promised(profile.nccl_min_version, "nccl.min_version", profile)
     assert node.nccl_version, "expected NCCL, found none (torch built without NCCL?)"
     assert versions.at_least(node.nccl_version, want), \
@@ -109,7 +110,7 @@ def _driver_cuda_version() -> str | None:
 
 @pytest.mark.gpu
 def test_cuda_driver_supports_torch(profile, node):
-    """The driver MUST support the CUDA version torch was built with."""
+    """PROF-DRV-1: The driver MUST support the CUDA version torch was built with."""
     if not profile.check_cuda_driver:
         pytest.skip(f"profile {profile.name} makes no promise about system.check_cuda_driver")
     driver_cuda = _driver_cuda_version()
@@ -122,7 +123,8 @@ def test_cuda_driver_supports_torch(profile, node):
 
 @pytest.mark.anynode
 def test_shm_size(profile, node):
-    """/dev/shm MUST be at least the promised size (NCCL and DeepSpeed's shm comm use it)."""
+    """PROF-SHM-1: /dev/shm MUST be at least the promised size (NCCL and DeepSpeed's shm comm use
+    it)."""
     want = _promised(profile.min_shm_gib, "system.min_shm_gib", profile)
     found = (node.shm_bytes or 0) / GIB
     assert found >= want, f"expected /dev/shm >= {want} GiB, found {found:.2f} GiB"
@@ -130,14 +132,14 @@ def test_shm_size(profile, node):
 
 @pytest.mark.anynode
 def test_cpu_cores(profile, node):
-    """The node MUST have at least the promised number of CPU cores."""
+    """PROF-CPU-1: The node MUST have at least the promised number of CPU cores."""
     want = _promised(profile.min_cpu_cores, "system.min_cpu_cores", profile)
     assert node.cpu_cores >= want, f"expected >= {want} CPU cores, found {node.cpu_cores}"
 
 
 @pytest.mark.anynode
 def test_host_memory(profile, node):
-    """The node MUST have at least the promised host memory."""
+    """PROF-MEM-1: The node MUST have at least the promised host memory."""
     want = _promised(profile.min_host_memory_gib, "system.min_memory_gib", profile)
     found = (node.host_memory_bytes or 0) / GIB
     assert found >= want, f"expected >= {want} GiB host memory, found {found:.1f} GiB"
@@ -145,7 +147,7 @@ def test_host_memory(profile, node):
 
 @pytest.mark.anynode
 def test_deepspeed_version(profile, node):
-    """The installed DeepSpeed MUST be at least the promised minimum version."""
+    """PROF-DS-1: The installed DeepSpeed MUST be at least the promised minimum version."""
     want = _promised(profile.deepspeed_min_version, "deepspeed.min_version", profile)
     assert node.deepspeed_version, "expected DeepSpeed installed, found none"
     assert versions.at_least(node.deepspeed_version, want), \
@@ -154,7 +156,7 @@ def test_deepspeed_version(profile, node):
 
 @pytest.mark.nvme
 def test_nvme_paths_writable(profile, run):
-    """Every promised NVMe path MUST exist and be writable."""
+    """PROF-NVME-1: Every promised NVMe path MUST exist and be writable."""
     scratch = run.scratch
     bad = []
     for entry in profile.nvme_paths:

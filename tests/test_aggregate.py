@@ -145,6 +145,9 @@ def test_outlier_below_the_fleet_median_even_above_its_floor(tmp_path):
     lines = aggregate_report.terminal(report)
     assert any(ln.startswith("  c: ") and "is 83% of the fleet median 302.5 GB/s" in ln
                and "its limit 200 GB/s" in ln for ln in lines), lines
+    # A time is a multiple of the median (60 s is 1.48x 40.5 s), never "148% of" or "68% of".
+    assert any(ln.startswith("  d: ") and "= 60 s is 1.48x the fleet median 40.5 s (lower is "
+               "better: 68% of the median's performance" in ln for ln in lines), lines
 
 
 def test_known_issue_is_counted_once_not_per_node(tmp_path):
@@ -184,6 +187,22 @@ def test_unfinished_run_and_bad_exit_status_fail_their_node(tmp_path):
     assert drains[1] == ('scontrol update nodename=killed state=drain reason="dsconform: the run '
                          'did not finish: no summary.json (1 test outcomes in records.jsonl, '
                          'the last su..."')
+
+
+def test_a_run_that_ran_nothing_or_lost_its_benchmarks_fails_its_node(tmp_path):
+    """A node whose run recorded no test (a selection that matched nothing) proves nothing; a
+    folder whose benchmarks.json is gone cannot be read: neither passes."""
+    write_node(tmp_path / "empty", outcomes=[])
+    good(tmp_path / "partial")
+    (tmp_path / "partial" / "benchmarks.json").unlink()
+    good(tmp_path / "fine")
+    report = aggregate.analyse(aggregate.collect([tmp_path]))
+    problems = {n.name: n.problems for n in report.failed_nodes}
+    assert problems == {
+        "empty": ["the run recorded no test outcome: it proves nothing about the node (a "
+                  "selection that matched nothing, or a --collect-only run)"],
+        "partial": ["no benchmarks.json beside summary.json: its outcomes and measurements "
+                    "cannot be read (an incomplete copy of the folder?)"]}
 
 
 def test_drain_reasons_are_shell_safe_and_names_checked(tmp_path):

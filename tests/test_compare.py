@@ -287,9 +287,14 @@ def test_environment_rows_and_hardware_warnings():
     assert compare.compare(base, doc(deepspeed="0.19.8")).warnings == []
 
 
+# The CLI refuses a run that recorded nothing (test_a_run_that_ran_nothing_...): one outcome.
+RAN = [outcome("t.py::x", "passed")]
+
+
 def test_cli_different_hardware_warns_and_exits_2_only_with_strict(tmp_path, capsys):
-    base = write(tmp_path / "b.json", doc())
-    cpu = write(tmp_path / "n.json", doc(gpu_model=None, gpu_count=0, profile="cpu-ci"))
+    base = write(tmp_path / "b.json", doc(outcomes=RAN))
+    cpu = write(tmp_path / "n.json", doc(outcomes=RAN, gpu_model=None, gpu_count=0,
+                                         profile="cpu-ci"))
     assert main(["compare", base, cpu]) == 0
     out = capsys.readouterr().out
     assert "WARNING: these runs are of DIFFERENT HARDWARE" in out and "cpu-ci" in out
@@ -325,7 +330,7 @@ def test_cli_exit_codes(tmp_path, capsys):
 
 def test_cli_accepts_a_results_directory(tmp_path):
     (tmp_path / "a").mkdir()
-    write(tmp_path / "a" / "benchmarks.json", doc())
+    write(tmp_path / "a" / "benchmarks.json", doc(outcomes=RAN))
     assert main(["compare", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
 
 
@@ -365,6 +370,9 @@ def _bad_docs():
         (json.dumps(broken(["dsconform", "facts"], [{"name": "x"}])),
          "dsconform.facts[0].nodeid: expected a string, found null"),
         (json.dumps(broken(["machine_info"], "vm")), "machine_info: expected an object"),
+        (json.dumps({k: v for k, v in good.items() if k != "dsconform"}),
+         "a pytest-benchmark file without dsconform outcomes (no 'dsconform' section): not a "
+         "suite run"),
         (b"\xff\xfe\x00", "cannot read"),
     ]
 
@@ -388,12 +396,37 @@ def test_malformed_or_foreign_input_is_one_line_and_exit_2(tmp_path, capsys, con
 
 
 def test_unwritable_outputs_are_one_line_and_exit_2(tmp_path, capsys):
-    good = write(tmp_path / "good.json", doc())
+    good = write(tmp_path / "good.json", doc(outcomes=RAN))
     missing_dir = tmp_path / "no" / "such"
     assert main(["compare", good, good, "--markdown", str(missing_dir / "x.md")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == [f"dsconform compare: cannot write {missing_dir / 'x.md'}: No such file or "
                    "directory"]
+
+
+@pytest.mark.parametrize("empty_side", ["base", "new"])
+def test_a_run_that_ran_nothing_is_refused_not_compared(tmp_path, capsys, empty_side):
+    """A --collect-only run (or a selection that matched nothing) writes no outcome and no
+    metric: comparing it would print "no regression" having compared nothing."""
+    ran = write(tmp_path / "ran.json", doc([metric("bw", [1.0], "GB/s", "higher")], RAN))
+    empty = write(tmp_path / "empty.json", doc())
+    args = [empty, ran] if empty_side == "base" else [ran, empty]
+    assert main(["compare", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"dsconform compare: {empty}: the run recorded no test outcome and no measurement: "
+        "nothing to compare (a --collect-only run, a selection that matched nothing, or a run "
+        "stopped before its first test ended)"]
+
+
+@pytest.mark.parametrize("name", ["junit.xml", "records.jsonl"])
+def test_another_results_file_names_the_benchmarks_json(tmp_path, capsys, name):
+    good = write(tmp_path / "good.json", doc(outcomes=RAN))
+    other = tmp_path / name
+    other.write_text("<testsuites/>" if name.endswith(".xml") else '{"a": 1}\n{"b": 2}\n')
+    assert main(["compare", good, str(other)]) == 2
+    assert "give the benchmarks.json beside it" in capsys.readouterr().err
 
 
 def test_missing_file_and_bad_threshold(tmp_path, capsys):

@@ -23,7 +23,10 @@ from dsconform.gating import requires
 CAPABILITY = "demo"
 
 def test_plain(metrics):
-    """Plain tests MUST run."""
+    """Plain tests MUST run, whatever the
+    node.
+
+    Not part of the statement."""
     metrics.record("answer", [41.0, 42.0, 43.0], unit="s", better="lower", limit=50.0, size=7)
 
 @pytest.mark.gpu
@@ -99,7 +102,9 @@ def test_results_files_and_summary(run, pytester, tmp_path):
     assert info == {"metric": "answer", "unit": "s", "better": "lower", "limit": 50.0,
                     "params": {"size": 7}}
     outcomes = {o["nodeid"].rsplit("/", 1)[-1]: o for o in doc["dsconform"]["outcomes"]}
-    assert outcomes["test_demo.py::test_plain"]["must"] == "Plain tests MUST run."
+    # The first paragraph, on one line: a statement wrapped over lines is kept whole.
+    must = outcomes["test_demo.py::test_plain"]["must"]
+    assert must == "Plain tests MUST run, whatever the node."
     assert outcomes["test_demo.py::test_needs_gpu"]["outcome"] == "skipped"
     assert outcomes["test_demo.py::test_needs_gpu"]["reason"] == "Requires: [GPUs>=1 (found 0)]"
     assert (out / "junit.xml").exists()
@@ -109,6 +114,19 @@ def test_results_files_and_summary(run, pytester, tmp_path):
     assert summary["capabilities"]["demo"] == {"passed": 2, "skipped": 4}
     result.stdout.fnmatch_lines(["*dsconform conformance summary*", "demo*2*0*4*",
                                  "skips by reason:"])
+
+
+def test_collect_only_leaves_the_last_results_alone(run, pytester, tmp_path):
+    """`pytest --co` runs nothing: the last run's results stay as they were."""
+    run("--profile", str(profile_file(tmp_path, 0)))
+    out = pytester.path / "results"
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    result = run("--profile", str(profile_file(tmp_path, 0)), "--collect-only")
+    result.stdout.fnmatch_lines(["*results: not written (--collect-only)*"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    empty = pytester.path / "never"
+    pytester.runpytest("-p", "fixtures.plugin", "--results", str(empty), "--co")
+    assert not empty.exists()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -121,6 +139,15 @@ def test_bad_options_are_usage_errors(run, args, message):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
     assert "Traceback" not in result.stderr.str()
+
+
+def test_a_profile_from_the_environment_is_named_as_such(run, monkeypatch):
+    monkeypatch.setenv("DSCONFORM_PROFILE", "no-such-profile")
+    result = run()
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*DSCONFORM_PROFILE=no-such-profile: no such shipped profile*"])
+    result = run("--profile=no-such-profile")  # typed: named as typed
+    result.stderr.fnmatch_lines(["*--profile no-such-profile: no such shipped profile*"])
 
 
 def test_malformed_profile_names_file_and_field(run, tmp_path):

@@ -68,6 +68,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     if not args.threshold >= 0:
         return unusable(f"--threshold {args.threshold}: must be a number >= 0 (0.1 = 10%)")
+    if args.threshold >= 1:  # likely meant as percent: say what it does
+        print(f"dsconform compare: note: --threshold {args.threshold:g} is "
+              f"{args.threshold:.0%}, a fraction (0.1 = 10%)", file=sys.stderr)
     if args.plot:  # before any work: a missing extra is said at once, in one line
         try:
             compare_plot.require()

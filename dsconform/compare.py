@@ -475,6 +475,11 @@ def compare_facts(base: Run, new: Run) -> tuple[list[Change], list[str]]:
                                if not r.has_facts)
         return [], [f"{missing} recorded no facts (written by an older dsconform): DeepSpeed's "
                     "effective defaults were not compared"]
+    empty = [lbl for lbl, r in (("BASE", base), ("NEW", new)) if not r.facts]
+    if empty:  # the defaults test (ZERO-DEF-1) was not selected, or did not get that far
+        return [], [f"{' and '.join(empty)} recorded no facts (the defaults test ZERO-DEF-1 did "
+                    "not run, or ended before recording): DeepSpeed's effective defaults were "
+                    "not compared"]
     out = []
     for key in sorted(set(base.facts) | set(new.facts)):
         if key not in new.facts:

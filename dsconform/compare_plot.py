@@ -63,7 +63,8 @@ def rows(result: RunComparison, max_rows: int = MAX_ROWS) -> tuple[list[Row], st
 
 
 def _limit(rs: list[Row]) -> float:
-    finite = [abs(r.rel) for r in rs if math.isfinite(r.rel)] + [r.band for r in rs]
+    finite = [abs(r.rel) for r in rs if math.isfinite(r.rel)] + [
+        r.band for r in rs if math.isfinite(r.band)]
     # Room for the largest change, at most +-300% (a larger one is clipped and annotated).
     return min(max(finite + [0.05]) * 1.25, 3.0)
 
@@ -97,7 +98,8 @@ def draw(result: RunComparison, path: str | Path, title: str | None = None) -> A
     ys = list(range(len(rs)))[::-1]  # first row at the top
     shown = [max(-lim, min(lim, r.rel)) for r in rs]
     for y, r in zip(ys, rs):
-        ax.add_patch(Rectangle((-r.band, y - 0.42), 2 * r.band, 0.84, color=BAND_COLOR,
+        band = min(r.band, lim * 1.35)  # an infinite band (a median of 0) spans the axis
+        ax.add_patch(Rectangle((-band, y - 0.42), 2 * band, 0.84, color=BAND_COLOR,
                                zorder=0, linewidth=0))
     ax.barh(ys, shown, height=0.6, color=[COLORS[r.kind] for r in rs], zorder=2)
     for y, r, x in zip(ys, rs, shown):

@@ -136,7 +136,9 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "suite's task), 2026-11-30: replicas 0 / 2.4e-7 / 0 apart without a resume, "
              "4.6e-3 / 3.9e-3 / 0.109 (max abs) 80 steps after resuming at step 120; the "
              "first step after the load makes no update, the second is the `adam_freeze_key is "
-             "False` branch on un-reduced gradients. Not yet seen on GPUs",
+             "False` branch on un-reduced gradients. Seen on 2xH200 too (DeepSpeed 0.19.6, "
+             "nccl, 2026-11-30): all three listed cases strict-xfailed "
+             "(results/reference/h200-x2/runs-2026-11-30/pair-ds-0.19.6)",
     ),
     KnownIssue(
         id="DS-ONEBIT-LAMB-RESUME",
@@ -148,8 +150,9 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         cases=("test_onebit.py::test_resume_keeps_converging[onebit_lamb-fp32]",),
         seen="CPU stand-in (see DS-ONEBIT-RESUME-LOCAL-STEP), fp32, lr 0.1, 2026-11-30: loss "
              "0.0109 at the save, 0.18 two steps after the load, 0.045 at step 200 against the "
-             "uninterrupted run's 0.0040 (ratio 11.4; 1-bit Adam 0.92, 0/1 Adam 0.99). Not yet "
-             "seen on GPUs",
+             "uninterrupted run's 0.0040 (ratio 11.4; 1-bit Adam 0.92, 0/1 Adam 0.99). Seen on "
+             "2xH200 too (DeepSpeed 0.19.6, fp32, 2026-11-30: the listed case strict-xfailed, "
+             "results/reference/h200-x2/runs-2026-11-30/pair-ds-0.19.6)",
     ),
     KnownIssue(
         id="DS-8500-WRITER-RELOAD",
@@ -162,8 +165,9 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         cases=("test_checkpoint.py::test_load_throughput[cuda-fast]",),
         seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: with checkpoint.writer type python "
              "(and fast, decoupled) every rank raised UnpicklingError 'Weights only load "
-             "failed' in FastCheckpointEngine.load; fast itself needs a GPU (pinned buffer), so "
-             "the listed case was not yet run",
+             "failed' in FastCheckpointEngine.load; fast itself needs a GPU (pinned buffer): "
+             "the listed case ran on 2xH200 (2026-11-30, DeepSpeed 0.19.8) and strict-xfailed "
+             "there (results/reference/h200-x2/runs-2026-11-30-s4)",
     ),
     KnownIssue(
         id="DS-8474-UCP-FP32-REBOUND",

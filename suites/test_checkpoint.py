@@ -697,8 +697,8 @@ def _record(metrics, name: str, result: dict, case: CkptCase, engine: str, accel
 
 @pytest.mark.parametrize("accelerator, engine", _engine_params())
 def test_save_throughput(accelerator, engine, scratch, metrics, profile, node):
-    """CKPT-PERF-1: save GB/s (bytes until durable on every rank), 3 rounds, per engine, at
-    least the profile's checkpoint floor."""
+    """CKPT-PERF-1: save GB/s (bytes until durable on every rank, median of 3 rounds, per
+    engine) MUST be at least the profile's checkpoint floor."""
     case = _engine_case(accelerator, engine, profile, node)
     d = _perf_dir(scratch, case, engine)
     result = run_ranks(ranks.measure_saves, case.world_size, args=(case, d, ROUNDS),
@@ -708,8 +708,8 @@ def test_save_throughput(accelerator, engine, scratch, metrics, profile, node):
 
 @pytest.mark.parametrize("accelerator, engine", _engine_params())
 def test_load_throughput(accelerator, engine, scratch, metrics, profile, node):
-    """CKPT-PERF-2: load GB/s (bytes read from the device), 3 rounds, per engine, at least the
-    profile's checkpoint floor."""
+    """CKPT-PERF-2: load GB/s (bytes read from the device, median of 3 rounds, per engine) MUST
+    be at least the profile's checkpoint floor."""
     case = _engine_case(accelerator, engine, profile, node)
     d = _perf_dir(scratch, case, engine)
     run_ranks(ranks.measure_saves, case.world_size, args=(case, d, ROUNDS),

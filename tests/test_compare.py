@@ -270,6 +270,20 @@ def test_runs_without_facts_say_defaults_were_not_compared():
                             "DeepSpeed's effective defaults were not compared"]
 
 
+def test_runs_where_the_defaults_test_did_not_run_say_defaults_were_not_compared():
+    """The 2xH200 upgrade pair recorded no facts (ZERO-DEF-1 was not in -m gpu): "nothing
+    silently changed" must not be all the comparison says."""
+    ran_elsewhere = doc(outcomes=[outcome("t.py::x", "passed")])
+    for base, new, who in ((ran_elsewhere, ran_elsewhere, "BASE and NEW"),
+                           (ran_elsewhere, defaults(1.0), "BASE"),
+                           (defaults(1.0), ran_elsewhere, "NEW")):
+        result = compare.compare(base, new)
+        assert not result.of("vanished", compare.FACT) and not result.of("new", compare.FACT)
+        assert result.notes == [f"{who} recorded no facts (the defaults test ZERO-DEF-1 did not "
+                                "run, or ended before recording): DeepSpeed's effective "
+                                "defaults were not compared"]
+
+
 # ------------------------------------------------------------------ environment
 
 def test_environment_rows_and_hardware_warnings():
@@ -435,6 +449,10 @@ def test_missing_file_and_bad_threshold(tmp_path, capsys):
     assert "missing.json: no such file" in capsys.readouterr().err
     assert main(["compare", good, good, "--threshold", "-0.1"]) == 2
     assert "--threshold -0.1: must be a number >= 0" in capsys.readouterr().err
+    ran = write(tmp_path / "ran.json", doc(outcomes=RAN))
+    assert main(["compare", ran, ran, "--threshold", "5"]) == 0  # 500%, as typed, but said
+    assert ("dsconform compare: note: --threshold 5 is 500%, a fraction (0.1 = 10%)"
+            in capsys.readouterr().err)
 
 
 # ------------------------------------------------------------------ real files

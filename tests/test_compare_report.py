@@ -3,8 +3,10 @@ exactly the regressions), and the one-line message when matplotlib is missing.""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -184,6 +186,23 @@ def test_plot_rows_keep_every_regression_and_say_what_was_left_out():
 def test_plot_without_metrics_still_writes_a_png(tmp_path):
     compare_plot.draw(compare.compare(doc(), doc()), tmp_path / "empty.png")
     assert (tmp_path / "empty.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_an_infinite_noise_band_is_drawn_across_the_axis_without_warnings(tmp_path):
+    """A metric whose median is 0 with samples spread around it (waited_for_pct) has an infinite
+    noise band: the chart spans it across the axis, with no NaN in matplotlib's transforms."""
+    base = doc([metric("wait", [0.0, 0.0, 3.0], "%"), metric("t", [1.0, 1.0, 1.0])])
+    new = doc([metric("wait", [0.0, 1.0, 4.0], "%"), metric("t", [1.5, 1.5, 1.5])])
+    result = compare.compare(base, new)
+    rows, _ = compare_plot.rows(result)
+    assert any(r.band == float("inf") for r in rows), rows
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = compare_plot.draw(result, tmp_path / "inf.png")
+    ax = fig.axes[0]
+    lo, hi = ax.get_xlim()
+    bands = [p for p in ax.patches if p.get_zorder() == 0]
+    assert all(math.isfinite(p.get_width()) and p.get_width() <= hi - lo for p in bands)
 
 
 def test_missing_matplotlib_is_one_line_and_exit_2(pair_files, tmp_path):

@@ -293,11 +293,13 @@ def _partial_marks(params: list) -> list:
 @pytest.mark.parametrize("accelerator, mode, case", _partial_marks(_params(
     PARTIAL_CELLS, cpu_tier=PARTIAL_CPU_TIER, gpu_tier=PARTIAL_GPU_TIER,
     prefix=lambda c: (c["mode"],), build=lambda c: CkptCase(stage=c["stage"], dtype=c["dtype"]))))
-def test_partial_load(accelerator, mode, case, scratch, profile):
+@batched(lambda params, workdir, run: RankCall(
+    ranks.partial_load, params["case"].world_size, _timeout(params["case"]),
+    args=(params["case"], ckpt_dir(workdir, params["case"]), params["mode"]),
+    accelerator=params["accelerator"]), cost=3)
+def test_partial_load(accelerator, mode, case, scratch, profile, request):
     """CKPT-PARTIAL-1: a partial load MUST load exactly what its flags say and nothing else."""
-    results = run_ranks(ranks.partial_load, case.world_size,
-                        args=(case, ckpt_dir(scratch, case), mode), accelerator=accelerator,
-                        timeout_s=_timeout(case))
+    results = cell_results(request, scratch)  # run at once with other cells
     tol = tolerance("checkpoint", case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
     problems = check_partial(results, mode, tol)
@@ -339,12 +341,14 @@ def _fp32_params(cpu_tier: set, gpu_tier: list) -> list:
 
 
 @pytest.mark.parametrize("accelerator, case", _fp32_params(FP32_CPU_TIER, FP32_GPU_TIER))
-def test_consolidated_fp32_equals_masters(accelerator, case, scratch, profile):
+@batched(lambda params, workdir, run: RankCall(
+    ranks.save_and_consolidate, params["case"].world_size, _timeout(params["case"]),
+    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]),
+    cost=3)
+def test_consolidated_fp32_equals_masters(accelerator, case, scratch, profile, request):
     """CKPT-FP32-1: get_fp32_state_dict_from_zero_checkpoint MUST equal the gathered fp32
     masters under every state_dict name; tied weights MUST stay tied."""
-    live = run_ranks(ranks.save_and_consolidate, case.world_size,
-                     args=(case, ckpt_dir(scratch, case)), accelerator=accelerator,
-                     timeout_s=_timeout(case))[0]
+    live = cell_results(request, scratch)[0]  # run at once with other cells
     tol = tolerance("checkpoint", case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
     check_consolidated(live["consolidated"], live, tol,
@@ -467,16 +471,26 @@ def _stage_params() -> list:
     return out
 
 
+def _stage_case(source_stage: int) -> CkptCase:
+    return CkptCase(stage=source_stage, dtype="fp32", optimizer="sgd")
+
+
+def _stage_plan(params: dict, workdir: Path, run) -> RankCall:
+    """Save at the source stage, load into the target stage, on the same ranks (a refused
+    load is the cell's RankError: its lane's ranks are replaced, as run_ranks' would be)."""
+    case = _stage_case(params["source_stage"])
+    return RankCall(ranks.round_trip, case.world_size, TIMEOUT_S,
+                    args=(case, ckpt_dir(workdir, case), case.with_(stage=params["target_stage"])),
+                    accelerator=params["accelerator"])
+
+
 @pytest.mark.parametrize("accelerator, source_stage, target_stage", _stage_params())
-def test_stage_change(accelerator, source_stage, target_stage, scratch, profile):
+@batched(_stage_plan, cost=3)
+def test_stage_change(accelerator, source_stage, target_stage, scratch, profile, request):
     """CKPT-STAGE-1: a checkpoint loaded into another ZeRO stage MUST give the saved weights,
     masters, scheduler and counters and the same next steps (fp32 SGD: bit-exact across
     stages)."""
-    case = CkptCase(stage=source_stage, dtype="fp32", optimizer="sgd")
-    target = case.with_(stage=target_stage)
-    results = run_ranks(ranks.round_trip, case.world_size,
-                        args=(case, ckpt_dir(scratch, case), target), accelerator=accelerator,
-                        timeout_s=TIMEOUT_S)
+    results = cell_results(request, scratch)  # run at once with other cells
     tol = tolerance("checkpoint", "fp32", "sgd", profile.tolerances, accelerator=accelerator)
     # The next steps run on another stage: held to ZeRO's own cross-stage equivalence.
     steps = tolerance("zero", "fp32", "sgd", profile.tolerances, accelerator=accelerator)

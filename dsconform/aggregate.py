@@ -14,8 +14,9 @@ for the multi-node tier, one folder per rank. This module reads them and answers
   of 1e-7 against a median of 0 is not an outlier but a tolerance question;
 - **known upstream issues** (dsconform/known_issues.py) once each, with the nodes they were hit
   on and the number of cases, never once per node;
-- **multi-node jobs**: folders whose run was a rank of a rendezvous spanning several nodes
-  (summary.json ``rendezvous``) are grouped by job;
+- **jobs**: folders whose run was a rank of a torchrun/Slurm rendezvous (summary.json
+  ``rendezvous``) are grouped by job, never counted as nodes; a failing multi-node job names no
+  node, a failing job on one node names that node (by hostname);
 - the Slurm commands that would drain the failing nodes. They are printed, never run: draining
   is a decision for a person.
 
@@ -88,9 +89,10 @@ class NodeResult:
 
     @property
     def job(self) -> str | None:
-        """The multi-node job this run was a rank of (None: a single-node run)."""
+        """The torchrun/Slurm job this run was a rank of (None: a plain run). A job on one node
+        too: its folders are ranks (``<node>-rank<R>``), not nodes."""
         r = self.rendezvous or {}
-        return str(r.get("job")) if (r.get("nodes") or 1) > 1 else None
+        return str(r["job"]) if r.get("job") is not None else None
 
     @property
     def problems(self) -> list[str]:
@@ -109,7 +111,7 @@ class NodeResult:
             why = EXIT_STATUS.get(status, "unknown")
             notes = "; ".join(self.notices)
             out.append(f"pytest exit status {status} ({why})" + (f": {notes}" if notes else ""))
-        if self.finished and not self.outcomes and not any(
+        if self.finished and status in (None, 0) and not self.outcomes and not any(
                 sum(c.values()) for c in self.capabilities.values() if isinstance(c, dict)):
             out.append("the run recorded no test outcome: it proves nothing about the node (a "
                        "selection that matched nothing, or a --collect-only run)")
@@ -469,10 +471,18 @@ def _drain_reason(problem: str) -> str:
 def drain_commands(report: ClusterReport) -> list[str]:
     """The Slurm commands that would drain each failing node, for a person to run. A failing
     rank of a multi-node job names no node by itself (the fault may be its peer or the
-    network): it gets a comment, not a command."""
+    network): it gets a comment, not a command. A failing job on one node names that node."""
     lines = []
+    drained: set[str] = set()
     for n in report.failed_nodes:
-        if n.job is not None:
+        one_node = n.job is not None and int((n.rendezvous or {}).get("nodes") or 1) == 1
+        if one_node and _NODE_NAME.match(n.hostname) and n.hostname not in drained:
+            drained.add(n.hostname)
+            lines.append(f'scontrol update nodename={n.hostname} state=drain '
+                         f'reason="{_drain_reason(f"job {n.job} rank {n.name}: {n.problems[0]}")}"')
+        elif one_node:
+            continue  # its node is drained above, or its name is no Slurm node name
+        elif n.job is not None:
             lines.append(f"# {n.name}: rank of multi-node job {n.job} failed; a multi-node "
                          "failure names no single node: compare the nodes' single-node runs")
         elif not _NODE_NAME.match(n.name):

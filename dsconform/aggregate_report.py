@@ -78,7 +78,9 @@ def terminal(report: ClusterReport) -> list[str]:
             out.append(f"  {_node_label(n)}:")
             out += [f"    {p}" for p in n.problems]
     for job in report.jobs:
-        out.append(f"multi-node job {job.job}: {job.nodes} nodes, world size {job.world_size}, "
+        kind, nodes = ("multi-node job", f"{job.nodes} nodes") if job.nodes > 1 else (
+            "one-node job", "1 node")
+        out.append(f"{kind} {job.job}: {nodes}, world size {job.world_size}, "
                    f"{len(job.members)} rank folder(s): {'FAILED' if job.failed else 'passed'}")
     if report.outliers:
         out.append(f"outliers (performance below {report.outlier_pct:g}% of the fleet median's):")

@@ -237,6 +237,27 @@ def test_multinode_ranks_group_into_a_job_and_are_not_drained(tmp_path):
         aggregate.collect([tmp_path])
 
 
+def test_a_one_node_job_is_a_job_and_a_failure_drains_its_node_by_hostname(tmp_path):
+    """`sbatch --nodes=1` still runs stage 2: its rank folders (<node>-rank<R>) are a job's
+    ranks, not nodes; a failure there does name the node, by its hostname (never
+    "vm-rank0", no Slurm node)."""
+    job = {"launcher": "torchrun", "job": "j7", "world_size": 2, "nodes": 1}
+    for rank in (0, 1):
+        write_node(tmp_path / "multinode" / f"gpu-a01-rank{rank}",
+                   outcomes=[outcome(ZERO, "failed", "expected >= 32 CPU cores, found 2")],
+                   rendezvous={**job, "rank": rank, "local_rank": rank, "node_rank": 0},
+                   hostname="gpu-a01")
+    good(tmp_path / "single" / "gpu-a01")
+    report = aggregate.analyse(aggregate.collect([tmp_path]), expect=["gpu-a01"])
+    (j,) = report.jobs
+    assert (j.job, j.nodes, j.failed) == ("j7", 1, True)
+    assert aggregate.drain_commands(report) == [
+        'scontrol update nodename=gpu-a01 state=drain reason="dsconform: job j7 rank '
+        'gpu-a01-rank0: 1 x expected >= 32 CPU cores, found 2"']
+    lines = aggregate_report.terminal(report)
+    assert "one-node job j7: 1 node, world size 2, 2 rank folder(s): FAILED" in lines
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda d: (d / "gpu-a02").mkdir(),
      r"gpu-a02: empty folder: no node wrote results here"),

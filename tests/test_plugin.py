@@ -7,6 +7,7 @@ node (this machine), with profiles written for the purpose.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -163,6 +164,42 @@ def test_unwritable_scratch_is_usage_error(run):
     result = run("--scratch", "/proc")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--scratch /proc: not writable*"])
+
+
+def test_an_interrupted_run_says_how_far_it_got(tmp_path):
+    """SIGINT (Ctrl-C, or a time limit's `timeout -s INT`) still writes the results, and the
+    summary says the run was interrupted and how many of the selected tests ran."""
+    import signal
+
+    (tmp_path / "test_stop.py").write_text(
+        "import time\ndef test_a(): pass\ndef test_b(): time.sleep(60)\ndef test_c(): pass\n")
+    out = tmp_path / "results"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "test_stop.py", "-p", "fixtures.plugin", "-p",
+         "no:cacheprovider", "--rootdir", str(tmp_path), "--results", str(out), "-q"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while '"test_stop.py::test_a"' not in _read(out / "records.jsonl"):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.1)
+    time.sleep(0.5)  # test_b is running
+    proc.send_signal(signal.SIGINT)
+    text = proc.communicate(timeout=60)[0]
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, text
+    summary = json.loads((out / "summary.json").read_text())
+    said = ("the run was interrupted after 1 of 3 selected tests (Ctrl-C, or SIGINT from a time "
+            "limit such as nightly-node.sh's DSCONFORM_TIME_S): the rest did not run, so this "
+            "run does not accept the node")
+    assert summary["exitstatus"] == 2 and said in summary["notices"]
+    assert f"NOTE: {said}" in (out / "summary.txt").read_text()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        return ""
 
 
 def test_plugin_overhead_beyond_importing_deepspeed():

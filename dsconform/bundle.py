@@ -378,7 +378,28 @@ def build(out: Path, *, python: str, platform: str, deepspeed: list[str],
         except InvalidRequirement as e:
             raise BundleError(f"--include {text!r}: {e}") from None
     started = time.monotonic()
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        return _fill(out, python=python, platform=platform, deepspeed=deepspeed, have=have,
+                     checkout=checkout, debs=debs, env=env, extra=extra, log=log,
+                     started=started)
+    except BaseException:
+        # A half-built bundle is no bundle, and would make the retry refuse the folder.
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for p in list(out.iterdir()):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+        raise
+
+
+def _fill(out: Path, *, python: str, platform: str, deepspeed: list[str],
+          have: Mapping[str, str | None], checkout: Path, debs: Iterable[str], env: Any,
+          extra: list, log: Callable[[str], None], started: float) -> dict[str, Any]:
     wheels_dir = out / "wheels"
     log(f"bundle: building the suite's wheel from {checkout}")
     suite_wheel = build_suite(checkout, wheels_dir)

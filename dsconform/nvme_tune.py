@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -116,9 +117,11 @@ def tune(directory: str | Path, *, nbytes: int = DEFAULT_BYTES,
     for s in order:
         unit, _ = io_units(s, facts)
         if nbytes % unit or nbytes % s.block_size:
-            raise ValueError(f"nbytes={nbytes} must be a multiple of every block size and of "
-                             f"intra_op_parallelism x the logical block size ({s.label()}: "
-                             f"{unit}); try a power of two >= {max(grid['block_size'])}")
+            raise ValueError(f"{nbytes} bytes per transfer is not a multiple of every block "
+                             "size swept and of intra_op_parallelism x the logical block size "
+                             f"(the configuration {s.label()} needs a multiple of "
+                             f"{math.lcm(unit, s.block_size)} bytes); use a power of two >= "
+                             f"{max(grid['block_size'])}")
     probe_o_direct(directory, facts)
     result = TuneResult(facts=facts, nbytes=nbytes, memory=memory, budget_s=budget_s,
                         grid_size=len(order))
@@ -205,11 +208,17 @@ def cmd_nvme_tune(args: argparse.Namespace) -> int:
     def progress(line: str) -> None:
         print(f"nvme-tune: {line}", file=sys.stderr, flush=True)
 
+    if args.memory == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            print("dsconform nvme-tune: --memory cuda: torch sees no CUDA GPU here "
+                  "(torch.cuda.is_available() is False); use --memory locked", file=sys.stderr)
+            return 2
     ensure_extensions_dir()  # the suite's op cache, so async_io is not rebuilt
     try:
         with _stdout_to_stderr():
             result = tune(args.path, nbytes=args.nbytes, budget_s=args.seconds,
-                          memory=args.memory, progress=progress, where=f"nvme-tune {args.path}")
+                          memory=args.memory, progress=progress, where="PATH")
     except (NvmePathError, ValueError) as e:
         print(f"dsconform nvme-tune: {e}", file=sys.stderr)
         return 2

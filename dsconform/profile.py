@@ -136,6 +136,12 @@ def _positive(v: Any) -> str | None:
     return None if v > 0 else "must be > 0"
 
 
+def _mib_multiple(v: Any) -> str | None:
+    """An NVMe transfer size: the suite moves it in 1 MiB blocks (O_DIRECT)."""
+    return None if v > 0 and v % (1 << 20) == 0 else (
+        "must be a positive multiple of 1 MiB (1048576): the suite transfers in 1 MiB blocks")
+
+
 def _percent(v: Any) -> str | None:
     return None if 0 < v < 100 else "must be a percentage, > 0 and < 100"
 
@@ -196,7 +202,7 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "read_gbps": (_NUM, True, _positive),
         "write_gbps": (_NUM, True, _positive),
         "gds": (bool, False, None),
-        "bytes": (int, False, _positive),
+        "bytes": (int, False, _mib_multiple),
         "gpu_read_gbps": (_NUM, False, _positive),
         "gpu_write_gbps": (_NUM, False, _positive),
         "source": (str, False, None),

@@ -154,6 +154,29 @@ def test_build_refuses_a_used_folder_and_bad_versions(tmp_path):
         bundle.build(tmp_path / "new", deepspeed=["latest"], **kw)
 
 
+@pytest.mark.parametrize("existed", [False, True])
+def test_a_failed_build_leaves_no_half_bundle(tmp_path, monkeypatch, existed):
+    """The suite's wheel is built, then DeepSpeed's sdist cannot be fetched: the folder is left
+    as it was (absent, or empty), so the same command can simply be run again."""
+    def suite_wheel(checkout, dest):
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / "dsconform-0.1.0-py3-none-any.whl").write_bytes(b"wheel")
+        return dest / "dsconform-0.1.0-py3-none-any.whl"
+
+    def no_sdist(version, dest, work):
+        raise bundle.BundleError(f"pip download deepspeed=={version} (sdist) failed")
+
+    monkeypatch.setattr(bundle, "build_suite", suite_wheel)
+    monkeypatch.setattr(bundle, "build_deepspeed", no_sdist)
+    out = tmp_path / "bundle"
+    if existed:
+        out.mkdir()
+    with pytest.raises(bundle.BundleError, match="sdist"):
+        bundle.build(out, python="3.12", platform="manylinux_2_28_x86_64", deepspeed=["0.19.8"],
+                     have={}, checkout=REPO, debs=(), log=lambda line: None)
+    assert (list(out.iterdir()) == []) if existed else not out.exists()
+
+
 def test_suite_wheel_carries_the_hardware_profiles(tmp_path):
     """A wheel install (no checkout) finds the shipped profiles inside the package."""
     wheel = bundle.build_suite(REPO, tmp_path / "wheels")

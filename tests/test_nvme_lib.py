@@ -286,6 +286,11 @@ def test_sweep_order_covers_every_pair_first_and_every_cell_once():
     assert first <= 12, first
 
 
+def _cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", "import sys; from dsconform.cli import main; "
                            "sys.exit(main())", "nvme-tune", *args],
@@ -297,7 +302,18 @@ def test_nvme_tune_refuses_bad_paths_with_exit_2(shm_dir, tmp_path):
     assert proc.returncode == 2 and "is tmpfs" in proc.stderr and proc.stdout == ""
     assert list(shm_dir.iterdir()) == []
     proc = _cli(str(tmp_path / "nope"))
-    assert proc.returncode == 2 and "does not exist" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith(
+        f"dsconform nvme-tune: PATH: {tmp_path / 'nope'}: does not exist")  # said once
+    proc = _cli(str(tmp_path), "--bytes", "12M", "--seconds", "1")
+    assert proc.returncode == 2 and "12582912 bytes per transfer is not a multiple" in proc.stderr
+
+
+@pytest.mark.skipif(_cuda(), reason="this machine has a CUDA GPU: the refusal cannot happen")
+def test_nvme_tune_from_gpu_memory_without_a_gpu_is_one_line(tmp_path):
+    proc = _cli(str(tmp_path), "--memory", "cuda", "--seconds", "1")
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        "dsconform nvme-tune: --memory cuda: torch sees no CUDA GPU here "
+        "(torch.cuda.is_available() is False); use --memory locked"]
 
 
 def test_nvme_tune_prints_only_the_block_on_stdout(tmp_path):

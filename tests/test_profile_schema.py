@@ -57,6 +57,8 @@ def test_minimal_profile_loads(tmp_path):
      "nccl.floors[0]", "at least 2 ranks"),
     ("[gpus]\ncount = 2\n[[nvme.paths]]\npath = 'rel/dir'\nread_gbps = 1\nwrite_gbps = 1",
      "nvme.paths[0].path", "absolute path"),
+    ("[gpus]\ncount = 2\n[[nvme.paths]]\npath = '/nvme'\nread_gbps = 1\nwrite_gbps = 1\n"
+     "bytes = 1000000", "nvme.paths[0].bytes", "multiple of 1 MiB"),
     ("[gpus]\ncount = 2\n[deepspeed]\nops = ['fused_adma']", "deepspeed.ops", "unknown op"),
     ("[gpus]\ncount = 2\n[system]\nmin_shm_gib = 0", "system.min_shm_gib", "must be > 0"),
     ("[gpus]\ncount = 2\n[gpu]\ncount = 1", "gpu", "unknown table"),
@@ -101,6 +103,8 @@ def test_validate_cli_exit_codes(tmp_path, capsys):
     assert main(["validate", str(bad)]) == 2
     err = capsys.readouterr().err
     assert f"{bad}: gpus.modle: unknown key" in err
+    assert main(["validate", "h300-x9"]) == 2  # an argument here, not --profile; no auto
+    assert capsys.readouterr().err.startswith("h300-x9: no such shipped profile (shipped: ")
 
 
 def test_resolve_names_and_unknown():

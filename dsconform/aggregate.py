@@ -476,12 +476,15 @@ def drain_commands(report: ClusterReport) -> list[str]:
     drained: set[str] = set()
     for n in report.failed_nodes:
         one_node = n.job is not None and int((n.rendezvous or {}).get("nodes") or 1) == 1
-        if one_node and _NODE_NAME.match(n.hostname) and n.hostname not in drained:
+        if one_node:  # its ranks all ran there: the node is drained once, by hostname
+            if n.hostname in drained:
+                continue
             drained.add(n.hostname)
-            lines.append(f'scontrol update nodename={n.hostname} state=drain '
-                         f'reason="{_drain_reason(f"job {n.job} rank {n.name}: {n.problems[0]}")}"')
-        elif one_node:
-            continue  # its node is drained above, or its name is no Slurm node name
+            if _NODE_NAME.match(n.hostname):
+                why = _drain_reason(f"job {n.job} rank {n.name}: {n.problems[0]}")
+                lines.append(f'scontrol update nodename={n.hostname} state=drain reason="{why}"')
+            else:
+                lines.append(f"# {n.hostname!r} (job {n.job}): not a valid Slurm node name")
         elif n.job is not None:
             lines.append(f"# {n.name}: rank of multi-node job {n.job} failed; a multi-node "
                          "failure names no single node: compare the nodes' single-node runs")

@@ -910,6 +910,7 @@ def _steps(entry: RankCall | list[RankCall]) -> tuple[RankCall, ...]:
 def run_steps(entry: RankCall | list[RankCall]) -> Any:
     """One run_concurrently entry through run_ranks here: a call's per-rank results, or for a
     list of steps, one after another (a fresh step on new processes), the list of theirs."""
+    _check_steps(_steps(entry))
     results = [run_ranks(c.fn, c.world_size, timeout_s=c.timeout_s, args=c.args,
                          kwargs=c.kwargs, accelerator=c.accelerator, reuse=not c.fresh)
                for c in _steps(entry)]
@@ -1058,12 +1059,35 @@ def _need(call: RankCall) -> float:
     return max(POOL_PG_TIMEOUT_S, call.timeout_s + 60)
 
 
+def _key_of(lane_key: tuple, step: RankCall) -> tuple:
+    """The pool key a step runs on: its lane's, or for a fresh step of another world size the
+    first pool key of that size (InsufficientGPUs if the node has too few)."""
+    if step.world_size == lane_key[0]:
+        return lane_key
+    return _lane_keys(step.world_size, lane_key[1], 1)[0]
+
+
+def _check_steps(steps: tuple[RankCall, ...]) -> str:
+    """The entry's accelerator; ValueError for steps that cannot run in turn on one lane: every
+    step shares the accelerator, and only a fresh step (new ranks anyway) changes world size."""
+    accels = {_check_accelerator(step.accelerator) for step in steps}
+    if len(accels) > 1:
+        raise ValueError("the steps of one entry must share their accelerator")
+    for before, step in zip(steps, steps[1:]):
+        if step.world_size != before.world_size and not step.fresh:
+            raise ValueError(f"a step of world size {step.world_size} after one of "
+                             f"{before.world_size}: only a fresh step (fresh=True, new ranks) "
+                             "may change the world size")
+    return accels.pop()
+
+
 def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
           qlock: threading.Lock, active: set, cancel: threading.Event, spawner: _Spawner,
           on_done: Callable[[int, tuple, float], None] | None,
           context: tuple[list, dict]) -> None:
     """One lane: take calls of its world size off the shared queue until none is left; an
-    entry of several steps runs them in turn, a fresh step on ranks that ran no call."""
+    entry of several steps runs them in turn, a fresh step on ranks that ran no call (of
+    another world size, if it says so: that pool is not kept for the lane)."""
     pool: _Pool | None = None
     ahead: _Pool | None = None  # started while the step before a fresh step runs
     try:
@@ -1085,11 +1109,12 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                         pool.close()
                         pool = None
                     if pool is None:
-                        pool, ahead = _lane_pool(key, need, spawner, cancel, fresh=step.fresh,
-                                                 started=ahead), None
+                        pool, ahead = _lane_pool(_key_of(key, step), need, spawner, cancel,
+                                                 fresh=step.fresh, started=ahead), None
                         active.add(pool)
                     if j + 1 < len(steps) and steps[j + 1].fresh and ahead is None:
-                        ahead = spawner.new_lane(key, _need(steps[j + 1]), cancel, fresh=True)
+                        ahead = spawner.new_lane(_key_of(key, steps[j + 1]),
+                                                 _need(steps[j + 1]), cancel, fresh=True)
                         active.add(ahead)
                     healthy = False
                     replies = _send_and_collect(pool, step.fn, payload, step.timeout_s, context)
@@ -1109,6 +1134,10 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                     ahead.kill()
                     active.discard(ahead)
                     ahead = None
+                if pool is not None and pool.world_size != key[0]:  # another size's ranks
+                    active.discard(pool)
+                    pool.close()
+                    pool = None
             if cancel.is_set():  # stopped from outside: what the kill did is no outcome
                 return
             outcomes[i] = outcome
@@ -1143,10 +1172,10 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
     With one lane, under torchrun/Slurm, or for a single call, the calls run one after another
     through run_ranks. Ctrl-C kills every lane and re-raises.
 
-    An entry may be a list of steps (RankCalls of one world size and accelerator): they run in
-    turn on one lane, a step with fresh=True on new processes (started while the step before
-    it runs); the outcome is ("ok", the list of each step's per-rank results), or the first
-    failing step's exception."""
+    An entry may be a list of steps (RankCalls of one accelerator): they run in turn on one
+    lane, a step with fresh=True on new processes (started while the step before it runs),
+    which may be of another world size (a save on 2 ranks, the load on 1); the outcome is
+    ("ok", the list of each step's per-rank results), or the first failing step's exception."""
     outcomes: list = [None] * len(calls)
     lanes = lanes_for() if lanes is None else lanes
 
@@ -1178,10 +1207,7 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
             for step in steps:
                 _check_world_size(step.world_size)
                 _check_timeout(step.timeout_s)
-            accels = {_check_accelerator(step.accelerator) for step in steps}
-            if len(accels) > 1 or len({step.world_size for step in steps}) > 1:
-                raise ValueError("the steps of one entry must share world size and accelerator")
-            accel = accels.pop()
+            accel = _check_steps(steps)
             pickled[i] = [_pickle_call(step.fn, tuple(step.args), dict(step.kwargs or {}))
                           for step in steps]
         except Exception as exc:  # noqa: BLE001

@@ -407,16 +407,25 @@ def _ucp_params() -> list:
     return out
 
 
+def _ucp_steps(params: dict, workdir: Path, run) -> list[RankCall]:
+    """Train, save and convert on the source world size; load on new ranks of the target size
+    (a fresh step may change the world size)."""
+    case, accelerator, target_ws = params["case"], params["accelerator"], params["target_ws"]
+    d = ckpt_dir(workdir, case, tags=3)  # the checkpoint, its universal copy, temporaries
+    return [RankCall(ranks.universal_save, case.world_size, _timeout(case), args=(case, d),
+                     accelerator=accelerator),
+            RankCall(ranks.universal_load, target_ws, _timeout(case),
+                     args=(case.with_(world_size=target_ws), d), accelerator=accelerator,
+                     fresh=True)]
+
+
 @pytest.mark.parametrize("accelerator, case, target_ws", _ucp_params())
-def test_universal_reshard(accelerator, case, target_ws, scratch, profile):
+@batched(_ucp_steps, cost=13)  # ds_to_universal's own start-up dominates (13 s on 2xH200)
+def test_universal_reshard(accelerator, case, target_ws, scratch, profile, request):
     """CKPT-UCP-1: a universal checkpoint MUST carry weights, fp32 masters, Adam moments, step
     and lr to another world size bit for bit."""
-    d = ckpt_dir(scratch, case, tags=3)  # the checkpoint, its universal copy, temporaries
-    source = run_ranks(ranks.universal_save, case.world_size, args=(case, d),
-                       accelerator=accelerator, timeout_s=_timeout(case))[0]["state"]
-    target = case.with_(world_size=target_ws)
-    loaded = run_ranks(ranks.universal_load, target_ws, args=(target, d),
-                       accelerator=accelerator, timeout_s=_timeout(case))
+    saved, loaded = cell_results(request, scratch)  # run at once with other cells
+    source = saved[0]["state"]
     tol = tolerance("checkpoint", case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
     cmp = Comparison(tol=tol, label=f"{_label(accelerator, case)}->ws{target_ws}")

@@ -234,4 +234,24 @@ def test_a_failing_step_is_the_entry_outcome(clean):
     out = dist.run_concurrently(calls, lanes=2)
     assert out[0][0] == "raise" and isinstance(out[0][1], dist.RankError), out[0]
     assert out[1][0] == "ok"
-    assert out[2][0] == "raise" and "share world size" in str(out[2][1])
+    assert out[2][0] == "raise" and "only a fresh step" in str(out[2][1])
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_a_fresh_step_may_change_the_world_size(clean, lanes):
+    """A save on 2 ranks then a load on 1 (and the other way round), as a universal
+    checkpoint's reshard: the fresh step gets new ranks of its own size; that pool is not kept
+    as one of the lane's (no idle lane pool of the wrong size)."""
+    def fresh(ws):
+        return RankCall(rank_fns.pid_calls_warmed, ws, TIMEOUT_S, accelerator="cpu", fresh=True)
+
+    out = dist.run_concurrently([[_call(rank_fns.pid_and_calls, 2), fresh(1)],
+                                 [_call(rank_fns.pid_and_calls, 1), fresh(2)],
+                                 _call(rank_fns.pid_and_calls, 2)], lanes=lanes)
+    assert [o[0] for o in out] == ["ok"] * 3, out
+    for (first, second), (ws_first, ws_second) in zip((out[0][1], out[1][1]), ((2, 1), (1, 2))):
+        assert (len(first), len(second)) == (ws_first, ws_second)
+        assert [(c, w) for _, c, w in second] == [(1, False)] * ws_second, second
+        assert not {p for p, _, _ in second} & {p for p, _ in first}
+    assert all(p.world_size == key[0] for key, pools in dist._LANES.items() for p in pools), \
+        {key: [p.world_size for p in pools] for key, pools in dist._LANES.items()}

@@ -24,6 +24,15 @@ _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+(?=[eE]))(?:[eE][-+]?
 CASES_SHOWN = 8
 
 
+def _case_labels(nodeids: list[str]) -> list[str]:
+    """Short labels of a group's cases: the bare case ids when they are cells of one test
+    (``cuda-z0-...``), else each test with its case (``test_half_precision_matmul[bf16]``)."""
+    tests = {n.rsplit("::", 1)[-1].split("[", 1)[0] for n in nodeids}
+    if len(tests) == 1:
+        return [case_id(n) or n.rsplit("::", 1)[-1] for n in nodeids]
+    return [n.rsplit("::", 1)[-1] for n in nodeids]
+
+
 def case_id(nodeid: str) -> str:
     """The parametrization id of a node id ("" when the test is not parametrized)."""
     m = re.search(r"\[(.*)\]$", nodeid)
@@ -104,7 +113,7 @@ def lines(summary: Mapping[str, Any], *, profile: str, host: str,
                 out.append(f"  {g['count']:>4} x {g['reason']}")
                 # Failures list their cases (skips do too, in summary.json).
                 if g["count"] > 1 and key == "failures":
-                    ids = [case_id(n) or n.rsplit("::", 1)[-1] for n in g["cases"]]
+                    ids = _case_labels(g["cases"])
                     more = f", ... {len(ids) - CASES_SHOWN} more" if len(ids) > CASES_SHOWN else ""
                     out.append(f"         cases: {', '.join(ids[:CASES_SHOWN])}{more}")
     if summary.get("known_issues"):

@@ -32,6 +32,17 @@ def test_twelve_failures_with_one_cause_are_one_line_with_their_cases():
     assert "     1 x expected 2 GPUs, found 1" in out
 
 
+def test_cases_of_several_tests_are_named_with_their_test():
+    """One cause across tests: a bare "bf16" would not say which test it was."""
+    entries = [("suites/test_profile.py::test_gpu_count", "GPUs not usable"),
+               ("suites/test_profile.py::test_half_precision_matmul[bf16]", "GPUs not usable"),
+               ("suites/test_profile.py::test_half_precision_matmul[fp16]", "GPUs not usable")]
+    out = lines({"capabilities": {"profile": {"failed": 3}}, "failures": group(entries),
+                 "skips": [], "known_issues": []}, profile="p", host="n1")
+    assert ("         cases: test_gpu_count, test_half_precision_matmul[bf16], "
+            "test_half_precision_matmul[fp16]") in out
+
+
 def test_different_causes_stay_apart():
     a = _z0("cuda-z0-off_none-fp16-sgd-gas1-ws2", "0.999")
     b = (f"{ZERO}[cuda-z1-off_none-bf16-sgd-gas1-ws2]",

@@ -25,7 +25,7 @@ from dsconform.tolerances import Tol
 # optimizer state shows here first.
 MOMENT_KEYS = frozenset({"exp_avg", "exp_avg_sq", "momentum_buffer"})
 COUNTERS = ("engine/global_steps", "engine/global_samples", "engine/skipped_steps")
-COMPONENTS = ("module", "moments", "scheduler", "counters")
+COMPONENTS = ("module", "masters", "moments", "scheduler", "counters")
 _MAX_DEPTH = 12
 
 
@@ -69,6 +69,8 @@ def component(name: str) -> str | None:
     """The component a snapshot name belongs to, for partial loads (None: not judged there)."""
     if name.startswith("module/"):
         return "module"
+    if name.startswith("fp32/"):  # the gathered fp32 master weights the optimizer steps
+        return "masters"
     if name.startswith("optimizer/") and _last_key(name) in MOMENT_KEYS:
         return "moments"
     if name.startswith("scheduler/"):
@@ -92,7 +94,12 @@ def select(snapshot: Mapping[str, Any], which: str) -> dict[str, Any]:
 
 # load_checkpoint keyword arguments of each partial-load mode, and where each component must
 # come from afterwards: "saved" (the checkpoint) or "fresh" (the engine as it was before the
-# load). https://deepspeed.readthedocs.io/en/latest/model-checkpointing.html
+# load), or for the fp32 masters "module": restored from the loaded module weights (what
+# load_module_only does: _restore_from_bit16_weights), or "saved|module": either (with
+# load_optimizer_states=False, ZeRO 1-3 restore them from the weights, 0.19.8 engine.py
+# load_checkpoint; stage 0 loads the saved ones). Never the fresh engine's: a partial load that
+# leaves those would have its next step overwrite the weights it loaded.
+# https://deepspeed.readthedocs.io/en/latest/model-checkpointing.html
 LOAD_MODES: dict[str, dict[str, bool]] = {
     "full": {},
     "module_only": {"load_module_only": True},
@@ -100,14 +107,15 @@ LOAD_MODES: dict[str, dict[str, bool]] = {
     "no_scheduler": {"load_lr_scheduler_states": False},
 }
 EXPECTED: dict[str, dict[str, str]] = {
-    "full": {"module": "saved", "moments": "saved", "scheduler": "saved", "counters": "saved"},
+    "full": {"module": "saved", "masters": "saved", "moments": "saved", "scheduler": "saved",
+             "counters": "saved"},
     # Warm start: weights only; optimizer, schedule and step counters start over.
-    "module_only": {"module": "saved", "moments": "fresh", "scheduler": "fresh",
-                    "counters": "fresh"},
-    "no_optimizer": {"module": "saved", "moments": "fresh", "scheduler": "saved",
-                     "counters": "saved"},
-    "no_scheduler": {"module": "saved", "moments": "saved", "scheduler": "fresh",
-                     "counters": "saved"},
+    "module_only": {"module": "saved", "masters": "module", "moments": "fresh",
+                    "scheduler": "fresh", "counters": "fresh"},
+    "no_optimizer": {"module": "saved", "masters": "saved|module", "moments": "fresh",
+                     "scheduler": "saved", "counters": "saved"},
+    "no_scheduler": {"module": "saved", "masters": "saved", "moments": "saved",
+                     "scheduler": "fresh", "counters": "saved"},
 }
 
 
@@ -126,8 +134,14 @@ def judge_load(mode: str, saved: Mapping[str, Any], fresh: Mapping[str, Any],
     problems = []
     for which, source in EXPECTED[mode].items():
         s, f, got = select(saved, which), select(fresh, which), select(loaded, which)
-        other = "fresh" if source == "saved" else "saved"
-        want = s if source == "saved" else f
+        if which == "masters" and not (s or f or got):
+            continue  # no fp32 masters in this engine (an fp32 stage-0 optimizer steps the weights)
+        other = "fresh" if source != "fresh" else "saved"
+        wants = [{"saved": s, "fresh": f, "module": _masters_of(loaded, got)}[part]
+                 for part in source.split("|")]
+        want = wants[0]
+        if len(wants) > 1 and not compare_states(got, want, tol).ok:
+            want = wants[1]  # either source will do: judged against the second
         if not want and not got:
             if source == "fresh":
                 continue  # nothing there before the load, nothing after: untouched
@@ -143,9 +157,18 @@ def judge_load(mode: str, saved: Mapping[str, Any], fresh: Mapping[str, Any],
         if not cmp.ok:
             looks = " (it holds the " + other + " values)" if _same(got, s if other == "saved"
                                                                     else f, tol) else ""
-            problems.append(f"load_checkpoint({flags}){at}: {which} must be the {source} "
-                            f"engine's{looks}: {cmp.report(limit=2)}")
+            must = {"module": "restored from the loaded module weights",
+                    "saved|module": "the saved engine's or restored from the loaded module "
+                                    "weights"}.get(source, f"the {source} engine's")
+            problems.append(f"load_checkpoint({flags}){at}: {which} must be {must}{looks}: "
+                            f"{cmp.report(limit=2)}")
     return problems
+
+
+def _masters_of(snapshot: Mapping[str, Any], masters: Mapping[str, Any]) -> dict[str, Any]:
+    """The fp32 masters restored from a snapshot's module weights (upcast), named as masters."""
+    return {name: snapshot[f"module/{name[len('fp32/'):]}"].float() for name in masters
+            if f"module/{name[len('fp32/'):]}" in snapshot}
 
 
 def _same(a: Mapping[str, Any], b: Mapping[str, Any], tol: Tol) -> bool:

@@ -232,6 +232,41 @@ def test_empty_fresh_moments_left_empty_pass():
     assert cs.judge_load("no_optimizer", SAVED, fresh, loaded, Tol(0, 0)) == []
 
 
+def _loaded(mode: str, saved: dict, fresh: dict, masters: float) -> dict:
+    """What a load that obeys its flags holds, with the fp32 masters given."""
+    exp = cs.EXPECTED[mode]
+    out = {name: (saved if cs.component(name) is None or exp[cs.component(name)] == "saved"
+                  else fresh)[name] for name in saved if cs.component(name) != "masters"}
+    out["fp32/w"] = torch.full((3,), masters)
+    return out
+
+
+# bf16 training: the module holds 1.0, the fp32 master 1.004 it was rounded from.
+SAVED_M = dict(SAVED, **{"fp32/w": torch.full((3,), 1.004)})
+FRESH_M = dict(FRESH, **{"fp32/w": torch.full((3,), 9.0)})
+
+
+@pytest.mark.parametrize("mode, good, bad", [
+    ("full", [1.004], [1.0, 9.0]),
+    ("no_scheduler", [1.004], [1.0, 9.0]),
+    ("no_optimizer", [1.004, 1.0], [9.0]),  # ZeRO 1-3 restore them from the weights
+    ("module_only", [1.0], [1.004, 9.0]),
+])
+def test_fp32_masters_must_not_stay_the_fresh_engines(mode, good, bad):
+    """A load that keeps the fresh engine's fp32 masters would overwrite the loaded weights at
+    its next step (found by mutation: a no_scheduler load that left them passed before)."""
+    for masters in good:
+        loaded = _loaded(mode, SAVED_M, FRESH_M, masters)
+        assert cs.judge_load(mode, SAVED_M, FRESH_M, loaded, EXACT) == [], masters
+    for masters in bad:
+        problems = cs.judge_load(mode, SAVED_M, FRESH_M, _loaded(mode, SAVED_M, FRESH_M, masters),
+                                 EXACT)
+        assert len(problems) == 1 and ": masters must be " in problems[0], (masters, problems)
+    if mode == "no_scheduler":
+        assert "(it holds the fresh values)" in cs.judge_load(
+            mode, SAVED_M, FRESH_M, _loaded(mode, SAVED_M, FRESH_M, 9.0), EXACT)[0]
+
+
 # ---------------------------------------------------------------------------- ds_config
 
 def _cfg(**kw):

@@ -63,7 +63,7 @@ from suites import collective_ranks
 
 CAPABILITY = "collectives"
 
-EXACT_SIZES = {"cpu": (1, 53, 65537), "cuda": (1, 53, 65537, (1 << 24) + 3)}
+EXACT_SIZES = {"cpu": (1, 53, 65537, (1 << 20) + 3), "cuda": (1, 53, 65537, (1 << 24) + 3)}
 P2P_BYTES, P2P_ITERS = 256 << 20, 20  # ~0.7 ms per transfer over NVLink
 MATMUL_SIZE, MATMUL_ITERS = 8192, 50
 TFLOPS = 1e12

@@ -181,6 +181,17 @@ def test_reference_properties(world: int, shape: tuple[int, ...], rounds: int, p
     assert not problems, "; ".join(problems)
 
 
+def test_reference_encodes_zero_as_plus_one():
+    """ONEBIT-REF-3: the reference MUST encode 0 (and -0.0) as +1, as DeepSpeed's compressed
+    allreduce packs a sign bit (sign(x) + 1 as a bool): its zero padding decompresses to +scale.
+    The other properties hold either way, so only this pins the convention on CPU."""
+    x = torch.tensor([0.0, -0.0, 3.0, -2.0, 0.0])
+    deepspeed_bits = x.sign().add(1).bool()  # DeepSpeed's packing: True is +1
+    assert ref.sign_pm1(x).tolist() == [1.0, 1.0, 1.0, -1.0, 1.0]
+    assert torch.equal(ref.sign_pm1(x) > 0, deepspeed_bits)
+    assert torch.equal(ref.scaled_sign(x) > 0, deepspeed_bits)
+
+
 @given(world=st.sampled_from([2, 4]), numel=st.integers(min_value=64, max_value=2048),
        seed=st.integers(min_value=0, max_value=2**31 - 1))
 def test_reference_error_feedback_averages_out(world: int, numel: int, seed: int):

@@ -24,7 +24,13 @@ from dsconform import gpu_health
 from dsconform.dist import run_ranks
 from dsconform.records import MetricsRecorder
 from suites import collective_ranks
-from suites.test_collectives import check_exact, record_links, record_matmul, record_point
+from suites.test_collectives import (
+    EXACT_SIZES,
+    check_exact,
+    record_links,
+    record_matmul,
+    record_point,
+)
 
 WORLD = 2
 PCT = gpu_health.DEFAULT_STRAGGLER_PCT
@@ -57,6 +63,16 @@ def test_one_wrong_element_fails_naming_rank_collective_dtype_size_index(collect
     text = m.describe()
     assert text.startswith(f"{collective} {dtype} numel=53 (")
     assert f"rank 1 on rank 1 (cpu): element 17 is {m.found:g}, expected {m.expected:g}" in text
+
+
+def test_a_fault_only_in_large_messages_is_found_on_cpu_too():
+    """A collective that goes wrong only above 128 Ki elements (a protocol or chunking switch):
+    the CPU sizes reach past it (a mutation audit found 65537 elements the largest)."""
+    big = max(EXACT_SIZES["cpu"])
+    assert big > 1 << 17
+    [m] = check_exact("all_reduce", "fp32", "cpu", WORLD, _Node,
+                      perturb={"rank": 1, "numel": big, "index": big - 2})
+    assert (m.numel, m.index) == (big, big - 2)
 
 
 def _measure(delay_rank: int | None, collective: str = "all_reduce") -> dict:

@@ -55,6 +55,7 @@ EXIT_STATUS = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usa
                5: "no tests ran"}
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 DRAIN_REASON_CHARS = 100
+_RANK_SUFFIX = re.compile(r"-rank\d+$")
 
 
 class AggregateInputError(ValueError):
@@ -353,7 +354,7 @@ def _check_jobs(nodes: list[NodeResult]) -> None:
         key = (n.job, (n.rendezvous or {}).get("rank"))
         if key in seen:
             raise AggregateInputError(
-                f"rank {key[1]} of multi-node job {key[0]} appears twice: {seen[key].path} and "
+                f"rank {key[1]} of job {key[0]} appears twice: {seen[key].path} and "
                 f"{n.path}; each rank writes its own folder (--results .../$(hostname)-rank$RANK)")
         seen[key] = n
 
@@ -473,25 +474,27 @@ def drain_commands(report: ClusterReport) -> list[str]:
     rank of a multi-node job names no node by itself (the fault may be its peer or the
     network): it gets a comment, not a command. A failing job on one node names that node."""
     lines = []
-    drained: set[str] = set()
-    for n in report.failed_nodes:
+    drained: set[str] = set()  # one command per node, its first failure's reason
+    for n in sorted(report.failed_nodes, key=lambda n: n.job is not None):
         one_node = n.job is not None and int((n.rendezvous or {}).get("nodes") or 1) == 1
-        if one_node:  # its ranks all ran there: the node is drained once, by hostname
-            if n.hostname in drained:
+        if one_node:  # its ranks all ran there: drain that node, named as its folders are
+            name = _RANK_SUFFIX.sub("", n.name)  # <node>-rank<R> (examples/nightly-node.sh)
+            if name in drained:
                 continue
-            drained.add(n.hostname)
-            if _NODE_NAME.match(n.hostname):
+            drained.add(name)
+            if _NODE_NAME.match(name):
                 why = _drain_reason(f"job {n.job} rank {n.name}: {n.problems[0]}")
-                lines.append(f'scontrol update nodename={n.hostname} state=drain reason="{why}"')
+                lines.append(f'scontrol update nodename={name} state=drain reason="{why}"')
             else:
-                lines.append(f"# {n.hostname!r} (job {n.job}): not a valid Slurm node name")
+                lines.append(f"# {name!r} (job {n.job}): not a valid Slurm node name")
         elif n.job is not None:
             lines.append(f"# {n.name}: rank of multi-node job {n.job} failed; a multi-node "
                          "failure names no single node: compare the nodes' single-node runs")
         elif not _NODE_NAME.match(n.name):
             lines.append(f"# {n.name!r}: not a valid Slurm node name (name the folder after the "
                          "node: --results $SHARED/$(hostname))")
-        else:
+        elif n.name not in drained:
+            drained.add(n.name)
             lines.append(f'scontrol update nodename={n.name} state=drain '
                          f'reason="{_drain_reason(n.problems[0])}"')
     return lines

@@ -137,7 +137,7 @@ def judge_load(mode: str, saved: Mapping[str, Any], fresh: Mapping[str, Any],
         if which == "masters" and not (s or f or got):
             continue  # no fp32 masters in this engine (an fp32 stage-0 optimizer steps the weights)
         other = "fresh" if source != "fresh" else "saved"
-        wants = [{"saved": s, "fresh": f, "module": _masters_of(loaded, got)}[part]
+        wants = [{"saved": s, "fresh": f, "module": _masters_of(loaded, {**s, **f, **got})}[part]
                  for part in source.split("|")]
         want = wants[0]
         if len(wants) > 1 and not compare_states(got, want, tol).ok:
@@ -166,7 +166,8 @@ def judge_load(mode: str, saved: Mapping[str, Any], fresh: Mapping[str, Any],
 
 
 def _masters_of(snapshot: Mapping[str, Any], masters: Mapping[str, Any]) -> dict[str, Any]:
-    """The fp32 masters restored from a snapshot's module weights (upcast), named as masters."""
+    """The fp32 masters restored from a snapshot's module weights (upcast), for every master
+    name given (the saved, fresh and loaded ones: a master missing after the load is named)."""
     return {name: snapshot[f"module/{name[len('fp32/'):]}"].float() for name in masters
             if f"module/{name[len('fp32/'):]}" in snapshot}
 

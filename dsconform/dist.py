@@ -1059,17 +1059,20 @@ def _need(call: RankCall) -> float:
     return max(POOL_PG_TIMEOUT_S, call.timeout_s + 60)
 
 
-def _key_of(lane_key: tuple, step: RankCall) -> tuple:
-    """The pool key a step runs on: its lane's, or for a fresh step of another world size the
-    first pool key of that size (InsufficientGPUs if the node has too few)."""
+def _key_of(lane_key: tuple, step: RankCall, index: int = 0) -> tuple:
+    """The pool key a step runs on: its lane's, or for a fresh step of another world size a
+    pool key of that size, one-rank ones taking the GPUs in turn by entry index
+    (InsufficientGPUs if the node has too few)."""
     if step.world_size == lane_key[0]:
         return lane_key
-    return _lane_keys(step.world_size, lane_key[1], 1)[0]
+    return _lane_keys(step.world_size, lane_key[1], index + 1)[index]
 
 
 def _check_steps(steps: tuple[RankCall, ...]) -> str:
     """The entry's accelerator; ValueError for steps that cannot run in turn on one lane: every
     step shares the accelerator, and only a fresh step (new ranks anyway) changes world size."""
+    if not steps:
+        raise ValueError("an entry of run_concurrently has no steps")
     accels = {_check_accelerator(step.accelerator) for step in steps}
     if len(accels) > 1:
         raise ValueError("the steps of one entry must share their accelerator")
@@ -1109,11 +1112,11 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                         pool.close()
                         pool = None
                     if pool is None:
-                        pool, ahead = _lane_pool(_key_of(key, step), need, spawner, cancel,
+                        pool, ahead = _lane_pool(_key_of(key, step, i), need, spawner, cancel,
                                                  fresh=step.fresh, started=ahead), None
                         active.add(pool)
                     if j + 1 < len(steps) and steps[j + 1].fresh and ahead is None:
-                        ahead = spawner.new_lane(_key_of(key, steps[j + 1]),
+                        ahead = spawner.new_lane(_key_of(key, steps[j + 1], i),
                                                  _need(steps[j + 1]), cancel, fresh=True)
                         active.add(ahead)
                     healthy = False
@@ -1202,8 +1205,6 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
     for i, c in enumerate(calls):
         try:  # what run_ranks would refuse, each call's own outcome
             steps = _steps(c)
-            if not steps:
-                raise ValueError("an entry of run_concurrently has no steps")
             for step in steps:
                 _check_world_size(step.world_size)
                 _check_timeout(step.timeout_s)

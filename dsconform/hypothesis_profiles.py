@@ -4,7 +4,9 @@ ci:   derandomized, no example database, few examples: reproducible and quick (C
 dev:  the default on a workstation: a few more examples, database kept.
 soak: nightly runs: many examples.
 Select with ``--hypothesis-profile NAME`` or HYPOTHESIS_PROFILE; default ``dev`` (``ci`` when the
-CI variable is set).
+CI variable is set). DSCONFORM_HYPOTHESIS_DIR moves hypothesis's ``.hypothesis`` folder (its
+example database) out of the working directory: examples/nightly-node.sh points it at a
+node-local folder, so nodes never write into a shared (maybe read-only) checkout.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from hypothesis import HealthCheck, settings
 
 
 def register() -> None:
+    home = os.environ.get("DSCONFORM_HYPOTHESIS_DIR")
+    if home:
+        from hypothesis.configuration import set_hypothesis_home_dir
+        set_hypothesis_home_dir(home)
     # Distributed examples take seconds each; deadlines would only measure the machine.
     common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
     settings.register_profile("ci", max_examples=5, derandomize=True, database=None, **common)

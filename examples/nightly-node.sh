@@ -17,12 +17,13 @@
 #   DSCONFORM_TIME_S    stop pytest (SIGINT: it still writes its results) after this many seconds
 #                       (default 3600); the summary then says how many tests did not run, and
 #                       `dsconform aggregate` fails the node ("interrupted")
-#   DSCONFORM_WORKDIR   where pytest runs (default ${TMPDIR:-/tmp}/dsconform-nightly-<node>-<stage>):
-#                       node-local, so the shared checkout may be read-only and nodes never write
-#                       to it (.hypothesis, .benchmarks land here)
+#   DSCONFORM_WORKDIR   node-local folder for what pytest would write into the checkout
+#                       (pytest-benchmark's storage, hypothesis's example database; default
+#                       ${TMPDIR:-/tmp}/dsconform-nightly-<node>-<stage><rank>): the shared checkout
+#                       may be read-only, and nodes never write to it at once
 #   PYTHON              the interpreter that has torch (default python3)
-# PYTEST ARGS that name a path of the checkout (suites, suites/test_zero.py::test_x) are taken
-# relative to the checkout.
+# pytest runs in the checkout: PYTEST ARGS and relative paths (RESULTS, a profile file) are taken
+# relative to it, as before.
 set -uo pipefail
 stage=${1:?usage: nightly-node.sh single|rank RESULTS [PYTEST ARGS...]}
 results=${2:?usage: nightly-node.sh single|rank RESULTS [PYTEST ARGS...]}
@@ -30,6 +31,7 @@ shift 2
 suite=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 node=${SLURMD_NODENAME:-$(hostname -s)}
 python=${PYTHON:-python3}
+cd "$suite" || exit 2
 
 case $stage in
     single)
@@ -55,19 +57,13 @@ if [ -n "${DSCONFORM_BUNDLE:-}" ]; then
     source "$DSCONFORM_BUNDLE/install.sh" ${DSCONFORM_DEEPSPEED:-} > /dev/null || exit 2
 fi
 
-args=()
-for a in "$@"; do  # checkout paths, given relative to the checkout, made absolute
-    if [ "${a#-}" = "$a" ] && [ "${a#/}" = "$a" ] && [ -e "$suite/${a%%::*}" ]; then
-        a=$suite/$a
-    fi
-    args+=("$a")
-done
-work=${DSCONFORM_WORKDIR:-${TMPDIR:-/tmp}/dsconform-nightly-$node-$stage}
-mkdir -p "$out" "$work" && cd "$work" || exit 2
+work=${DSCONFORM_WORKDIR:-${TMPDIR:-/tmp}/dsconform-nightly-$node-$stage${rank:-}}
+mkdir -p "$out" "$work" || exit 2
+export DSCONFORM_HYPOTHESIS_DIR=$work/hypothesis  # hypothesis's database, not in the checkout
 limit=${DSCONFORM_TIME_S:-3600}
 timeout -s INT -k 120 "$limit" \
-    "$python" -m pytest "${args[@]}" -p no:cacheprovider --profile "${DSCONFORM_PROFILE:-auto}" \
-    --results "$out" > "$out/pytest.log" 2>&1
+    "$python" -m pytest "$@" -p no:cacheprovider --profile "${DSCONFORM_PROFILE:-auto}" \
+    --benchmark-storage "file://$work/benchmarks" --results "$out" > "$out/pytest.log" 2>&1
 status=$?
 if [ "$status" = 124 ] || [ "$status" = 137 ]; then
     echo "nightly-node.sh: $stage on $node: stopped at the time limit (DSCONFORM_TIME_S=$limit s;" \

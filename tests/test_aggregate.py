@@ -246,7 +246,7 @@ def test_a_one_node_job_is_a_job_and_a_failure_drains_its_node_by_hostname(tmp_p
         write_node(tmp_path / "multinode" / f"gpu-a01-rank{rank}",
                    outcomes=[outcome(ZERO, "failed", "expected >= 32 CPU cores, found 2")],
                    rendezvous={**job, "rank": rank, "local_rank": rank, "node_rank": 0},
-                   hostname="gpu-a01")
+                   hostname="gpu-a01.cluster.local")  # not the Slurm name: the folder's is
     good(tmp_path / "single" / "gpu-a01")
     report = aggregate.analyse(aggregate.collect([tmp_path]), expect=["gpu-a01"])
     (j,) = report.jobs
@@ -254,6 +254,10 @@ def test_a_one_node_job_is_a_job_and_a_failure_drains_its_node_by_hostname(tmp_p
     assert aggregate.drain_commands(report) == [
         'scontrol update nodename=gpu-a01 state=drain reason="dsconform: job j7 rank '
         'gpu-a01-rank0: 1 x expected >= 32 CPU cores, found 2"']
+    # The node's single-node run failing too: still one command for the node, its own reason.
+    write_node(tmp_path / "single" / "gpu-a01", outcomes=[outcome(ZERO, "failed", "boom")])
+    drains = aggregate.drain_commands(aggregate.analyse(aggregate.collect([tmp_path])))
+    assert drains == ['scontrol update nodename=gpu-a01 state=drain reason="dsconform: 1 x boom"']
     lines = aggregate_report.terminal(report)
     assert "one-node job j7: 1 node, world size 2, 2 rank folder(s): FAILED" in lines
 

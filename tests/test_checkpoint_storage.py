@@ -267,6 +267,21 @@ def test_fp32_masters_must_not_stay_the_fresh_engines(mode, good, bad):
             mode, SAVED_M, FRESH_M, _loaded(mode, SAVED_M, FRESH_M, 9.0), EXACT)[0]
 
 
+@pytest.mark.parametrize("mode", ["module_only", "no_optimizer"])
+def test_a_master_missing_after_the_load_is_named(mode):
+    """Restored-from-the-weights masters are expected for every saved master, not only for
+    the ones the load left (a load that drops one would otherwise pass)."""
+    saved = dict(SAVED_M, **{"module/v": torch.full((2,), 2.0), "fp32/v": torch.full((2,), 2.0)})
+    fresh = dict(FRESH_M, **{"module/v": torch.full((2,), 7.0), "fp32/v": torch.full((2,), 7.0)})
+    loaded = _loaded(mode, saved, fresh, 1.0)
+    loaded["module/v"] = saved["module/v"]
+    assert cs.judge_load(mode, saved, fresh, dict(loaded, **{"fp32/v": torch.full((2,), 2.0)}),
+                         EXACT) == []
+    problems = cs.judge_load(mode, saved, fresh, loaded, EXACT)  # fp32/v gone
+    assert len(problems) == 1 and "'fp32/v'" in problems[0] and "masters must be" in problems[0], \
+        problems
+
+
 # ---------------------------------------------------------------------------- ds_config
 
 def _cfg(**kw):

@@ -126,7 +126,8 @@ def test_collect_only_leaves_the_last_results_alone(run, pytester, tmp_path):
     result.stdout.fnmatch_lines(["*results: not written (--collect-only)*"])
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     empty = pytester.path / "never"
-    pytester.runpytest("-p", "fixtures.plugin", "--results", str(empty), "--co")
+    result = pytester.runpytest("-p", "fixtures.plugin", "--results", str(empty), "--co")
+    result.stdout.fnmatch_lines(["*results: not written (--collect-only)*"])
     assert not empty.exists()
 
 

@@ -137,8 +137,8 @@ def judge_load(mode: str, saved: Mapping[str, Any], fresh: Mapping[str, Any],
         if which == "masters" and not (s or f or got):
             continue  # no fp32 masters in this engine (an fp32 stage-0 optimizer steps the weights)
         other = "fresh" if source != "fresh" else "saved"
-        wants = [{"saved": s, "fresh": f, "module": _masters_of(loaded, {**s, **f, **got})}[part]
-                 for part in source.split("|")]
+        wants = [_masters_of(loaded, {**s, **f, **got}) if part == "module"
+                 else s if part == "saved" else f for part in source.split("|")]
         want = wants[0]
         if len(wants) > 1 and not compare_states(got, want, tol).ok:
             want = wants[1]  # either source will do: judged against the second

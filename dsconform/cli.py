@@ -31,12 +31,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
     status = 0
     for path in args.files:
         try:
-            p = profile.load(profile.resolve(path))
+            p = profile.load(profile.resolve(path, named=path,  # an argument, not --profile
+                                             hint="give a shipped NAME or a PATH"))
         except profile.ProfileError as e:
-            for problem in e.problems:  # resolve speaks of --profile; here it is an argument
-                problem = problem.replace(f"--profile {path}: ", f"{path}: ")
-                print(problem.replace("; give a NAME, a PATH or auto",
-                                      "; give a shipped NAME or a PATH"), file=sys.stderr)
+            for problem in e.problems:
+                print(problem, file=sys.stderr)
             status = 2
             continue
         print(f"{path}: valid profile {p.name!r}")

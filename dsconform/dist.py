@@ -833,7 +833,7 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
                 pool.close()
                 pool = None
             started = pool is None
-            pg_timeout_s = max(POOL_PG_TIMEOUT_S, timeout_s + 60) if reuse else timeout_s + 60
+            pg_timeout_s = _pg_timeout_for(timeout_s) if reuse else timeout_s + 60
             if pool is None:
                 spare = _pop_spare(_spare_key(world_size, accelerator, gpus, not reuse),
                                    pg_timeout_s)
@@ -1055,8 +1055,9 @@ def _lane_pool(key: tuple, pg_timeout_s: float, spawner: _Spawner,
     raise AssertionError("unreachable")
 
 
-def _need(call: RankCall) -> float:
-    return max(POOL_PG_TIMEOUT_S, call.timeout_s + 60)
+def _pg_timeout_for(timeout_s: float) -> float:
+    """The process-group timeout a reusable pool needs for a call of timeout_s."""
+    return max(POOL_PG_TIMEOUT_S, timeout_s + 60)
 
 
 def _key_of(lane_key: tuple, step: RankCall, index: int = 0) -> tuple:
@@ -1105,7 +1106,7 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
             try:
                 results = []
                 for j, (step, payload) in enumerate(zip(steps, pickled[i])):
-                    need = _need(step)
+                    need = _pg_timeout_for(step.timeout_s)
                     if pool is not None and (not pool.alive() or pool.pg_timeout_s < need
                                              or step.fresh):
                         active.discard(pool)
@@ -1117,7 +1118,8 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                         active.add(pool)
                     if j + 1 < len(steps) and steps[j + 1].fresh and ahead is None:
                         ahead = spawner.new_lane(_key_of(key, steps[j + 1], i),
-                                                 _need(steps[j + 1]), cancel, fresh=True)
+                                                 _pg_timeout_for(steps[j + 1].timeout_s),
+                                                 cancel, fresh=True)
                         active.add(ahead)
                     healthy = False
                     replies = _send_and_collect(pool, step.fn, payload, step.timeout_s, context)

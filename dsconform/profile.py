@@ -458,12 +458,15 @@ def shipped() -> dict[str, Path]:
     return {p.stem: p for p in sorted(PROFILES_DIR.glob("*.toml"))}
 
 
-def resolve(spec: str) -> Path:
-    """Map --profile NAME|PATH to a file. ``auto`` is handled by the caller (needs detection)."""
+def resolve(spec: str, *, named: str | None = None,
+            hint: str = "give a NAME, a PATH or auto") -> Path:
+    """Map --profile NAME|PATH to a file. ``auto`` is handled by the caller (needs detection).
+    named: how the user gave spec, for the error (default ``--profile SPEC``); hint: what to
+    give instead."""
     if spec.endswith(".toml") or os.sep in spec:
         return Path(spec)
     profiles = shipped()
     if spec in profiles:
         return profiles[spec]
-    raise ProfileError([f"--profile {spec}: no such shipped profile (shipped: "
-                        f"{', '.join(profiles) or 'none'}); give a NAME, a PATH or auto"])
+    raise ProfileError([f"{named or f'--profile {spec}'}: no such shipped profile (shipped: "
+                        f"{', '.join(profiles) or 'none'}); {hint}"])

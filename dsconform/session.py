@@ -68,15 +68,18 @@ def detected_warning() -> str:
     return DETECTED_WARNING.format(shipped=", ".join(profiles.shipped()) or "none")
 
 
-def select_profile(spec: str, node: NodeFacts | None = None) -> Selection:
-    """Resolve --profile NAME|PATH|auto against a probe of this node. Raises ProfileError."""
+def select_profile(spec: str, node: NodeFacts | None = None, *,
+                   named: str | None = None) -> Selection:
+    """Resolve --profile NAME|PATH|auto against a probe of this node. Raises ProfileError, naming
+    the spec as ``named`` (default ``--profile SPEC``; DSCONFORM_PROFILE=SPEC from there)."""
     node = node or detect.probe()
     if spec == "auto":
         p, how = auto_select(node)
         return Selection(p, node, how)
-    path = profiles.resolve(spec)
+    named = named or f"--profile {spec}"
+    path = profiles.resolve(spec, named=named)
     if not path.exists():
-        raise ProfileError([f"--profile {spec}: no such file"])
+        raise ProfileError([f"{named}: no such file"])
     return Selection(profiles.load(path), node, f"--profile {spec}")
 
 

@@ -1,9 +1,13 @@
 """Compare two training traces (ZeRO and its DDP reference) and say where they part.
 
 A trace is a mapping with ``losses`` (one float per step), ``grads`` (one ``{name: tensor}`` per
-step, taken at the accumulation boundary before the optimizer step) and ``params`` (``{name:
-tensor}`` after the last step). Every element is compared the way ``torch.isclose`` does:
+step, taken at the accumulation boundary before the optimizer step), ``params`` (``{name:
+tensor}`` after the last step) and, for a tolerance that bounds the whole update, ``init`` (the
+parameters before the first step). Every element is compared the way ``torch.isclose`` does:
 ``|actual - expected| <= atol + rtol * |expected|``; a tolerance of (0, 0) means bit-exact.
+Where the tolerance has ``update``/``gain`` (see ``Tol``), the run's whole update (all
+parameters' ``params - init`` as one vector) is compared with the reference's too: quantities
+"update" (norm-relative difference) and "gain" (the least-squares scale of one on the other).
 
 A failure names the first diverging step, the parameter, the max abs and rel difference and the
 tolerance it broke, so a red run says where to look without re-running anything.
@@ -27,24 +31,32 @@ from dsconform.tolerances import Tol
 
 # Within one step the gradient is computed before the update that moves the parameters. A
 # "state" (compare_states: a checkpointed leaf) has no order of its own within a step.
-_ORDER = {"loss": 0, "grad": 1, "param": 2, "state": 3}
+_ORDER = {"loss": 0, "grad": 1, "param": 2, "update": 3, "gain": 4, "state": 5}
+WHOLE = "all parameters"  # the name of the whole-update quantities
 
 
 @dataclass(frozen=True)
 class Difference:
     """How far one compared quantity is from its reference."""
-    quantity: str   # "loss", "grad" or "param"
+    quantity: str   # "loss", "grad", "param", "state", or the whole run's "update" / "gain"
     step: int       # training step; final parameters carry the last step
-    name: str       # parameter name, or "loss"
+    name: str       # parameter name, "loss", or WHOLE
     where: str      # e.g. "rank 1"; "" when there is one trace
-    max_abs: float
-    max_rel: float
+    max_abs: float  # update: |Δ - Δref|; gain: |gain - 1|
+    max_rel: float  # update: |Δ - Δref| / |Δref|; gain: |gain - 1|
     within: bool
     numel: int = 1
+    value: float | None = None  # gain: the gain itself
 
     def describe(self) -> str:
-        what = "loss" if self.quantity == "loss" else f"{self.quantity} of '{self.name}'"
         at = f" ({self.where})" if self.where else ""
+        if self.quantity == "update":
+            return (f"step {self.step}, update of {self.name}{at}: |delta - delta_ref| / "
+                    f"|delta_ref| = {self.max_rel:.3g} (delta: final minus initial parameters)")
+        if self.quantity == "gain":
+            return (f"step {self.step}, gain of {self.name}{at}: the update is {self.value:.4g}x "
+                    f"the reference's (<delta, delta_ref> / |delta_ref|^2)")
+        what = "loss" if self.quantity == "loss" else f"{self.quantity} of '{self.name}'"
         return (f"step {self.step}, {what}{at}: max abs diff {self.max_abs:.3g}, "
                 f"max rel diff {self.max_rel:.3g}")
 
@@ -118,7 +130,7 @@ class Comparison:
         return max((d.max_rel for d in self.differences), default=0.0)
 
     def worst(self, quantity: str) -> tuple[float, float]:
-        """(max abs, max rel) over one quantity: "loss", "grad" or "param"."""
+        """(max abs, max rel) over one quantity: "loss", "grad", "param", "update", "gain"."""
         ds = [d for d in self.differences if d.quantity == quantity]
         return (max((d.max_abs for d in ds), default=0.0),
                 max((d.max_rel for d in ds), default=0.0))
@@ -131,8 +143,7 @@ class Comparison:
         return self
 
     def report(self, limit: int = 5) -> str:
-        tol = (f"tolerance rtol={self.tol.rtol:g} atol={self.tol.atol:g}"
-               f" ({self.tol.why})" if self.tol.why else "")
+        tol = f"tolerance {self.tol} ({self.tol.why})" if self.tol.why else ""
         head = f"{self.label}: " if self.label else ""
         if self.problems or not self.differences:
             problems = self.problems or ["nothing was compared"]
@@ -203,7 +214,60 @@ def compare_traces(actual: Mapping[str, Any], expected: Mapping[str, Any], tol: 
     if params["candidate"] and params["reference"]:
         _named(cmp, params["candidate"], params["reference"], "param",
                len(losses["reference"]) - 1, where)
+    if tol.update is not None or tol.gain is not None:
+        _whole_update(cmp, sides, params, len(losses["reference"]) - 1, where)
     return cmp
+
+
+def _whole_update(cmp: Comparison, sides: Mapping[str, Mapping[str, Any]],
+                  params: Mapping[str, Mapping[str, Any]], step: int, where: str) -> None:
+    """The "update" and "gain" quantities (see the module docstring), over the parameters
+    both sides have, in the reference's order."""
+    at = f" ({where})" if where else ""
+    inits = {k: dict(v.get("init") or {}) for k, v in sides.items()}
+    for side in _SIDES:
+        if not inits[side]:
+            cmp.problems.append(f"the {side} trace has no initial parameters{at}: the "
+                                f"tolerance bounds the whole update")
+            return
+        missing = sorted(set(params[side]) - set(inits[side]))
+        if missing:
+            cmp.problems.append(f"the {side} trace has no initial value of {missing[:5]}{at}")
+            return
+    names = [n for n in params["reference"] if n in params["candidate"]]
+    deltas = {}
+    for side in _SIDES:
+        parts = []
+        for n in names:
+            final, init = params[side][n], inits[side][n]
+            if final is None or init is None or tuple(final.shape) != tuple(init.shape):
+                return  # reported as a problem of the parameters, or a shape change below
+            parts.append((final.detach().to("cpu", torch.float64)
+                          - init.detach().to("cpu", torch.float64)).flatten())
+        deltas[side] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+    a, b = deltas["candidate"], deltas["reference"]
+    if a.shape != b.shape:
+        cmp.problems.append(f"update{at}: {a.numel()} elements in the candidate, {b.numel()} in "
+                            f"the reference")
+        return
+    if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        return  # the non-finite parameters are problems already
+    ref_sq = float((b * b).sum())
+    if ref_sq == 0.0:
+        cmp.problems.append(f"update{at}: the reference's parameters did not move, so its "
+                            f"update says nothing")
+        return
+    diff = float((a - b).norm())
+    rel = diff / math.sqrt(ref_sq)
+    gain = float((a * b).sum()) / ref_sq
+    tol = cmp.tol
+    if tol.update is not None:
+        cmp.differences.append(Difference("update", step, WHOLE, where, diff, rel,
+                                          rel <= tol.update, b.numel()))
+    if tol.gain is not None:
+        dev = abs(gain - 1.0)
+        cmp.differences.append(Difference("gain", step, WHOLE, where, dev, dev,
+                                          dev <= tol.gain, b.numel(), value=gain))
 
 
 def _named(cmp: Comparison, actual: Mapping[str, torch.Tensor],

@@ -381,10 +381,11 @@ def known_op_names() -> set[str]:
 def _check_tolerances(tol: Mapping[str, Any], src: str) -> list[str]:
     problems = []
     try:
+        from dsconform.tolerances import OVERRIDE_FIELDS as fields
         from dsconform.tolerances import known_tolerance_keys
         known = set(known_tolerance_keys())
     except ImportError:
-        known = None
+        known, fields = None, ("rtol", "atol", "update", "gain", "why")
     for key, val in tol.items():
         where = f"{src}: tolerances.{key}"
         if known is not None and key not in known:
@@ -393,8 +394,8 @@ def _check_tolerances(tol: Mapping[str, Any], src: str) -> list[str]:
             problems.append(f"{where}: must be a table with rtol and/or atol")
             continue
         for k, v in val.items():
-            if k not in ("rtol", "atol", "why"):
-                problems.append(f"{where}.{k}: unknown key (known: rtol, atol, why)")
+            if k not in fields:
+                problems.append(f"{where}.{k}: unknown key (known: {', '.join(fields)})")
             elif k != "why" and (isinstance(v, bool) or not isinstance(v, _NUM) or v < 0):
                 problems.append(f"{where}.{k}: expected a number >= 0, found {v!r}")
         if "why" not in val:

@@ -7,9 +7,11 @@ gradient accumulation 1 and 4; 1, 2 and every GPU) MUST give the losses of every
 gradients at every accumulation boundary (``deepspeed.utils.safe_get_full_grad`` before
 ``engine.step()``) and the final parameters (``safe_get_full_fp32_param``, else
 ``deepspeed.zero.GatheredParameters``) that torch DDP gives, within ``dsconform/tolerances.py``;
-fp32 SGD bit for bit. The semantics are pinned by ``dsconform.dsconfig.ds_config``
-(gradient_clipping 0, Adam not AdamW, no weight decay, static fp16 loss scale), and DeepSpeed's
-own defaults MUST be the ones the suite assumes, so an upgrade that moves one is named.
+fp32 SGD bit for bit; bf16 and fp16 also the whole update (final minus initial parameters, as
+one vector) within a norm-relative bound and with a gain within 1% of DDP's. The semantics are
+pinned by ``dsconform.dsconfig.ds_config`` (gradient_clipping 0, Adam not AdamW, no weight
+decay, static fp16 loss scale), and DeepSpeed's own defaults MUST be the ones the suite assumes,
+so an upgrade that moves one is named.
 
 Upstream: https://www.deepspeed.ai/tutorials/zero/ ,
 https://www.deepspeed.ai/tutorials/zero-offload/ , https://www.deepspeed.ai/docs/config-json/ ,
@@ -196,6 +198,12 @@ def record(metrics, cmp: Comparison, case: ZeroCase, accelerator: str) -> None:
                    **params)
     metrics.record("zero.param_max_abs_diff", cmp.worst("param")[0], unit="1", better="lower",
                    **params)
+    if cmp.tol.update is not None:  # bf16/fp16: the whole update against DDP's (Tol.update)
+        metrics.record("zero.update_rel_diff", cmp.worst("update")[1], unit="1", better="lower",
+                       **params)
+    if cmp.tol.gain is not None:
+        metrics.record("zero.update_gain_dev", cmp.worst("gain")[0], unit="1", better="lower",
+                       **params)
 
 
 def _plan(params: dict, workdir, run) -> RankCall:

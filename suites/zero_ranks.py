@@ -3,7 +3,7 @@
 Each call trains the same model twice in the same process: once with the DeepSpeed engine and once
 with torch DDP, from the same initial weights, on the same per-rank data with the same optimizer
 settings, and returns both traces (per-step losses, per-step gradients at the accumulation
-boundary, final parameters) as CPU tensors for the parent to compare.
+boundary, initial and final parameters) as CPU tensors for the parent to compare.
 
 Ranks are pooled and reused: every call re-seeds, and destroys its engine before returning.
 """
@@ -259,10 +259,14 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
 
 
 def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0, perturb_from_step: int = 0,
-                       inspect: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+                       inspect: Callable[[Any], Any] | None = None,
+                       lr_factor: float = 1.0) -> dict[str, Any]:
     """Rank entry point: DDP trace and DeepSpeed trace of the same run on this rank.
 
-    ``perturb`` != 1 injects a fault into DeepSpeed's side only (see ``_perturb_backward``).
+    Both traces carry ``init``, the parameters both trainers start from (the whole-update
+    check, ``dsconform.tolerances.Tol.update``).
+    ``perturb`` != 1 injects a fault into DeepSpeed's side only (see ``_perturb_backward``);
+    so does ``lr_factor`` != 1 (DeepSpeed's optimizer gets ``case.lr * lr_factor``).
     ``inspect(engine)`` (a module-level function) runs after the last step; what it returns is
     the DeepSpeed trace's ``inspected``.
     """
@@ -282,13 +286,16 @@ def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0, perturb_from_step: 
     model = MLP(case.d_in, case.width, case.d_out)
     reference_model = MLP(case.d_in, case.width, case.d_out)
     reference_model.load_state_dict(model.state_dict())
+    init = {n: _cpu(p) for n, p in model.named_parameters()}
     data = _data(case, rank())
+    ds_case = case if lr_factor == 1.0 else case.with_(lr=case.lr * lr_factor)
     try:
         ddp = _train_ddp(reference_model, case, data, dev)
-        ds = _train_deepspeed(model.to(dev), case, data, dev, perturb, perturb_from_step,
+        ds = _train_deepspeed(model.to(dev), ds_case, data, dev, perturb, perturb_from_step,
                               inspect)
     finally:
         gc.collect()
+    ddp["init"] = ds["init"] = init
     return {"rank": rank(), "ds": ds, "ddp": ddp}
 
 

@@ -276,3 +276,126 @@ def test_ops_checks_use_the_one_table():
     for op in ("cpu_adam", "fused_adam", "cpu_adagrad", "cpu_lion"):
         tol = tolerance("op", "fp32", op, accelerator="cpu")
         assert tol.why and tol.rtol <= 1e-5 and tol.atol <= 1e-6
+
+
+# The whole update (Tol.update, Tol.gain): a run whose every element is within an element-wise
+# bound wide enough for bf16 can still move uniformly too far (an lr error); the whole update
+# sees it.
+WHOLE = Tol(1.6e-2, 1e-2, "bf16-like element-wise bounds", update=0.1, gain=0.01)
+
+
+def _moved(trace: dict, init: dict, factor: float, noise: float = 0.0, seed: int = 1) -> dict:
+    """``trace`` with its parameters at init + factor * (trace's update) + noise."""
+    g = torch.Generator().manual_seed(seed)
+    out = _clone(trace)
+    out["init"] = {k: v.clone() for k, v in init.items()}
+    for k, v in trace["params"].items():
+        delta = v - init[k]
+        out["params"][k] = init[k] + factor * delta + noise * delta.abs().mean() * torch.randn(
+            v.shape, generator=g)
+    return out
+
+
+def _with_init(trace: dict, scale: float = 1e-2, seed: int = 7) -> tuple[dict, dict]:
+    """The reference: parameters that moved by a small update from an init."""
+    g = torch.Generator().manual_seed(seed)
+    ref = _clone(trace)
+    init = {k: v.clone() for k, v in trace["params"].items()}
+    ref["params"] = {k: v + scale * torch.randn(v.shape, generator=g) for k, v in init.items()}
+    ref["init"] = {k: v.clone() for k, v in init.items()}
+    return ref, init
+
+
+def test_a_uniformly_larger_update_fails_the_gain_where_elements_pass():
+    ref, init = _with_init(_trace())
+    cand = _moved(ref, init, 1.2)
+    cmp = compare_traces(cand, ref, WHOLE, label="z2-bf16")
+    # Every element is within the element-wise bound: 0.2 x an update of about 1e-2.
+    assert all(d.within for d in cmp.differences if d.quantity in ("loss", "grad", "param"))
+    assert not cmp.ok
+    assert [d.quantity for d in cmp.failures] == ["update", "gain"]
+    gain = next(d for d in cmp.differences if d.quantity == "gain")
+    assert gain.value == pytest.approx(1.2, rel=1e-5)
+    assert gain.max_abs == pytest.approx(0.2, rel=1e-4)
+    assert cmp.worst("update")[1] == pytest.approx(0.2, rel=1e-4)
+    report = cmp.report()
+    assert "step 2, update of all parameters: |delta - delta_ref| / |delta_ref| = 0.2" in report
+    assert "gain of all parameters: the update is 1.2x the reference's" in report
+    assert "update<=0.1 gain=1+/-0.01" in report
+
+
+def test_a_slightly_scaled_update_fails_only_the_gain():
+    ref, init = _with_init(_trace())
+    cmp = compare_traces(_moved(ref, init, 0.95), ref, WHOLE)
+    assert [d.quantity for d in cmp.failures] == ["gain"]
+    assert cmp.failures[0].value == pytest.approx(0.95, rel=1e-5)
+
+
+def test_noise_fails_the_norm_bound_but_not_the_gain():
+    ref, init = _with_init(_trace(), scale=1e-3)  # element-wise bounds stay far away
+    cmp = compare_traces(_moved(ref, init, 1.0, noise=0.3), ref, WHOLE)
+    assert [d.quantity for d in cmp.failures] == ["update"]
+    assert cmp.worst("update")[1] > 0.1 and cmp.worst("gain")[0] < 0.1
+
+
+def test_an_exact_update_passes_and_is_recorded():
+    ref, init = _with_init(_trace())
+    cmp = compare_traces(_moved(ref, init, 1.0), ref, WHOLE)
+    assert cmp.ok, cmp.report()
+    assert cmp.worst("update") == (0.0, 0.0) and cmp.worst("gain") == (0.0, 0.0)
+    assert {d.quantity for d in cmp.differences} >= {"update", "gain"}
+
+
+def test_the_whole_update_is_checked_only_where_the_tolerance_bounds_it():
+    ref, init = _with_init(_trace())
+    cmp = compare_traces(_moved(ref, init, 1.2), ref, Tol(1.6e-2, 1e-2, "element-wise only"))
+    assert cmp.ok and not any(d.quantity in ("update", "gain") for d in cmp.differences)
+    only_gain = Tol(1.6e-2, 1e-2, "gain only", gain=0.01)
+    cmp = compare_traces(_moved(ref, init, 1.2), ref, only_gain)
+    assert [d.quantity for d in cmp.failures] == ["gain"]
+
+
+@pytest.mark.parametrize("side", ["candidate", "reference"])
+def test_a_missing_init_is_a_problem_never_a_pass(side):
+    ref, init = _with_init(_trace())
+    cand = _moved(ref, init, 1.0)
+    (cand if side == "candidate" else ref).pop("init")
+    cmp = compare_traces(cand, ref, WHOLE)
+    assert not cmp.ok
+    assert cmp.problems == [f"the {side} trace has no initial parameters: the tolerance bounds "
+                            f"the whole update"]
+    partial = _moved(ref, init, 1.0) if side == "reference" else cand
+    if side == "reference":
+        ref["init"] = {"fc.weight": init["fc.weight"]}
+        cmp = compare_traces(partial, ref, WHOLE)
+        assert cmp.problems == ["the reference trace has no initial value of ['fc.bias']"]
+
+
+def test_a_reference_that_did_not_move_is_a_problem():
+    ref, init = _with_init(_trace(), scale=0.0)
+    cmp = compare_traces(_moved(ref, init, 1.0), ref, WHOLE, where="rank 1")
+    assert not cmp.ok
+    assert cmp.problems == ["update (rank 1): the reference's parameters did not move, so its "
+                            "update says nothing"]
+
+
+def test_profile_override_of_the_whole_update_bounds():
+    base = tolerance("zero", "bf16", "adam", accelerator="cuda")
+    assert base.update is not None and base.gain is not None
+    tol = tolerance("zero", "bf16", "adam", {"zero.bf16.adam": {"gain": 0.02, "why": "x8"}},
+                    accelerator="cuda")
+    assert (tol.rtol, tol.atol, tol.update, tol.gain) == (base.rtol, base.atol, base.update,
+                                                          0.02)
+    with pytest.raises(ValueError, match="update must be a number >= 0"):
+        tolerance("zero", "bf16", "adam", {"zero.bf16.adam": {"update": -1}}, accelerator="cpu")
+
+
+def test_every_low_precision_zero_entry_bounds_the_whole_update():
+    for (check, dtype, _opt), entry in tolerances.TABLE.items():
+        if check in ("zero", "zero_accum", "zero_infinity") and dtype in ("bf16", "fp16"):
+            for accel, tol in entry.items():
+                assert tol.update is not None and tol.gain is not None, (check, dtype, accel)
+                assert tol.gain <= 0.01 and "gain" in tol.why, (check, dtype, accel)
+        elif dtype == "fp32" or check not in ("zero", "zero_accum", "zero_infinity"):
+            for tol in entry.values():
+                assert tol.update is None and tol.gain is None

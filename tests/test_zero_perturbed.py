@@ -1,5 +1,8 @@
 """The ZeRO equivalence check MUST go red when DeepSpeed's update is off by a hair.
 
+bf16 cells too: their element-wise bounds are wide (bf16 rounding), so an lr 20% off passed
+them; the whole-update check (Tol.update, Tol.gain) MUST fail an lr 5% off in either direction.
+
 One real case of suites/test_zero.py (ZeRO-3, fp32 SGD, 2 ranks on the CPU accelerator) runs
 twice: as is, where it is bit-exact, and with a fault injected into the DeepSpeed side only -
 from step 5 on the loss is multiplied by 1.001 inside ``engine.backward`` (a wrapper applied in
@@ -54,3 +57,42 @@ def test_perturbed_update_fails_naming_the_step():
                           f"step {PERTURB_FROM_STEP}, grad of '"), msg
     assert "max abs diff" in msg and "max rel diff" in msg
     assert f"exceeds tolerance rtol=0 atol=0 ({cmp.tol.why})" in msg
+
+
+BF16_CASES = {"adam": ZeroCase(stage=2, dtype="bf16", optimizer="adam", grad_accum=1,
+                               world_size=2),
+              "sgd": ZeroCase(stage=3, dtype="bf16", optimizer="sgd", grad_accum=4, world_size=2)}
+
+
+def _compare_bf16(optimizer: str, lr_factor: float):
+    case = BF16_CASES[optimizer]
+    results = run_ranks(train_zero_and_ddp, case.world_size, timeout_s=180, args=(case,),
+                        kwargs={"lr_factor": lr_factor}, accelerator="cpu")
+    tol = tolerance("zero_accum" if case.grad_accum > 1 else "zero", "bf16", optimizer,
+                    accelerator="cpu")
+    return compare_rank_results(results, tol, label=case.id)
+
+
+@pytest.mark.parametrize("optimizer", sorted(BF16_CASES))
+def test_bf16_control_passes_with_its_gain_near_one(optimizer):
+    cmp = _compare_bf16(optimizer, 1.0)
+    assert cmp.ok, cmp.report()
+    assert cmp.worst("gain")[0] < 2e-3 and cmp.worst("update")[1] < 0.05
+
+
+@pytest.mark.parametrize("lr_factor", [1.2, 1.05, 0.95])
+@pytest.mark.parametrize("optimizer", sorted(BF16_CASES))
+def test_bf16_lr_error_fails_the_whole_update(optimizer, lr_factor):
+    """DeepSpeed trained with lr x lr_factor: the gain MUST fail, naming the factor."""
+    cmp = _compare_bf16(optimizer, lr_factor)
+    assert not cmp.ok
+    gains = [d for d in cmp.failures if d.quantity == "gain"]
+    assert len(gains) == 2, cmp.report()  # one per rank
+    for d in gains:  # the gain follows the lr (SGD's less than 1:1: the loss surface curves)
+        assert abs(d.value - 1) > 0.02 and (d.value > 1) == (lr_factor > 1), d.describe()
+    if (optimizer, lr_factor) == ("adam", 1.2):
+        # What the element-wise bounds alone made of it: within, every loss, gradient, weight
+        # (Adam moves each weight by about lr per step; 20% of 20 steps x 1e-3 < atol).
+        elementwise = [d for d in cmp.differences if d.quantity in ("loss", "grad", "param")]
+        assert elementwise and all(d.within for d in elementwise)
+        assert "gain of all parameters (rank 0): the update is 1.1" in cmp.report()

@@ -26,11 +26,22 @@ CASES_SHOWN = 8
 
 def _case_labels(nodeids: list[str]) -> list[str]:
     """Short labels of a group's cases: the bare case ids when they are cells of one test
-    (``cuda-z0-...``), else each test with its case (``test_half_precision_matmul[bf16]``)."""
-    tests = {n.rsplit("::", 1)[-1].split("[", 1)[0] for n in nodeids}
+    (``cuda-z0-...``), else each test with its case (``test_half_precision_matmul[bf16]``),
+    with its file where two files have a test of that name (``test_zero.py::test_x[a]``)."""
+    tests = {n.split("[", 1)[0] for n in nodeids}
     if len(tests) == 1:
         return [case_id(n) or n.rsplit("::", 1)[-1] for n in nodeids]
-    return [n.rsplit("::", 1)[-1] for n in nodeids]
+    files_of: dict[str, set[str]] = {}
+    for n in nodeids:
+        path, _, test = n.split("[", 1)[0].rpartition("::")
+        files_of.setdefault(test, set()).add(path)
+    labels = []
+    for n in nodeids:
+        path, _, test = n.split("[", 1)[0].rpartition("::")
+        label = n.rsplit("::", 1)[-1]
+        labels.append(label if len(files_of[test]) == 1
+                      else f"{path.rsplit('/', 1)[-1]}::{label}")
+    return labels
 
 
 def case_id(nodeid: str) -> str:

@@ -43,6 +43,21 @@ def test_cases_of_several_tests_are_named_with_their_test():
             "test_half_precision_matmul[fp16]") in out
 
 
+def test_tests_of_one_name_in_two_files_are_named_with_their_file():
+    entries = [("suites/test_zero.py::test_effective_defaults", "DeepSpeed moved a default"),
+               ("suites/test_multinode.py::test_effective_defaults", "DeepSpeed moved a default"),
+               ("suites/test_profile.py::test_gpu_count", "DeepSpeed moved a default")]
+    out = lines({"capabilities": {"zero": {"failed": 3}}, "failures": group(entries),
+                 "skips": [], "known_issues": []}, profile="p", host="n1")
+    assert ("         cases: test_zero.py::test_effective_defaults, "
+            "test_multinode.py::test_effective_defaults, test_gpu_count") in out
+    # The same test in two files, and nothing else: not a bare case id either.
+    out = lines({"capabilities": {"zero": {"failed": 2}}, "failures": group(entries[:2]),
+                 "skips": [], "known_issues": []}, profile="p", host="n1")
+    assert ("         cases: test_zero.py::test_effective_defaults, "
+            "test_multinode.py::test_effective_defaults") in out
+
+
 def test_different_causes_stay_apart():
     a = _z0("cuda-z0-off_none-fp16-sgd-gas1-ws2", "0.999")
     b = (f"{ZERO}[cuda-z1-off_none-bf16-sgd-gas1-ws2]",

@@ -161,12 +161,24 @@ _OP_TOLERANCES = {
 }
 
 
-def _fp16_cpu(bf16: Tol) -> Tol:
-    return Tol(bf16.rtol, bf16.atol,
-               f"fp16 on CPUs: not measured (the CI CPU has no oneDNN fp16, so DeepSpeed refuses "
-               f"fp16 there); fp16 keeps 3 more mantissa bits than bf16 and both sides use the "
-               f"same static loss scale, so the bf16 entry is an upper bound: {bf16.why}",
-               update=bf16.update, gain=bf16.gain)
+# fp16 on CPUs: DeepSpeed refuses fp16 engines on a CPU without oneDNN fp16 (AVX512-FP16/AMX);
+# earlier CI machines had none and skipped the cells. The CPU machine of 2026-12-01 had it: all
+# 84 fp16 cells of ZeRO 1-3 (every offload and optimizer, accumulation 1 and 4, 1 and 2 ranks)
+# ran there and stayed inside the GPU entries by the margins below.
+_FP16_CPU = ("the CPU machine of 2026-12-01 (AVX512-FP16, so DeepSpeed runs fp16 engines; a CPU "
+             "without it skips these cells), 1 and 2 ranks, every ZeRO 1-3 cell")
+_FP16_CPU_MEASURED = {
+    "sgd": "worst relative loss 7.0e-5, abs gradient 2.44e-4, parameter 1.23e-4",
+    "adam": "worst relative loss 6.6e-5, abs gradient 1.37e-4, parameter 1.86e-3 (4 "
+            "micro-batches, 2 ranks)",
+}
+
+
+def _fp16_cpu(fp16_cuda: Tol, kind: str) -> Tol:
+    return Tol(fp16_cuda.rtol, fp16_cuda.atol,
+               f"fp16 on CPUs, held to the GPU entry: {_FP16_CPU_MEASURED[kind]}, whole update "
+               f"6.9e-3, gain 1 - 5.7e-5 ({_FP16_CPU}): the numbers the H200 nodes gave. GPU "
+               f"entry: {fp16_cuda.why}", update=fp16_cuda.update, gain=fp16_cuda.gain)
 
 
 # The whole-run update (Tol.update, Tol.gain) of bf16 and fp16, the same cells as above: every
@@ -209,7 +221,9 @@ for _check in ("zero", "zero_accum"):
         _fp16_cuda = _with_update(_fp16_cuda, _UPDATE_FP16_CUDA)
         TABLE[(_check, "fp32", _opt)] = {"cpu": _fp32, "cuda": _fp32}
         TABLE[(_check, "bf16", _opt)] = {"cpu": _cpu, "cuda": _cuda}
-        TABLE[(_check, "fp16", _opt)] = {"cpu": _fp16_cpu(_cpu), "cuda": _fp16_cuda}
+        TABLE[(_check, "fp16", _opt)] = {"cpu": _fp16_cpu(_fp16_cuda,
+                                                          "sgd" if _opt == "sgd" else "adam"),
+                                         "cuda": _fp16_cuda}
 
 
 for _op, _tol in _OP_TOLERANCES.items():

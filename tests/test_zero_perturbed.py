@@ -96,3 +96,16 @@ def test_bf16_lr_error_fails_the_whole_update(optimizer, lr_factor):
         elementwise = [d for d in cmp.differences if d.quantity in ("loss", "grad", "param")]
         assert elementwise and all(d.within for d in elementwise)
         assert "gain of all parameters (rank 0): the update is 1.1" in cmp.report()
+
+
+def test_fp16_lr_error_fails_the_whole_update():
+    """fp16 on a CPU with AVX512-FP16 (skips elsewhere: DeepSpeed refuses fp16 there), held to
+    the GPU entry: an lr 5% high fails the gain, the control passes."""
+    case = ZeroCase(stage=2, dtype="fp16", optimizer="adam", grad_accum=1, world_size=2)
+    tol = tolerance("zero", "fp16", "adam", accelerator="cpu")
+    cmps = {f: compare_rank_results(
+        run_ranks(train_zero_and_ddp, 2, timeout_s=180, args=(case,), kwargs={"lr_factor": f},
+                  accelerator="cpu"), tol, label=case.id) for f in (1.0, 1.05)}
+    assert cmps[1.0].ok, cmps[1.0].report()
+    assert not cmps[1.05].ok
+    assert {d.quantity for d in cmps[1.05].failures} >= {"gain"}

@@ -240,8 +240,13 @@ def _whole_update(cmp: Comparison, sides: Mapping[str, Mapping[str, Any]],
         parts = []
         for n in names:
             final, init = params[side][n], inits[side][n]
-            if final is None or init is None or tuple(final.shape) != tuple(init.shape):
-                return  # reported as a problem of the parameters, or a shape change below
+            if final is None:
+                return  # a problem of the parameters already
+            if init is None or tuple(final.shape) != tuple(init.shape):
+                shape = None if init is None else tuple(init.shape)
+                cmp.problems.append(f"update of '{n}'{at}: initial {shape}, final "
+                                    f"{tuple(final.shape)} in the {side}")
+                return
             parts.append((final.detach().to("cpu", torch.float64)
                           - init.detach().to("cpu", torch.float64)).flatten())
         deltas[side] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)

@@ -399,3 +399,11 @@ def test_every_low_precision_zero_entry_bounds_the_whole_update():
         elif dtype == "fp32" or check not in ("zero", "zero_accum", "zero_infinity"):
             for tol in entry.values():
                 assert tol.update is None and tol.gain is None
+
+
+def test_an_initial_value_of_another_shape_is_a_problem():
+    ref, init = _with_init(_trace())
+    cand = _moved(ref, init, 1.0)
+    cand["init"]["fc.bias"] = torch.zeros(4)
+    cmp = compare_traces(cand, ref, WHOLE)
+    assert cmp.problems == ["update of 'fc.bias': initial (4,), final (3,) in the candidate"]

@@ -58,8 +58,17 @@ def _wrong(text: str) -> int | None:
     return None if text == "N/A" else int(float(text))
 
 
+def _wrong_of(fields: list[str]) -> int | None:
+    """Wrong elements of a row: out-of-place plus in-place (field 12, where printed); None
+    when neither was checked."""
+    counts = [_wrong(f) for f in (fields[8], *fields[12:13])]
+    checked = [c for c in counts if c is not None]
+    return sum(checked) if checked else None
+
+
 def parse(text: str) -> list[Row]:
-    """Every out-of-place row of all_reduce_perf's table."""
+    """Every row of all_reduce_perf's table: the out-of-place timing, and the wrong elements
+    of both the out-of-place and the in-place run."""
     rows = []
     for line in text.splitlines():
         fields = line.split()
@@ -68,7 +77,7 @@ def parse(text: str) -> list[Row]:
         try:
             rows.append(Row(bytes=int(fields[0]), dtype=fields[2], redop=fields[3],
                             seconds=float(fields[5]) * 1e-6, algbw_gbps=float(fields[6]),
-                            busbw_gbps=float(fields[7]), wrong=_wrong(fields[8])))
+                            busbw_gbps=float(fields[7]), wrong=_wrong_of(fields)))
         except ValueError:
             continue  # not a result row (a warning that starts with a number)
     return rows

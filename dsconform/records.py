@@ -93,7 +93,8 @@ class Metric:
         if self.limit is None:
             return None
         v = self.value
-        bad = v < self.limit if self.better == "higher" else v > self.limit
+        # NaN is never within a limit (a plain comparison with NaN is False both ways).
+        bad = not v >= self.limit if self.better == "higher" else not v <= self.limit
         if not bad:
             return None
         kind = "floor" if self.better == "higher" else "ceiling"

@@ -254,7 +254,16 @@ def test_parse_reads_out_of_place_rows():
     assert rows[0] == nccl_tests.Row(1073741824, "float", "sum", pytest.approx(6466.0e-6),
                                      166.06, 332.12, 0)
     assert [r.wrong for r in rows] == [0, 0, 2]
-    assert nccl_tests.parse(TABLE.replace(" 0   6460.3", " N/A   6460.3"))[0].wrong is None
+    assert nccl_tests.parse(TABLE.replace(" 0   6460.3", " N/A   6460.3"))[0].wrong == 0
+
+
+def test_parse_counts_the_in_place_run_wrong_elements_too():
+    in_place_wrong = TABLE.replace("332.42        0", "332.42        5")
+    assert in_place_wrong != TABLE
+    assert [r.wrong for r in nccl_tests.parse(in_place_wrong)] == [5, 0, 2]
+    unchecked = TABLE.replace(" 0   6460.3", " N/A   6460.3").replace("332.42        0",
+                                                                       "332.42      N/A")
+    assert nccl_tests.parse(unchecked)[0].wrong is None
 
 
 def _fake_perf(tmp_path: Path, body: str) -> str:

@@ -85,6 +85,16 @@ def test_a_ceiling_and_a_floor_on_plain_values():
     assert "tflops = 700 TFLOPS" in found[1] and "floor 720 TFLOPS" in found[1]
 
 
+def test_nan_is_beyond_every_limit():
+    rec, _ = _recorder()
+    rec.record("zero.grad_max_abs_diff", float("nan"), unit="1", better="lower", limit=1e-2)
+    rec.record("ratio", float("nan"), unit="ratio", better="higher", limit=0.9)
+    found = rec.violations()
+    assert len(found) == 2
+    assert "zero.grad_max_abs_diff = nan 1" in found[0] and "ceiling 0.01" in found[0]
+    assert "ratio = nan ratio" in found[1] and "floor 0.9" in found[1]
+
+
 def test_a_performance_limit_needs_three_rounds():
     rec, kept = _recorder()
     with pytest.raises(ValueError, match="at least 3 rounds, got 1"):

@@ -1,10 +1,13 @@
 """Collectives: what each one must return on known data, which sizes a bandwidth sweep visits,
 and how bandwidth is named (nccl-tests' definitions).
 
-Exactness. Every rank's input is a known function of (rank, element index) with small integer
-values, so any backend must reproduce the expected output exactly in fp32, bf16 and fp16: the
-values lie in [-span, span] with span = 127 // world size, so every partial sum of a reduction is
-an integer of magnitude at most 127, which bf16 (8 significant bits) and fp16 hold exactly. Values
+Exactness. Every rank's input is a known function of (rank, element index): integer units m in
+[-span, span] times a power-of-two unit, chosen per dtype so that every partial sum of a
+reduction is exact in that dtype, in any order, and most values are NOT exact in a narrower one:
+bf16 integers of magnitude <= 127 (8 significant bits); fp16 integers <= 2047 (11 bits), which
+bf16 does not hold; fp32 multiples of 2**-10 with units <= 2**24 - 1, which neither bf16 nor
+fp16 holds. So any backend must reproduce the expected output exactly, and one that carries or
+reduces the data in a narrower type (a compression hook, a wrong NCCL datatype) is caught. Values
 depend on the position, so an output in the wrong order or from the wrong rank is caught, not
 only a wrong sum. Sizes that are not a multiple of the world size are laid out the way DeepSpeed
 lays them out: all_gather and reduce_scatter pad the flat buffer to a multiple of the world size
@@ -103,14 +106,35 @@ def sweep_sizes(collective: str, top: int, *, accelerator: str, full: bool) -> t
 
 # ------------------------------------------------------------------ exact data
 
-def span(n: int) -> int:
-    """Largest |value| of any rank's input: n * span <= 127, so sums stay exact in bf16."""
-    return max(1, 127 // n)
+# dtype -> (the largest |sum| of units every partial sum stays within, exact in the dtype; the
+# value of one unit). bf16 keeps the original small integers.
+_UNITS = {"bf16": (127, 1.0), "fp16": (2047, 1.0), "fp32": ((1 << 24) - 1, 2.0 ** -10)}
 
 
-def _values(rank: int, index: Any, n: int) -> Any:
-    """Rank ``rank``'s input value at flat positions ``index`` (an int64 tensor)."""
-    k = span(n)
+def span(n: int, dtype: str = "bf16", rank: int = 0, reduces: bool = True) -> int:
+    """Largest |units| of rank ``rank``'s input. The dtype's budget (bf16: 127, so sums stay
+    exact in bf16; fp16: 2047; fp32: 2**24 - 1 units of 2**-10) bounds every partial sum: a
+    reduction gives half of it to rank 0 and shares the rest among the others, so the sums stay
+    exact and still mostly need the dtype's full precision (they follow rank 0's values) however
+    many ranks there are. A collective that does not add (all_gather, broadcast, all_to_all)
+    gives every rank the whole budget."""
+    budget = _UNITS[dtype][0]
+    if not reduces or n == 1:
+        return budget
+    if rank == 0:
+        return budget // 2
+    return max(1, (budget - budget // 2) // (n - 1))
+
+
+def unit(dtype: str) -> float:
+    """The value of one unit of ``dtype``'s exact data (a power of two)."""
+    return _UNITS[dtype][1]
+
+
+def _unit_values(rank: int, index: Any, n: int, dtype: str = "bf16",
+                 reduces: bool = True) -> Any:
+    """Rank ``rank``'s input units at flat positions ``index`` (an int64 tensor)."""
+    k = span(n, dtype, rank, reduces)
     return (index * 7 + rank * 13) % (2 * k + 1) - k
 
 
@@ -122,8 +146,9 @@ def _splits(rank: int, n: int, numel: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ExactCase:
-    """One rank's side of an exactness check: integer-valued input and expected output (int64
-    tensors, exact), and the keyword arguments the collective needs."""
+    """One rank's side of an exactness check: input and expected output in integer units
+    (int64 tensors, exact; ``as_float`` gives the values), and the keyword arguments the
+    collective needs."""
     collective: str
     numel: int
     input: Any
@@ -132,12 +157,33 @@ class ExactCase:
     input_splits: list[int] | None = None
     output_splits: list[int] | None = None
     src: int | None = None
+    unit: float = 1.0  # the value of one unit
+
+    def as_float(self, units: Any, dtype: Any) -> Any:
+        """``units`` (int64) as values of torch dtype ``dtype``: exact for the case's dtype."""
+        import torch
+
+        return (units.to(torch.float64) * self.unit).to(dtype)
 
 
-def exact_case(collective: str, rank: int, n: int, numel: int, device: Any = "cpu") -> ExactCase:
+def exact_case(collective: str, rank: int, n: int, numel: int, device: Any = "cpu",
+               dtype: str = "bf16") -> ExactCase:
     """Input and expected output of ``collective`` on rank ``rank`` of ``n`` for a logical size
-    of ``numel`` elements (see the module docstring for the layouts)."""
+    of ``numel`` elements (see the module docstring for the layouts), with ``dtype``'s data."""
+    import dataclasses
+
+    case = _exact_units(collective, rank, n, numel, device, dtype)
+    return dataclasses.replace(case, unit=unit(dtype))
+
+
+def _exact_units(collective: str, rank: int, n: int, numel: int, device: Any,
+                 dtype: str) -> ExactCase:
     import torch
+
+    reduces = collective in ("all_reduce", "reduce_scatter")
+
+    def values(r: int, index: Any) -> Any:
+        return _unit_values(r, index, n, dtype, reduces)
 
     if numel < 1:
         raise ValueError(f"numel must be >= 1, got {numel}")
@@ -147,24 +193,24 @@ def exact_case(collective: str, rank: int, n: int, numel: int, device: Any = "cp
 
     if collective == "all_reduce":
         g = arange(numel)
-        expected = sum(_values(r, g, n) for r in range(n))
-        return ExactCase(collective, numel, _values(rank, g, n), expected, f"{numel} elements")
+        expected = sum(values(r, g) for r in range(n))
+        return ExactCase(collective, numel, values(rank, g), expected, f"{numel} elements")
     if collective == "broadcast":
         src = n - 1  # not rank 0: a broadcast that ignores src must not pass by luck
         g = arange(numel)
-        return ExactCase(collective, numel, _values(rank, g, n), _values(src, g, n),
+        return ExactCase(collective, numel, values(rank, g), values(src, g),
                          f"{numel} elements from rank {src}", src=src)
     if collective in ("all_gather", "reduce_scatter"):
         part = -(-numel // n)  # ZeRO: ceil(numel / n) per rank, the tail padded with zeros
         layout = (f"{numel} elements padded to {part * n} ({part} per rank)" if part * n != numel
                   else f"{numel} elements ({part} per rank)")
         if collective == "all_gather":
-            flat = _values(0, arange(part * n), n)
+            flat = values(0, arange(part * n))
             flat[numel:] = 0
             mine = flat[rank * part:(rank + 1) * part].clone()
             return ExactCase(collective, numel, mine, flat, layout)
         g = arange(part * n)
-        inputs = [_values(r, g, n) for r in range(n)]
+        inputs = [values(r, g) for r in range(n)]
         for t in inputs:
             t[numel:] = 0
         total = sum(inputs)
@@ -176,8 +222,8 @@ def exact_case(collective: str, rank: int, n: int, numel: int, device: Any = "cp
         pieces = []
         for src in range(n):
             offset = sum(_splits(src, n, numel)[:rank])
-            pieces.append(_values(src, arange(recv[src], offset), n))
-        return ExactCase(collective, numel, _values(rank, arange(sum(send)), n),
+            pieces.append(values(src, arange(recv[src], offset)))
+        return ExactCase(collective, numel, values(rank, arange(sum(send))),
                          torch.cat(pieces), f"uneven splits, this rank sends {send}",
                          input_splits=send, output_splits=recv)
     raise ValueError(f"unknown collective {collective!r} (known: {', '.join(COLLECTIVES)})")

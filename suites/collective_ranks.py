@@ -71,6 +71,16 @@ def _with_fault(call: Callable, index: int) -> Callable:
     return faulty
 
 
+def _narrowed(call: Callable, narrow: torch.dtype) -> Callable:
+    """The real deepspeed.comm call, then its output rounded through ``narrow`` (bf16, fp16):
+    a rank whose collective carries the data in a narrower type (a compression hook)."""
+    def faulty(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = call(out, *args, **kwargs)
+        out.copy_(out.to(narrow).to(out.dtype))
+        return result
+    return faulty
+
+
 def _ds_calls() -> dict[str, Callable]:
     """The deepspeed.comm entry points ZeRO uses for each collective."""
     import deepspeed.comm as dc
@@ -82,7 +92,7 @@ def _ds_calls() -> dict[str, Callable]:
 
 def _run_exact(collective: str, case: Any, dtype: torch.dtype, call: Callable,
                dev: torch.device) -> torch.Tensor:
-    inp = case.input.to(dtype)
+    inp = case.as_float(case.input, dtype)
     if collective == "all_reduce":
         out = inp.clone()
         call(out)
@@ -109,10 +119,11 @@ def check_exact(collective: str, dtype: str, sizes: Sequence[int],
     for numel in sizes:
         call = _ds_calls()[collective]
         if perturb and perturb["rank"] == me and perturb["numel"] == numel:
-            call = _with_fault(call, perturb["index"])
-        case = collectives.exact_case(collective, me, n, numel, dev)
+            call = (_narrowed(call, DTYPES[perturb["narrow"]]) if "narrow" in perturb
+                    else _with_fault(call, perturb["index"]))
+        case = collectives.exact_case(collective, me, n, numel, dev, dtype)
         out = _run_exact(collective, case, DTYPES[dtype], call, dev)
-        found = collectives.find_mismatch(out, case.expected.to(DTYPES[dtype]))
+        found = collectives.find_mismatch(out, case.as_float(case.expected, DTYPES[dtype]))
         if found is not None:
             index, expected, value, wrong = found
             mismatches.append(dict(collective=collective, dtype=dtype, numel=numel, rank=me,

@@ -5,8 +5,10 @@ GPU, link or rank of the node MUST lag its peers.
 - Exactness (COLL-EXACT-0, COLL-EXACT-1). all_reduce, all_gather, reduce_scatter, broadcast and
   all_to_all, called through ``deepspeed.comm`` the way ZeRO calls them (``all_reduce``,
   ``allgather_fn``, ``reduce_scatter_fn``, ``broadcast``, ``all_to_all_single``), MUST return
-  exactly the expected result on known integer-valued data, in fp32, bf16 and fp16, at sizes
-  1, 53 and 65537 elements (and 2**24 + 3 on GPUs): odd sizes, not multiples of the world
+  exactly the expected result on known data, in fp32, bf16 and fp16, at sizes 1, 53 and 65537
+  elements (and 2**24 + 3 on GPUs; 2**20 + 3 on CPUs). The data of each dtype is exact in it,
+  every partial sum too, and mostly not exact in a narrower type, so a collective that carries
+  fp32 in bf16 or fp16, or fp16 in bf16, fails. Odd sizes, not multiples of the world
   size, padded as ZeRO pads partitions, all_to_all with uneven splits (dsconform/collectives.py).
   gloo (CI) and NCCL (GPUs) both run every collective in every dtype here.
 - Bandwidth (COLL-BW-1, COLL-BW-2). Through torch.distributed, fp32, back-to-back calls, 3

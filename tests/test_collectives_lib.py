@@ -52,19 +52,32 @@ def test_expected_output_is_what_the_collective_does_to_the_inputs(collective, n
     _simulate(collective, n, numel)
 
 
+_TORCH = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_NARROWER = {"fp32": ("bf16", "fp16"), "fp16": ("bf16",), "bf16": ()}
+
+
+@pytest.mark.parametrize("dtype", collectives.DTYPES)
 @pytest.mark.parametrize("collective", collectives.COLLECTIVES)
 @pytest.mark.parametrize("n", [2, 3, 8, 64])
-def test_data_is_exact_in_bf16_and_fp16(collective, n):
-    """Inputs and every partial sum fit bf16's 8 significant bits: small integers."""
-    cases = [collectives.exact_case(collective, r, n, 97) for r in range(n)]
-    partial = torch.zeros_like(cases[0].input)
+def test_data_is_exact_in_its_dtype_and_not_in_a_narrower_one(collective, n, dtype):
+    """Inputs, expected outputs and every partial sum are exact in the dtype (any order: every
+    partial sum's units stay within the dtype's exact range); most values are not exact in a
+    narrower dtype, so a collective that carries the data in one is caught."""
+    cases = [collectives.exact_case(collective, r, n, 997, dtype=dtype) for r in range(n)]
+    limit = {"bf16": 127, "fp16": 2047, "fp32": (1 << 24) - 1}[dtype]
+    if collective in ("all_reduce", "reduce_scatter"):  # any partial sum, in any order
+        assert sum(int(c.input.abs().max()) for c in cases) <= limit
     for c in cases:
-        if collective in ("all_reduce", "reduce_scatter"):
-            partial = partial + c.input
-            assert partial.abs().max() <= 127
+        assert int(c.input.abs().max()) <= limit and int(c.expected.abs().max()) <= limit
         for t in (c.input, c.expected):
-            for dt in (torch.bfloat16, torch.float16):
-                assert torch.equal(t.to(dt).to(torch.int64), t)
+            value = c.as_float(t, torch.float64)
+            assert torch.equal(c.as_float(t, _TORCH[dtype]).double(), value)
+    # What the ranks receive, and what rank 0 sends, mostly needs the dtype's full precision.
+    for t in (torch.cat([c.expected for c in cases]), cases[0].input):
+        value = cases[0].as_float(t, torch.float64)
+        for narrow in _NARROWER[dtype]:
+            lost = cases[0].as_float(t, _TORCH[narrow]).double().ne(value).float().mean()
+            assert lost > 0.3, (narrow, float(lost))
 
 
 def test_position_and_rank_change_the_values():

@@ -65,6 +65,19 @@ def test_one_wrong_element_fails_naming_rank_collective_dtype_size_index(collect
     assert f"rank 1 on rank 1 (cpu): element 17 is {m.found:g}, expected {m.expected:g}" in text
 
 
+@pytest.mark.parametrize("collective, dtype, narrow", [
+    ("all_reduce", "fp32", "bf16"), ("all_reduce", "fp32", "fp16"),
+    ("all_gather", "fp32", "bf16"), ("reduce_scatter", "fp16", "bf16"),
+    ("broadcast", "fp16", "bf16"), ("all_to_all", "fp32", "fp16")])
+def test_data_carried_in_a_narrower_type_fails(collective, dtype, narrow):
+    """A rank whose collective rounds its output through a narrower type (a compression hook,
+    a wrong NCCL datatype) MUST fail: the exact data needs the dtype's full precision."""
+    [m] = check_exact(collective, dtype, "cpu", WORLD, _Node,
+                      perturb={"rank": 1, "numel": 53, "narrow": narrow})
+    assert (m.rank, m.collective, m.dtype, m.numel) == (1, collective, dtype, 53)
+    assert m.wrong > m.total // 4, m.describe()
+
+
 def test_a_fault_only_in_large_messages_is_found_on_cpu_too():
     """A collective that goes wrong only above 128 Ki elements (a protocol or chunking switch):
     the CPU sizes reach past it (a mutation audit found 65537 elements the largest)."""

@@ -135,32 +135,53 @@ def check_exact(collective: str, dtype: str, sizes: Sequence[int],
 
 # ------------------------------------------------------------------ bandwidth
 
-def _op(collective: str, nbytes: int, dev: torch.device) -> tuple[torch.Tensor, Callable]:
-    """Buffers and a callable for one collective moving ``nbytes`` (nccl-tests' "size": the
-    total buffer, i.e. the output of all_gather and the input of reduce_scatter), fp32, through
-    torch.distributed (the way the profile's floors were measured)."""
+def _op(collective: str, nbytes: int,
+        dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, Callable]:
+    """Input, output (the same tensor where the call works in place) and a callable for one
+    collective moving ``nbytes`` (nccl-tests' "size": the total buffer, i.e. the output of
+    all_gather and the input of reduce_scatter), fp32, through torch.distributed (the way the
+    profile's floors were measured)."""
     n = world()
     count = nbytes // 4
     per_rank = count // n
     if collective == "all_reduce":
         buf = torch.empty(count, dtype=torch.float32, device=dev)
-        return buf, lambda: dist.all_reduce(buf)
+        return buf, buf, lambda: dist.all_reduce(buf)
     if collective == "all_gather":
         inp = torch.empty(per_rank, dtype=torch.float32, device=dev)
         out = torch.empty(per_rank * n, dtype=torch.float32, device=dev)
-        return inp, lambda: dist.all_gather_into_tensor(out, inp)
+        return inp, out, lambda: dist.all_gather_into_tensor(out, inp)
     if collective == "reduce_scatter":
         inp = torch.empty(per_rank * n, dtype=torch.float32, device=dev)
         out = torch.empty(per_rank, dtype=torch.float32, device=dev)
-        return inp, lambda: dist.reduce_scatter_tensor(out, inp)
+        return inp, out, lambda: dist.reduce_scatter_tensor(out, inp)
     if collective == "all_to_all":
         inp = torch.empty(per_rank * n, dtype=torch.float32, device=dev)
         out = torch.empty_like(inp)
-        return inp, lambda: dist.all_to_all_single(out, inp)
+        return inp, out, lambda: dist.all_to_all_single(out, inp)
     if collective == "broadcast":
         buf = torch.empty(count, dtype=torch.float32, device=dev)
-        return buf, lambda: dist.broadcast(buf, src=0)
+        return buf, buf, lambda: dist.broadcast(buf, src=0)
     raise ValueError(f"unknown collective {collective!r}")
+
+
+def _wrong_after_one_call(collective: str, inp: torch.Tensor, out: torch.Tensor,
+                          op: Callable, partial: bool = False) -> int:
+    """Elements of one call's output that are not what the timed collective, at the timed size,
+    must return when every rank's input is rank + 1: a collective that does only part of the
+    work at large sizes is fast, and would pass a floor, but is wrong."""
+    n, me = world(), rank()
+    inp.fill_(float(me + 1))
+    op()
+    if partial:  # fault injection (the project's red test): the last quarter left as it was
+        out.view(-1)[out.numel() * 3 // 4:] = 0.0
+    if collective in ("all_reduce", "reduce_scatter"):
+        return int(out.ne(n * (n + 1) / 2).sum())
+    if collective == "broadcast":
+        return int(out.ne(1.0).sum())  # from rank 0
+    # all_gather, all_to_all: the part from rank s holds s + 1
+    want = torch.arange(1, n + 1, dtype=out.dtype, device=out.device).unsqueeze(1)
+    return int(out.view(n, -1).ne(want).sum())
 
 
 class _CallTimer:
@@ -200,8 +221,9 @@ class _CallTimer:
 
 def measure(collective: str, points: Sequence[tuple[int, int]], rounds: int = 3,
             warmup: int = 5, delay_rank: int | None = None,
-            delay_s: float = 0.0) -> dict[str, Any]:
-    """For each (bytes, iters) point: ``rounds`` rounds of ``iters`` back-to-back calls.
+            delay_s: float = 0.0, partial_rank: int | None = None) -> dict[str, Any]:
+    """For each (bytes, iters) point: ``rounds`` rounds of ``iters`` back-to-back calls, then
+    one call on known data whose output is checked (``wrong[r]``: rank r's wrong elements).
 
     ``seconds[k]``: round k's time per call, the slowest rank's (as in nccl-tests, the job is
     as fast as its slowest rank), the same on every rank. ``inside[r][k]``: the time per call
@@ -210,7 +232,7 @@ def measure(collective: str, points: Sequence[tuple[int, int]], rounds: int = 3,
     late = delay_s if rank() == delay_rank else 0.0
     out = []
     for nbytes, iters in points:
-        buf, op = _op(collective, nbytes, dev)
+        buf, result, op = _op(collective, nbytes, dev)
         buf.fill_(1.0)
         for _ in range(warmup):
             op()
@@ -233,9 +255,10 @@ def measure(collective: str, points: Sequence[tuple[int, int]], rounds: int = 3,
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             seconds.append(float(elapsed.item()))
             inside.append(timer.total() / iters)
-        del buf, op, timer
+        wrong = _wrong_after_one_call(collective, buf, result, op, rank() == partial_rank)
+        del buf, result, op, timer
         out.append({"bytes": nbytes, "iters": iters, "seconds": seconds,
-                    "inside": gather(inside)})
+                    "inside": gather(inside), "wrong": gather(wrong)})
     return {"identities": gather(identity()), "points": out, "world_size": world()}
 
 

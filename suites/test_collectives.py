@@ -165,7 +165,8 @@ def record_point(metrics, collective: str, point: dict[str, Any],
     """Record one measured size: busbw (held to ``floor`` by the recorder, if given), algbw,
     and per rank its time inside the calls and how long its peers waited for it (held to
     ``straggler_pct`` by the recorder, naming the rank's GPU and bus id, where a call takes at
-    least gpu_health.MIN_WAIT_CHECK_SECONDS)."""
+    least gpu_health.MIN_WAIT_CHECK_SECONDS); then fail if any rank's checked call after the
+    timed ones returned a wrong element."""
     n = len(ids)
     nbytes, seconds = point["bytes"], point["seconds"]
     factor = collectives.bus_factor(collective, n)
@@ -183,6 +184,12 @@ def record_point(metrics, collective: str, point: dict[str, Any],
                        **where)
         metrics.record(f"{collective}.waited_for_pct", [w[r] for w in waited], unit="%",
                        better="lower", limit=straggler_pct if long_enough else None, **where)
+    # The timed collective at the timed size, checked once on known data: a fast but wrong
+    # collective (part of the work at large sizes) must not pass its floor.
+    wrong = [(ident.label, w) for ident, w in zip(ids, point["wrong"]) if w]
+    assert not wrong, (f"{collective} at {nbytes} bytes returned wrong values after the timed "
+                       f"calls (input rank + 1 on every rank): "
+                       + ", ".join(f"{who}: {w} elements" for who, w in wrong))
 
 
 @pytest.mark.benchmark
@@ -326,5 +333,7 @@ def test_nccl_tests_cross_check(node, profile, run, metrics):
                        mine / statistics.median(r.busbw_gbps for r in rows), unit="ratio",
                        better="higher", limit=MIN_RATIO_TO_NCCL_TESTS, iters=iters, **params)
         wrong += [f"{nbytes} bytes: {r.wrong} wrong elements" for r in rows if r.wrong]
+        wrong += [f"{nbytes} bytes: ours, rank {r}: {w} wrong elements"
+                  for r, w in enumerate(ours["points"][0]["wrong"]) if w]
     assert not wrong, (f"nccl-tests found wrong all_reduce results ({'; '.join(commands)}): "
                        + "; ".join(wrong))

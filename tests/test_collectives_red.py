@@ -94,6 +94,24 @@ def _measure(delay_rank: int | None, collective: str = "all_reduce") -> dict:
                      kwargs={"delay_rank": delay_rank, "delay_s": 0.05}, accelerator="cpu")[0]
 
 
+@pytest.mark.parametrize("collective", ["all_reduce", "all_gather", "reduce_scatter",
+                                        "broadcast", "all_to_all"])
+def test_a_fast_but_partial_collective_fails_its_timed_point(collective):
+    """A collective that leaves part of its output undone (fast, so it would pass a floor) MUST
+    fail the bandwidth point it was timed at, naming the rank and the wrong elements."""
+    ok = run_ranks(collective_ranks.measure, WORLD, timeout_s=300, args=(collective, [(MIB, 3)]),
+                   accelerator="cpu")[0]
+    bad = run_ranks(collective_ranks.measure, WORLD, timeout_s=300,
+                    args=(collective, [(MIB, 3)]), kwargs={"partial_rank": 1},
+                    accelerator="cpu")[0]
+    record_point(_recorder(), collective, ok["points"][0], _ids(ok), 99.0, bytes=MIB)  # control
+    assert ok["points"][0]["wrong"] == [0, 0]
+    with pytest.raises(AssertionError) as err:
+        record_point(_recorder(), collective, bad["points"][0], _ids(bad), 99.0, bytes=MIB)
+    assert f"{collective} at {MIB} bytes returned wrong values" in str(err.value)
+    assert "rank 1" in str(err.value) and bad["points"][0]["wrong"][0] == 0
+
+
 @pytest.mark.parametrize("late", [0, 1])
 def test_late_rank_fails_naming_it(late):
     """A rank its peers wait for MUST fail waited_for_pct, naming that rank and no other."""

@@ -288,7 +288,8 @@ def _sub_group_of(name: str) -> int | None:
 
 def full_state(engine: Any) -> dict[str, Any]:
     """The world-size independent state a universal checkpoint carries: gathered module
-    weights, fp32 masters and Adam moments per parameter, the step counter and the lr."""
+    weights, fp32 masters and Adam moments per parameter, the step counter, the lr, Adam's
+    step count and the lr scheduler's state."""
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
@@ -301,6 +302,13 @@ def full_state(engine: Any) -> dict[str, Any]:
             state[f"{key}/{n}"] = _cpu(safe_get_full_optimizer_state(p, key))
     state["engine/global_steps"] = engine.global_steps
     state.update(flatten_state([float(lr) for lr in engine.get_lr()], "engine/lr"))
+    # Adam's step count (its bias correction), however the partitions lay it out: the set of
+    # the inner optimizer's per-state steps; and the lr scheduler, whose next lr it decides.
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    state["optimizer/steps"] = tuple(sorted({float(st["step"]) for st in inner.state.values()
+                                             if "step" in st}))
+    if engine.lr_scheduler is not None:
+        state.update(flatten_state(engine.lr_scheduler.state_dict(), "scheduler"))
     return state
 
 

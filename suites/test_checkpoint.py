@@ -210,6 +210,9 @@ def check_resume(first: list[dict], second: list[dict], tol, *, label: str) -> C
     """The resumed run (second) against the uninterrupted one (first), rank by rank; the two
     MUST have run in different processes."""
     cmp = Comparison(tol=tol, label=label)
+    if not first or len(first) != len(second):
+        cmp.problems.append(f"{len(first)} uninterrupted and {len(second)} resumed rank results: "
+                            f"rank by rank, nothing to compare the missing ones with")
     shared = {r["pid"] for r in first} & {r["pid"] for r in second}
     if shared:
         cmp.problems.append(f"the resumed run reused process(es) {sorted(shared)}: not fresh")
@@ -258,6 +261,8 @@ PARTIAL_GPU_TIER = [{"mode": "module_only", "stage": 2, "dtype": "bf16"},
 
 def check_partial(results: list[dict], mode: str, tol) -> list[str]:
     """Every rank: each component from where ``mode`` says (checkpoint_state.EXPECTED)."""
+    if not results:
+        return [f"load_checkpoint ({mode}): no rank returned a result: nothing to judge"]
     return [p for r in results for p in checkpoint_state.judge_load(
         mode, r["saved"], r["fresh"], r["loaded"], tol, where=f"rank {r['rank']}")]
 

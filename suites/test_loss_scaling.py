@@ -301,7 +301,7 @@ def check_engine_run(case: ScalingCase, results: list[dict]) -> list[str]:
     it), and the ranks against each other. One line per problem, naming the rank, the step, what
     the model says and what DeepSpeed did."""
     expected = ScalerModel(case.settings).run(list(case.pattern))
-    problems: list[str] = []
+    problems: list[str] = _missing_ranks(results, case.world_size)
     for res in results:
         r, steps = res["rank"], res["steps"]
         diverged = False
@@ -325,7 +325,7 @@ def check_engine_run(case: ScalingCase, results: list[dict]) -> list[str]:
         elif len(steps) > len(expected):
             problems.append(f"rank {r}: ran on to step {len(steps) - 1}; the model ended the run "
                             f"at step {len(expected) - 1} (overflow at min_loss_scale)")
-    return problems + _cross_rank(results)
+    return problems + (_cross_rank(results) if results else [])
 
 
 def _check_step(case: ScalingCase, e: Any, got: dict, where: str) -> list[str]:
@@ -419,8 +419,17 @@ def _bf16_params() -> list:
     return params
 
 
-def check_bf16_run(results: list[dict]) -> list[str]:
-    problems = []
+def _missing_ranks(results: list[dict], world_size: int) -> list[str]:
+    """A check over fewer rank results than ranks would pass on what is missing."""
+    if len(results) == world_size:
+        return []
+    return [f"{len(results)} rank result(s) for {world_size} ranks: nothing to judge the "
+            f"missing ones by"]
+
+
+def check_bf16_run(results: list[dict], world_size: int | None = None) -> list[str]:
+    problems = _missing_ranks(results, world_size if world_size is not None
+                              else max(len(results), 1))
     for res in results:
         steps, where = res["steps"], f"rank {res['rank']} ({res['wrapper']})"
         for i, step in enumerate(steps):
@@ -452,7 +461,7 @@ def check_bf16_run(results: list[dict]) -> list[str]:
 def test_bf16_has_no_scaler(accelerator: str, stage: int, world_size: int, request):
     """LOSS-SCALE-5: bf16 MUST train with no loss scaler, to finite losses and weights."""
     results = cell_results(request)  # run at once with other cells (dsconform.batch)
-    problems = check_bf16_run(results)
+    problems = check_bf16_run(results, world_size)
     assert not problems, f"{accelerator}-z{stage}-ws{world_size} bf16:\n  " + "\n  ".join(problems)
 
 

@@ -187,6 +187,8 @@ def test_check_engine_run_names_rank_step_and_what_differs():
                                                   "minimum")]
     result = {"rank": 0, "wrapper": "W", "steps": good}
     assert check_engine_run(case, [result]) == []
+    assert check_engine_run(case, []) == ["0 rank result(s) for 1 ranks: nothing to judge the "
+                                          "missing ones by"]
     silent = good[:3] + [_step(3, scale_used=1, scale=1, skipped=1),
                          _step(4, scale_used=1, scale=1)]
     problems = check_engine_run(case, [{**result, "steps": silent}])

@@ -31,7 +31,7 @@ from dsconform.profile import COLLECTIVES, NcclFloor
 __all__ = [
     "COLLECTIVES", "DTYPES", "DEFAULT_TOP_BYTES", "GIB", "MIB", "Mismatch", "bus_factor",
     "exact_case", "exactness_message", "find_mismatch", "iterations", "mismatches_from_ranks",
-    "span", "sweep_sizes", "sweep_top",
+    "span", "sweep_sizes", "sweep_top", "wrong_output_message",
 ]
 
 MIB = 1 << 20
@@ -271,6 +271,17 @@ def find_mismatch(found: Any, expected: Any) -> tuple[int, float, float, int] | 
 def mismatches_from_ranks(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> list[Mismatch]:
     """Every rank's reported mismatches (dicts with Mismatch's fields), in rank order."""
     return [Mismatch(**m) for reports in per_rank for m in reports]
+
+
+def wrong_output_message(collective: str, nbytes: int, wrong: Sequence[int],
+                         who: Sequence[str]) -> str:
+    """The failure of a timed bandwidth point whose checked call (every rank's input rank + 1)
+    returned wrong elements (``wrong[r]`` on the rank named ``who[r]``); "" when none did."""
+    bad = [f"{name}: {count} elements" for name, count in zip(who, wrong) if count]
+    if not bad:
+        return ""
+    return (f"{collective} at {nbytes} bytes returned wrong values after the timed calls "
+            f"(input rank + 1 on every rank): " + ", ".join(bad))
 
 
 def exactness_message(mismatches: Sequence[Mismatch]) -> str:

@@ -186,10 +186,9 @@ def record_point(metrics, collective: str, point: dict[str, Any],
                        better="lower", limit=straggler_pct if long_enough else None, **where)
     # The timed collective at the timed size, checked once on known data: a fast but wrong
     # collective (part of the work at large sizes) must not pass its floor.
-    wrong = [(ident.label, w) for ident, w in zip(ids, point["wrong"]) if w]
-    assert not wrong, (f"{collective} at {nbytes} bytes returned wrong values after the timed "
-                       f"calls (input rank + 1 on every rank): "
-                       + ", ".join(f"{who}: {w} elements" for who, w in wrong))
+    wrong = collectives.wrong_output_message(collective, nbytes, point["wrong"],
+                                             [ident.label for ident in ids])
+    assert not wrong, wrong
 
 
 @pytest.mark.benchmark
@@ -333,7 +332,9 @@ def test_nccl_tests_cross_check(node, profile, run, metrics):
                        mine / statistics.median(r.busbw_gbps for r in rows), unit="ratio",
                        better="higher", limit=MIN_RATIO_TO_NCCL_TESTS, iters=iters, **params)
         wrong += [f"{nbytes} bytes: {r.wrong} wrong elements" for r in rows if r.wrong]
-        wrong += [f"{nbytes} bytes: ours, rank {r}: {w} wrong elements"
-                  for r, w in enumerate(ours["points"][0]["wrong"]) if w]
+        ours_wrong = collectives.wrong_output_message(
+            "all_reduce", nbytes, ours["points"][0]["wrong"], [f"ours, rank {r}" for r in range(n)])
+        if ours_wrong:
+            wrong.append(ours_wrong)
     assert not wrong, (f"nccl-tests found wrong all_reduce results ({'; '.join(commands)}): "
                        + "; ".join(wrong))

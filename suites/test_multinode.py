@@ -156,10 +156,10 @@ def measure(transfer: Transfer, accelerator: str) -> dict:
     result = run_ranks(collective_ranks.measure, None, accelerator=accelerator,
                        args=(transfer.collective, [(transfer.bytes, iters)]),
                        timeout_s=TIMEOUT_S)[0]
-    wrong = [(r, w) for r, w in enumerate(result["points"][0]["wrong"]) if w]
-    assert not wrong, (f"{transfer.collective} at {transfer.bytes} bytes returned wrong values "
-                       f"after the timed calls (input rank + 1): "
-                       + ", ".join(f"rank {r}: {w} elements" for r, w in wrong))
+    counts = result["points"][0]["wrong"]
+    wrong = collectives.wrong_output_message(transfer.collective, transfer.bytes, counts,
+                                             [f"rank {r}" for r in range(len(counts))])
+    assert not wrong, wrong
     return {"seconds": result["points"][0]["seconds"], "iters": iters,
             "bus_factor": collectives.bus_factor(transfer.collective, result["world_size"])}
 

@@ -113,6 +113,13 @@ def test_find_mismatch_names_first_wrong_element():
         collectives.find_mismatch(found[:5], expected)
 
 
+def test_wrong_output_message_names_each_wrong_rank():
+    assert collectives.wrong_output_message("all_gather", MIB, [0, 0], ["a", "b"]) == ""
+    assert collectives.wrong_output_message("all_gather", MIB, [0, 7], ["GPU 0", "GPU 1"]) == (
+        f"all_gather at {MIB} bytes returned wrong values after the timed calls (input rank + "
+        f"1 on every rank): GPU 1: 7 elements")
+
+
 def test_exactness_message_lists_every_mismatch():
     m = collectives.Mismatch("all_gather", "bf16", 53, 1, 17, 4.0, 5.0, 1, 54,
                              "53 elements padded to 54 (27 per rank)", "rank 1 (cpu)")

@@ -275,6 +275,38 @@ def _whole_update(cmp: Comparison, sides: Mapping[str, Mapping[str, Any]],
                                           dev <= tol.gain, b.numel(), value=gain))
 
 
+def compare_update(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor],
+                   ref_before: Mapping[str, torch.Tensor], ref_after: Mapping[str, torch.Tensor],
+                   tol: Tol, *, step: int, label: str = "", where: str = "") -> Comparison:
+    """The whole-update quantities alone (``Tol.update``, ``Tol.gain``; element-wise bounds are
+    not applied): the candidate's ``after - before`` against the reference's ``ref_after -
+    ref_before``, as one vector over the reference's parameters. One step's update, or a whole
+    run's. Missing, mis-shaped or non-finite tensors, a tolerance with neither bound, and a
+    reference that did not move are problems of the comparison."""
+    cmp = Comparison(tol=tol, label=label)
+    at = f" ({where})" if where else ""
+    if tol.update is None and tol.gain is None:
+        cmp.problems.append(f"tolerance {tol} bounds no update{at}")
+        return cmp
+    sides = {"candidate": {"init": before}, "reference": {"init": ref_before}}
+    params = {"candidate": dict(after), "reference": dict(ref_after)}
+    for side in _SIDES:
+        if not params[side]:
+            cmp.problems.append(f"the {side} has no parameters{at}")
+    if params["candidate"] and params["reference"]:
+        only_a = sorted(set(params["candidate"]) - set(params["reference"]))
+        only_b = sorted(set(params["reference"]) - set(params["candidate"]))
+        if only_a or only_b:
+            cmp.problems.append(f"step {step}, parameter names differ{at}: only in the candidate "
+                                f"{only_a}, only in the reference {only_b}")
+        for side in _SIDES:
+            _non_finite_problems(cmp, params[side], side, "param", step, at)
+            _non_finite_problems(cmp, sides[side]["init"], side, "param", step, at)
+        if not cmp.problems:
+            _whole_update(cmp, sides, params, step, where)
+    return cmp
+
+
 def _named(cmp: Comparison, actual: Mapping[str, torch.Tensor],
            expected: Mapping[str, torch.Tensor], quantity: str, step: int,
            where: str) -> None:

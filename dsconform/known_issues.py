@@ -65,6 +65,9 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             # fp16 SGD on stage 0 moves 1/65536 as far and does not converge (Adam, being
             # scale-invariant, would; the suite trains SGD, so the failure is deterministic)
             "test_loss_scaling.py::test_fp16_bf16_converge[*-z0-fp16-*]",
+            # every applied SGD step moves 1/loss_scale as far as fp32's (FusedAdam, nearly
+            # scale-invariant, fails there for DS-5104 first)
+            "test_loss_scaling.py::test_applied_steps_match_fp32[*-z0-*-sgd]",
         ),
         seen="2xH200, DeepSpeed 0.19.6 and 0.19.8: engine.backward scales the loss only for "
              "ZeROOptimizer; FP16_Optimizer / FP16_UnfusedOptimizer still divide by cur_scale "
@@ -85,6 +88,9 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
             # stage-0 fp16 cells are DS-8393's already (they fail for that first)
             "test_zero.py::test_zero_matches_ddp[*-z0-off_none-bf16-adam-*]",
             "test_zero.py::test_zero_matches_ddp[*-z0-off_none-bf16-fused_adam-*]",
+            # the fp16 engine's stage-0 FusedAdam (FP16_Optimizer): its first step moves
+            # 0.74x as far as fp32 Adam's
+            "test_loss_scaling.py::test_applied_steps_match_fp32[*-z0-*-fused_adam]",
         ),
         seen="CPU machine (torch Adam, 1 and 2 ranks) and 1xH200 (torch Adam and FusedAdam, 1 "
              "rank; fp16 too), DeepSpeed 0.19.8, 2026-12-01: Adam's state['step'] is 21 after "
@@ -93,6 +99,27 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "momentum is unaffected (a zero first gradient leaves its buffer as torch's). "
              "DeepSpeed 0.19.6: the same code, and the same strict xfails on the CPU machine "
              "(the CPU tier's two stage-0 bf16 Adam cells)",
+    ),
+    KnownIssue(
+        id="DS-8588-FP16-RAISE-STEP-HALVED",
+        title="ZeRO 1-3 fp16: on a step where the dynamic loss scale rises, step() updates the "
+              "scale before it unscales the gradients, so that step's gradients are divided by "
+              "twice the scale backward multiplied them by (SGD moves 0.82x as far on that step "
+              "and its momentum carries the deficit on)",
+        deepspeed=">=0.19.6,<=0.19.8",
+        # A comment on the pull request (2026-09-21) describes the ordering in
+        # FP16_UnfusedOptimizer and reads the same split in zero/stage_1_and_2.py without
+        # reproducing it; it is not fixed there ("out of scope for this PR").
+        link="https://github.com/deepspeedai/DeepSpeed/pull/8588",
+        cases=tuple(f"test_loss_scaling.py::test_applied_steps_match_fp32[*-z{stage}-*-{s}-*]"
+                    for stage in (1, 2, 3) for s in ("h1", "h2")),
+        seen="CPU machine (AVX512-FP16), DeepSpeed 0.19.8 and 0.19.6, 2026-12-01: ZeRO 1, 2 "
+             "and 3, 1 and 2 ranks, SGD and FusedAdam: every applied step matches an fp32 "
+             "replica's within 2.2e-4 (gain) except the one where the scale goes 128 -> 256, "
+             "which moves 0.82x (SGD) / 0.94x (FusedAdam) as far. stage_1_and_2.py and "
+             "stage3.py call _update_scale(self.overflow) and then unscale_and_clip_grads, "
+             "which divides by the updated self.loss_scale (only the reported norm uses "
+             "prev_scale)",
     ),
     KnownIssue(
         id="DS-Z0-FP16-NO-HYSTERESIS",

@@ -23,6 +23,8 @@ Checks:
                   steps of both engines): exact.
   ``resume``      N steps, save, a fresh process loads and trains M steps, against N + M steps
                   without interruption.
+  ``loss_scaling``  the fp16 engine's applied steps against an fp32 replica's (the loss-scaling
+                  suite, keyed "fp16" and the optimizer): whole-update bounds only.
   ``convergence``  ONE-SIDED, as onebit_convergence: an fp16 or bf16 run's final loss (mean of
                   its last 10 steps) against the fp32 run's of the same task, weights and data
                   (the loss-scaling suite, keyed by dtype and "sgd").
@@ -298,6 +300,33 @@ _CONV_BF16 = Tol(0.01, 1e-4,
                  f"records the curves (loss_scaling.curve.*)")
 TABLE[("convergence", "fp16", "sgd")] = {"cpu": _CONV_FP16, "cuda": _CONV_FP16}
 TABLE[("convergence", "bf16", "sgd")] = {"cpu": _CONV_BF16, "cuda": _CONV_BF16}
+
+
+# The loss-scaling suite's applied steps (LOSS-SCALE-7, suites/test_loss_scaling.py
+# check_step_sizes): the fp16 engine's gathered fp32 masters, step by step and over the whole
+# run, against an fp32 replica in plain torch (the same initial masters, every rank's batches,
+# the model's skipped steps left out). MLP 13-53-53-7, micro-batch 4, up to 10 steps, SGD lr
+# 0.05 momentum 0.9 / FusedAdam lr 1e-3. Only the whole-update bounds apply (the replica computes
+# in fp32, the engine in fp16: element-wise bounds would say nothing more). What they must tell
+# apart (CPU machine): a step whose gradients are unscaled by twice the scale backward used
+# (DS-8588) moves 0.82x (SGD) / 0.94x (FusedAdam) as far; an lr 5% off gives a gain of 1.05;
+# stage 0's unscaled loss (DS-8393) 0.004.
+_STEP_MEASURED = ("CPU machine (AVX512-FP16, so DeepSpeed runs fp16 engines there), DeepSpeed "
+                  "0.19.8, torch 2.13, 1 and 2 ranks, ZeRO 1-3, every scaler, 2026-12-01")
+_STEP_SGD = Tol(0.0, 0.0,
+                f"fp16 SGD steps against fp32: worst norm-relative difference 6.1e-4, worst "
+                f"|gain - 1| 2.1e-4 ({_STEP_MEASURED}); 16x and 47x headroom; element-wise "
+                f"bounds unused",
+                update=0.01, gain=0.01)
+_STEP_ADAM = Tol(0.0, 0.0,
+                 f"fp16 FusedAdam steps against fp32: worst |gain - 1| 7.4e-4 (14x headroom); "
+                 f"the norm-relative difference reaches 0.035 (2.9x) on 2 ranks at step 0, where "
+                 f"Adam's update is about lr x sign(gradient) and the fp16 reduction flips the "
+                 f"sign of near-zero gradient elements ({_STEP_MEASURED}); element-wise bounds "
+                 f"unused",
+                 update=0.1, gain=0.01)
+TABLE[("loss_scaling", "fp16", "sgd")] = {"cpu": _STEP_SGD, "cuda": _STEP_SGD}
+TABLE[("loss_scaling", "fp16", "fused_adam")] = {"cpu": _STEP_ADAM, "cuda": _STEP_ADAM}
 
 
 # The onebit suite: DeepSpeed <= 0.19.6 on 2 GPUs only (its 1-bit backend needs cupy), so each

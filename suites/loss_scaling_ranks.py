@@ -9,7 +9,8 @@ Three entry points:
 * ``train_with_overflows``: trains a small MLP with the DeepSpeed engine, injects inf or NaN at
   chosen steps on one rank (into the loss, or into one element of one parameter's gradient), and
   records after every step what the scaler, the engine's skip counter, this rank's optimizer
-  partition and the gathered fp32 parameters did, for the parent to hold against the model.
+  partition and the gathered fp32 parameters did, for the parent to hold against the model,
+  and the parameters of an fp32 replica trained beside it (``Replica``) after every step.
 * ``train_curve``: trains the same regression task in fp32 and in a low-precision dtype from the
   same weights and data and returns both loss curves (and, every step, the scaler's state).
 
@@ -308,9 +309,48 @@ def _skip_unless_fp16(accelerator_name: str) -> None:
                     f"support)]")
 
 
-def train_with_overflows(case: ScalingCase) -> dict[str, Any]:
+class Replica:
+    """The run as the model says it should go, in plain torch fp32 on the CPU: the engine's
+    initial fp32 masters, every rank's batches at once (the mean of the ranks' losses, whose
+    gradient is the mean DeepSpeed reduces to), the torch optimizer the config names with its
+    parameters, and a step only where the model applies one (a clean step: every injected
+    step is skipped or ends the run). The engine's gathered masters are held against it after
+    every applied step (``Tol.update``, ``Tol.gain``), so a step that is applied with the wrong
+    size (a loss scale that is not undone, a gradient not averaged) fails."""
+
+    def __init__(self, case: ScalingCase, init: dict[str, torch.Tensor]) -> None:
+        self.case = case
+        self.model = MLP(case.d_in, case.width, case.d_out)
+        self.model.load_state_dict(init)
+        self.data = [_data(case.seed, r, len(case.pattern), case.micro_batch, case.d_in,
+                           case.d_out) for r in range(case.world_size)]
+        params = dict(case.config()["optimizer"]["params"])
+        if case.optimizer == "sgd":
+            self.opt = torch.optim.SGD(self.model.parameters(), lr=params["lr"],
+                                       momentum=params["momentum"],
+                                       dampening=params["dampening"],
+                                       nesterov=params["nesterov"],
+                                       weight_decay=params["weight_decay"])
+        else:  # "Adam" with adam_w_mode false: torch Adam is its reference (the ops suite)
+            self.opt = torch.optim.Adam(self.model.parameters(), lr=params["lr"],
+                                        betas=tuple(params["betas"]), eps=params["eps"],
+                                        weight_decay=params["weight_decay"])
+
+    def step(self, i: int) -> dict[str, torch.Tensor]:
+        """Step ``i`` (nothing where the pattern overflows); the parameters after it."""
+        if not self.case.pattern[i]:
+            self.opt.zero_grad(set_to_none=True)
+            losses = [F.mse_loss(self.model(x), y) for x, y in (d[i] for d in self.data)]
+            torch.stack(losses).mean().backward()
+            self.opt.step()
+        return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+
+
+def train_with_overflows(case: ScalingCase, lr_factor: float = 1.0) -> dict[str, Any]:
     """Rank entry point: train ``len(case.pattern)`` steps, injecting at the pattern's steps on
-    ``case.inject_rank``, and record every step (see the module docstring)."""
+    ``case.inject_rank``, and record every step (see the module docstring) with the replica's
+    parameters after it (``Replica``). ``lr_factor`` != 1 is a fault injection for the project's
+    red tests: DeepSpeed's optimizer gets the config's lr times it, the replica the config's."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -321,8 +361,11 @@ def train_with_overflows(case: ScalingCase) -> dict[str, Any]:
     dev = torch.device(device())
     model = MLP(case.d_in, case.width, case.d_out)
     data = _data(case.seed, rank(), len(case.pattern), case.micro_batch, case.d_in, case.d_out)
+    config = case.config()
+    if lr_factor != 1.0:
+        config["optimizer"]["params"]["lr"] *= lr_factor
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=case.config())
+                                           config=config)
     hook_handle = None
     try:
         injecting = rank() == case.inject_rank
@@ -335,7 +378,8 @@ def train_with_overflows(case: ScalingCase) -> dict[str, Any]:
             target = dict(engine.module.named_parameters())["fc2.weight"]
             hook_handle = target.register_hook(_inject_grad_hook(value, armed))
         steps = []
-        masters = full_masters(engine)
+        masters = init = full_masters(engine)
+        replica = Replica(case, init)
         for i, (x, y) in enumerate(data):
             inject = injecting and case.pattern[i]
             before = read_scaler(engine.optimizer)
@@ -371,9 +415,11 @@ def train_with_overflows(case: ScalingCase) -> dict[str, Any]:
             record["masters"] = new_masters
             record["masters_unchanged"] = [n for n in masters
                                            if bits_equal(masters[n], new_masters[n])]
+            record["replica"] = replica.step(i)
             masters = new_masters
             steps.append(record)
-        return {"rank": rank(), "wrapper": type(engine.optimizer).__name__, "steps": steps}
+        return {"rank": rank(), "wrapper": type(engine.optimizer).__name__, "init": init,
+                "steps": steps}
     finally:
         if hook_handle is not None:
             hook_handle.remove()

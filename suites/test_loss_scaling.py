@@ -13,6 +13,10 @@ rank at once, and fp16 and bf16 MUST train as well as fp32.
   (overflow consensus), leave a skipped step's fp32 masters, optimizer state and model weights
   bit-identical on every rank, apply every clean step (the one after a skip included), and keep
   the gathered fp32 masters bit-identical across ranks. A static scale never changes.
+- Every step the model applies MUST move the gathered fp32 masters as far, and in the same
+  direction, as the same step of an fp32 replica (plain torch, the same initial masters, every
+  rank's batches, the config's optimizer, the model's skipped steps left out): the loss scale
+  used in backward is the one undone, the gradients are averaged over the ranks.
 - bf16 has no loss scaler and trains to finite weights.
 - fp16 (dynamic scaling with DeepSpeed's defaults) and bf16 MUST reach fp32's final loss on the
   same task from the same weights within the tolerance table's margin; each loss curve's summary
@@ -21,14 +25,18 @@ rank at once, and fp16 and bf16 MUST train as well as fp32.
 Known upstream defects on stage 0 (dsconform/known_issues.py): its fp16 wrappers never scale the
 loss in ``engine.backward`` (DS-8393-Z0-FP16-UNSCALED: fp16 SGD does not converge), and they
 keep a scaler of their own that ignores hysteresis (DS-Z0-FP16-NO-HYSTERESIS) and skips forever
-at the floor (DS-697-Z0-FP16-SILENT-FLOOR). Those cells are strict xfails on affected versions.
+at the floor (DS-697-Z0-FP16-SILENT-FLOOR); their FusedAdam takes a zero-gradient step at
+initialization (DS-5104-Z0-ADAM-INIT-STEP). On ZeRO 1-3 the step on which the dynamic scale
+rises unscales its gradients by the new scale, twice the one backward used
+(DS-8588-FP16-RAISE-STEP-HALVED). Those cells are strict xfails on affected versions.
 
 Upstream: https://www.deepspeed.ai/docs/config-json/#fp16-training-options ,
 https://www.deepspeed.ai/docs/config-json/#bfloat16-training-options ,
 https://github.com/deepspeedai/DeepSpeed/blob/master/deepspeed/runtime/fp16/loss_scaler.py .
 
 Stable ids: LOSS-SCALE-1 (scaler state machine), LOSS-SCALE-2 (measured sequence), LOSS-SCALE-3
-(floor), LOSS-SCALE-4 (engine matrix), LOSS-SCALE-5 (bf16), LOSS-SCALE-6 (convergence); each
+(floor), LOSS-SCALE-4 (engine matrix), LOSS-SCALE-5 (bf16), LOSS-SCALE-6 (convergence),
+LOSS-SCALE-7 (the size of applied steps); each
 case id (``z2-ws2-h2-grad_nan-fused_adam``) names its cell and does not change.
 """
 
@@ -396,6 +404,132 @@ def engine_call(case: ScalingCase, accelerator: str) -> RankCall:
 def test_overflow_handling(accelerator: str, case: ScalingCase, request):
     """LOSS-SCALE-4: every step MUST scale, skip and apply as the model says, on every rank."""
     problems = check_engine_run(case, cell_results(request))
+    assert not problems, (f"{accelerator}-{case.id} ({case.settings.describe()}, overflow "
+                          f"pattern {_flags(list(case.pattern))}):\n  " + "\n  ".join(problems))
+
+
+# ---------------------------------------------------------------------------------------------
+# LOSS-SCALE-7: every applied step is as large as fp32's
+# ---------------------------------------------------------------------------------------------
+
+def step_size_matrix() -> list[ScalingCase]:
+    """Every (stage, world size, scaler, optimizer) cell, overflows injected into the loss (how
+    an overflow arrives does not change the steps around it; LOSS-SCALE-4 covers that): the
+    nightly tier, 80 cells."""
+    return [ScalingCase(stage=stage, world_size=ws, scaler=scaler, inject="loss_inf",
+                        optimizer=opt)
+            for stage in STAGES for ws in WORLD_SIZES for scaler in SCALERS
+            for opt in OPTIMIZERS]
+
+
+# The acceptance tier: a scaler whose scale rises during the run ("h1"), one that only falls
+# ("h2c") and a static one; every pair with stage, world size and optimizer.
+STEP_SIZE_AXES = {"stage": list(STAGES), "world_size": [2, 1], "scaler": ["h1", "static", "h2c"],
+                  "optimizer": list(OPTIMIZERS)}
+
+
+def step_size_tier() -> set[str]:
+    """The acceptance tier of LOSS-SCALE-7: every pair of ``STEP_SIZE_AXES`` values."""
+    return {ScalingCase(**cell).id for cell in pairwise(STEP_SIZE_AXES)}
+
+
+def _step_size_params() -> list:
+    tier = step_size_tier()
+    params = []
+    for accel in ("cpu", "cuda"):
+        for case in step_size_matrix():
+            base = next(p for p in accel_params(case.world_size) if p.id == accel)
+            marks = list(base.marks) + [requires(fp16=True)]
+            if case.optimizer == "fused_adam":
+                marks.append(requires(op="fused_adam"))
+            if case.id not in tier:
+                marks.append(pytest.mark.slow)
+            params.append(pytest.param(accel, case, id=f"{accel}-{case.id}", marks=marks))
+    return params
+
+
+def check_step_sizes(case: ScalingCase, results: list[dict], tol: Any
+                     ) -> tuple[list[str], dict[str, float]]:
+    """Every rank's gathered fp32 masters against the fp32 replica the rank trained beside them
+    (``loss_scaling_ranks.Replica``): each step the model applies must move them as the
+    replica's step moved it (``tol.update``, ``tol.gain``), and so must the run as a whole (a
+    skipped step that moved the masters shows there). Returns the problems and the worst
+    values found (``update``: norm-relative difference, ``gain``: |gain - 1|)."""
+    from dsconform.equivalence import compare_update
+
+    expected = ScalerModel(case.settings).run(list(case.pattern))
+    applied = [i for i, e in enumerate(expected) if e.outcome == "applied"]
+    problems = _missing_ranks(results, case.world_size)
+    worst = {"update": 0.0, "gain": 0.0}
+    for res in results:
+        where = f"rank {res['rank']} ({res['wrapper']})"
+        if "init" not in res:
+            problems.append(f"{where}: no initial masters: nothing to measure the steps from")
+            continue
+        before, ref_before = res["init"], res["init"]
+        compared, failed, last = 0, False, None
+        for got in res["steps"]:
+            if "masters" not in got or "replica" not in got:
+                break  # the run ended here (LOSS-SCALE-4 judges whether it should have)
+            last = got
+            if got["step"] in applied:
+                cmp = compare_update(before, got["masters"], ref_before, got["replica"], tol,
+                                     step=got["step"], where=where)
+                _fold(worst, cmp)
+                compared += 1
+                if not cmp.ok and not failed:
+                    problems.append(_step_problem(cmp, f"{where}, step {got['step']} (scale "
+                                                       f"{got['scale_used']:g})"))
+                    failed = True
+            before, ref_before = got["masters"], got["replica"]
+        if compared != len(applied):
+            problems.append(f"{where}: {compared} applied steps compared, the model applies "
+                            f"{len(applied)} (steps {applied})")
+        elif not failed and last is not None and compared:
+            cmp = compare_update(res["init"], last["masters"], res["init"], last["replica"],
+                                 tol, step=last["step"], where=where)
+            _fold(worst, cmp)
+            if not cmp.ok:
+                problems.append(_step_problem(cmp, f"{where}, the whole run to step "
+                                                   f"{last['step']}"))
+    return problems, worst
+
+
+def _fold(worst: dict[str, float], cmp: Any) -> None:
+    worst["update"] = max(worst["update"], cmp.worst("update")[1])
+    worst["gain"] = max(worst["gain"], cmp.worst("gain")[0])
+
+
+def _step_problem(cmp: Any, where: str) -> str:
+    if cmp.problems:
+        return f"{where}: cannot compare the update: {'; '.join(cmp.problems[:3])}"
+    found = {d.quantity: d for d in cmp.differences}
+    gain, update = found.get("gain"), found.get("update")
+    said = []
+    if gain is not None:
+        said.append(f"moved the fp32 masters {gain.value:.4g}x as far as the fp32 replica "
+                    f"(<delta, delta_ref> / |delta_ref|^2)")
+    if update is not None:
+        said.append(f"|delta - delta_ref| / |delta_ref| = {update.max_rel:.3g}")
+    tol = cmp.tol
+    return (f"{where}: {', '.join(said)}; exceeds update<={tol.update:g} gain=1+/-{tol.gain:g} "
+            f"({tol.why})")
+
+
+@pytest.mark.parametrize("accelerator, case", _step_size_params())
+@batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]))
+def test_applied_steps_match_fp32(accelerator: str, case: ScalingCase, profile, metrics,
+                                  request):
+    """LOSS-SCALE-7: every step the model applies MUST move the fp32 masters as far as fp32
+    training moves them (the loss scale undone exactly, the gradients averaged over ranks)."""
+    tol = tolerance("loss_scaling", "fp16", case.optimizer, profile.tolerances,
+                    accelerator=accelerator)
+    problems, worst = check_step_sizes(case, cell_results(request), tol)
+    params = {**case.params(), "accelerator": accelerator}
+    metrics.record("loss_scaling.step_update_rel_diff", worst["update"], unit="1",
+                   better="lower", **params)
+    metrics.record("loss_scaling.step_gain_dev", worst["gain"], unit="1", better="lower",
+                   **params)
     assert not problems, (f"{accelerator}-{case.id} ({case.settings.describe()}, overflow "
                           f"pattern {_flags(list(case.pattern))}):\n  " + "\n  ".join(problems))
 

@@ -194,7 +194,35 @@ def _bf16_poisoned() -> contextlib.AbstractContextManager:
     return _patched(DeepSpeedZeroOptimizer, "step", step)
 
 
+def _unscale_with_backward_scale() -> contextlib.AbstractContextManager:
+    """DS-8588 fixed, for the project's tests: ZeRO 1/2's step unscales the gradients by the
+    scale backward used (the one before _update_scale), as it already does for the norm."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    original_update, original_unscale = (DeepSpeedZeroOptimizer._update_scale,
+                                         DeepSpeedZeroOptimizer.unscale_and_clip_grads)
+
+    def _update_scale(self, has_overflow=False):
+        self._dsconform_backward_scale = self.loss_scale
+        return original_update(self, has_overflow)
+
+    def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+        updated = self.loss_scale
+        self.loss_scaler.cur_scale = getattr(self, "_dsconform_backward_scale", updated)
+        try:
+            return original_unscale(self, grad_groups_flat, total_norm)
+        finally:
+            self.loss_scaler.cur_scale = updated
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(DeepSpeedZeroOptimizer, "_update_scale", _update_scale))
+    stack.enter_context(_patched(DeepSpeedZeroOptimizer, "unscale_and_clip_grads",
+                                 unscale_and_clip_grads))
+    return stack
+
+
 PERTURBATIONS = {
+    "unscale_with_backward_scale": _unscale_with_backward_scale,
     "never_lowers": _never_lowers,
     "skip_still_steps": _skip_still_steps,
     "clean_step_dropped": _clean_step_dropped,
@@ -212,10 +240,12 @@ def _perturbation(name: str | None) -> contextlib.AbstractContextManager:
 
 # --- rank entry points ----------------------------------------------------------------------
 
-def train_with_overflows(case: ranks.ScalingCase, perturb: str | None = None) -> dict[str, Any]:
-    """The suite's engine run on CPU in fp16, optionally with one perturbation."""
+def train_with_overflows(case: ranks.ScalingCase, perturb: str | None = None,
+                         lr_factor: float = 1.0) -> dict[str, Any]:
+    """The suite's engine run on CPU in fp16, optionally with one perturbation (or DeepSpeed's
+    lr times ``lr_factor``)."""
     with cpu_fp16(), _perturbation(perturb):
-        return ranks.train_with_overflows(case)
+        return ranks.train_with_overflows(case, lr_factor=lr_factor)
 
 
 def scaler_trace(settings: dict[str, Any], overflows: list[bool],

@@ -396,6 +396,9 @@ def test_every_low_precision_zero_entry_bounds_the_whole_update():
             for accel, tol in entry.items():
                 assert tol.update is not None and tol.gain is not None, (check, dtype, accel)
                 assert tol.gain <= 0.01 and "gain" in tol.why, (check, dtype, accel)
+        elif check == "loss_scaling":  # whole-update bounds only (check_step_sizes)
+            for tol in entry.values():
+                assert tol.update is not None and tol.gain is not None and tol.gain <= 0.01
         elif dtype == "fp32" or check not in ("zero", "zero_accum", "zero_infinity"):
             for tol in entry.values():
                 assert tol.update is None and tol.gain is None
@@ -407,3 +410,61 @@ def test_an_initial_value_of_another_shape_is_a_problem():
     cand["init"]["fc.bias"] = torch.zeros(4)
     cmp = compare_traces(cand, ref, WHOLE)
     assert cmp.problems == ["update of 'fc.bias': initial (4,), final (3,) in the candidate"]
+
+
+# --- compare_update: one step's (or one run's) update alone ----------------------------------
+
+def _params(*values: float) -> dict[str, torch.Tensor]:
+    return {"w": torch.tensor(values)}
+
+
+STEP = tolerances.Tol(0.0, 0.0, "test", update=0.01, gain=0.01)
+
+
+def test_compare_update_passes_the_same_step_and_fails_a_scaled_one():
+    from dsconform.equivalence import compare_update
+
+    before, after = _params(0.0, 1.0, 2.0), _params(0.1, 0.8, 2.3)
+    assert compare_update(before, after, before, after, STEP, step=3).ok
+    half = _params(0.05, 0.9, 2.15)
+    cmp = compare_update(before, half, before, after, STEP, step=3, where="rank 1")
+    assert not cmp.ok
+    gain = next(d for d in cmp.differences if d.quantity == "gain")
+    assert abs(gain.value - 0.5) < 1e-6 and gain.step == 3 and gain.where == "rank 1"
+
+
+def test_compare_update_measures_from_each_side_own_start():
+    """The candidate and the reference may start apart (the candidate's previous step): only
+    each side's own move is compared."""
+    from dsconform.equivalence import compare_update
+
+    cmp = compare_update(_params(1.0, 1.0), _params(1.5, 0.5), _params(0.0, 0.0),
+                         _params(0.5, -0.5), STEP, step=0)
+    assert cmp.ok and cmp.worst("gain")[0] < 1e-6
+
+
+@pytest.mark.parametrize("case, problem", [
+    ("no_params", "the candidate has no parameters"),
+    ("names", "parameter names differ"),
+    ("nan", "nan"),
+    ("still", "did not move"),
+    ("no_bounds", "bounds no update"),
+])
+def test_compare_update_problems_never_pass(case, problem):
+    from dsconform.equivalence import compare_update
+
+    before, after = _params(0.0, 1.0), _params(0.5, 1.5)
+    tol, cand_after, ref_after = STEP, after, after
+    if case == "no_params":
+        cand_after = {}
+    elif case == "names":
+        cand_after = {"v": after["w"]}
+    elif case == "nan":
+        cand_after = _params(float("nan"), 1.5)
+    elif case == "still":
+        ref_after = before
+    else:
+        tol = tolerances.Tol(0.0, 0.0, "element-wise only")
+    cmp = compare_update(before, cand_after, before, ref_after, tol, step=0)
+    assert not cmp.ok
+    assert any(problem in p.lower() for p in cmp.problems), cmp.problems

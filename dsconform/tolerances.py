@@ -312,7 +312,9 @@ TABLE[("convergence", "bf16", "sgd")] = {"cpu": _CONV_BF16, "cuda": _CONV_BF16}
 # (DS-8588) moves 0.82x (SGD) / 0.94x (FusedAdam) as far; an lr 5% off gives a gain of 1.05;
 # stage 0's unscaled loss (DS-8393) 0.004.
 _STEP_MEASURED = ("CPU machine (AVX512-FP16, so DeepSpeed runs fp16 engines there), DeepSpeed "
-                  "0.19.8, torch 2.13, 1 and 2 ranks, ZeRO 1-3, every scaler, 2026-12-01")
+                  "0.19.8, torch 2.13, 1 and 2 ranks, ZeRO 1-3, every scaler, 2026-12-01; "
+                  "1xH200 (1 rank) the same to 3 digits, results/reference/h200-x1/"
+                  "loss-steps-2026-12-01")
 _STEP_SGD = Tol(0.0, 0.0,
                 f"fp16 SGD steps against fp32: worst norm-relative difference 6.1e-4, worst "
                 f"|gain - 1| 2.1e-4 ({_STEP_MEASURED}); 16x and 47x headroom; element-wise "

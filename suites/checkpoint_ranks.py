@@ -44,6 +44,12 @@ WARMUP_STEPS = 10
 # the scaler's state at the save is not its initial state.
 FP16_SCALER = {"loss_scale": 0.0, "initial_scale_power": 8, "loss_scale_window": 2,
                "hysteresis": 2, "min_loss_scale": 1.0}
+# The steps before a round trip's save (0-based) whose loss is made inf in fp16 cells, on every
+# rank: the saved scaler then differs from a fresh one in every field a resumed run depends on
+# (ZeRO 1-3: scale 128 against 256, hysteresis 1 against 2, last overflow 2 against -1, two
+# skipped steps against 0; stage 0, which keeps no hysteresis: scale 64), so a load that drops
+# any of them fails the round trip.
+FP16_PRESAVE_OVERFLOWS = (0, 2)
 # Attributes of DeepSpeed's loss scalers (LossScaler / DynamicLossScaler, or the fp16 optimizer
 # wrappers that keep them on themselves) that a resumed run depends on.
 _SCALER_FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis",
@@ -173,9 +179,11 @@ def _batches(case: CkptCase) -> tuple[list, list]:
     return data[:case.steps], data[case.steps:]
 
 
-def train(engine: Any, batches: list, dtype: str) -> dict[str, Any]:
+def train(engine: Any, batches: list, dtype: str, overflow_at: tuple[int, ...] = ()
+          ) -> dict[str, Any]:
     """One optimizer step per batch; the trace ``compare_traces`` reads (losses, the full
-    gradients before each step, the final parameters)."""
+    gradients before each step, the final parameters). At the steps ``overflow_at`` the loss is
+    multiplied by inf (an overflow the fp16 engine must skip; the trace then holds inf)."""
     from deepspeed.utils import safe_get_full_grad
 
     from dsconform.suite import device
@@ -183,10 +191,10 @@ def train(engine: Any, batches: list, dtype: str) -> dict[str, Any]:
     dev, dt = device(), _TORCH_DTYPES[dtype]
     named = list(engine.module.named_parameters())
     losses, grads = [], []
-    for micro_batches in batches:
+    for i, micro_batches in enumerate(batches):
         (x, y), = micro_batches  # grad_accum is 1 here
         loss = F.mse_loss(engine(x.to(dev, dt)).float(), y.to(dev))
-        engine.backward(loss)
+        engine.backward(loss * float("inf") if i in overflow_at else loss)
         # A collective on stage 3: every rank gathers every parameter, in the same order.
         grads.append({n: _cpu(safe_get_full_grad(p)) for n, p in named})
         engine.step()
@@ -238,9 +246,15 @@ def snapshot(engine: Any, *, layout: bool = True) -> dict[str, Any]:
     snap["engine/global_samples"] = engine.global_samples
     snap["engine/skipped_steps"] = engine.skipped_steps
     snap.update(flatten_state([float(lr) for lr in engine.get_lr()], "engine/lr"))
-    scaler = getattr(engine.optimizer, "loss_scaler", None) or engine.optimizer
+    # ZeRO 1-3 keep a LossScaler/DynamicLossScaler; stage 0's fp16 wrappers a LossScaleConfig
+    # (dynamic_loss_scale for dynamic, no hysteresis); bf16/fp32 wrappers a static scaler.
+    opt = engine.optimizer
+    scaler = (getattr(opt, "loss_scale_config", None) or getattr(opt, "loss_scaler", None)
+              or opt)
     for field in _SCALER_FIELDS:
         value = _leaf(getattr(scaler, field, None))
+        if field == "dynamic" and value is None:
+            value = getattr(scaler, "dynamic_loss_scale", None)
         if isinstance(value, (bool, int, float)):
             snap[f"loss_scaler/{field}"] = value
     return snap
@@ -331,7 +345,8 @@ def round_trip(case: CkptCase, ckpt_dir: str, target: CkptCase | None = None,
     before, after = _batches(case)
     a = build(case, case.seed)
     try:
-        train(a, before, case.dtype)
+        train(a, before, case.dtype,
+              overflow_at=FP16_PRESAVE_OVERFLOWS if case.dtype == "fp16" else ())
         a.save_checkpoint(ckpt_dir, tag="roundtrip")
         saved = snapshot(a, layout=same_layout)
         reference = train(a, after, case.dtype)

@@ -167,6 +167,11 @@ def check_round_trip(results: list[dict], tol, *, label: str,
         if r["load_path"] is None:
             cmp.problems.append(f"load_checkpoint returned no path ({where}): nothing loaded")
         saved, loaded = r["saved"], r["loaded"]
+        alike = checkpoint_state.same_as_fresh(saved, r["fresh"])
+        if alike:
+            cmp.problems.append(f"the saved engine and a fresh one hold the same "
+                                f"{', '.join(alike)} ({where}): a load that dropped them would "
+                                f"pass")
         if not compare_layout:
             saved = {k: v for k, v in saved.items() if not k.startswith("optimizer/")}
             loaded = {k: v for k, v in loaded.items() if not k.startswith("optimizer/")}

@@ -92,6 +92,73 @@ def load_tag_swallowing_errors(case: CkptCase, ckpt_dir: str, tag: str) -> dict:
         mp.undo()
 
 
+def round_trip_fp16(case: CkptCase, ckpt_dir: str, drop_scaler: bool = False,
+                    overflows: tuple[int, ...] | None = None) -> dict:
+    """The suite's round trip in fp16 on the CPU accelerator (its fp16 check lifted, as for the
+    loss-scaling project tests). ``drop_scaler``: after the real load, the loss scaler and the
+    skip counter are put back to a fresh engine's values (a load that drops them).
+    ``overflows``: the pre-save overflow steps instead of the suite's."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from tests.loss_scaling_cpu_fp16 import cpu_fp16
+
+    original = DeepSpeedEngine.load_checkpoint
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        out = original(self, load_dir, tag, **kwargs)
+        scaler = self.optimizer.loss_scaler
+        scaler.cur_scale, scaler.cur_iter = 2.0 ** 8, 0
+        scaler.last_overflow_iter, scaler.cur_hysteresis = -1, scaler.delayed_shift
+        self.skipped_steps = 0
+        return out
+
+    mp = pytest.MonkeyPatch()
+    if drop_scaler:
+        mp.setattr(DeepSpeedEngine, "load_checkpoint", load_checkpoint)
+    if overflows is not None:
+        mp.setattr(ranks, "FP16_PRESAVE_OVERFLOWS", overflows)
+    try:
+        with cpu_fp16():
+            return ranks.round_trip(case, ckpt_dir)
+    finally:
+        mp.undo()
+
+
+FP16_CASE = CkptCase(stage=2, dtype="fp16")
+
+
+def test_fp16_round_trip_goes_red_when_the_load_drops_the_scaler(tmp_path):
+    """The saved scaler differs from a fresh one (pre-save overflows): a load that resets it and
+    the skip counter MUST fail, naming each; the control passes."""
+    tol = tolerance("checkpoint", "fp16", "adam", accelerator="cpu")
+    control = run_ranks(round_trip_fp16, 2, args=(FP16_CASE, _dir(tmp_path)),
+                        timeout_s=TIMEOUT_S, accelerator="cpu")
+    assert check_round_trip(control, tol, label="control").ok
+    d = str(tmp_path / "dropped")
+    os.mkdir(d)
+    results = run_ranks(round_trip_fp16, 2, args=(FP16_CASE, d), kwargs={"drop_scaler": True},
+                        timeout_s=TIMEOUT_S, accelerator="cpu")
+    cmp = check_round_trip(results, tol, label=FP16_CASE.id)
+    failed = {d.name for d in cmp.failures if d.quantity == "state"}
+    assert {"engine/skipped_steps", "loss_scaler/cur_scale", "loss_scaler/cur_iter",
+            "loss_scaler/last_overflow_iter", "loss_scaler/cur_hysteresis"} <= failed, failed
+
+
+def test_round_trip_without_an_overflow_cannot_vouch_for_the_scaler(tmp_path):
+    """Without the pre-save overflows the saved skip counter, hysteresis and last overflow equal
+    a fresh engine's: the round trip MUST say it cannot tell them apart, not pass."""
+    tol = tolerance("checkpoint", "fp16", "adam", accelerator="cpu")
+    results = run_ranks(round_trip_fp16, 2, args=(FP16_CASE, _dir(tmp_path)),
+                        kwargs={"overflows": ()}, timeout_s=TIMEOUT_S, accelerator="cpu")
+    cmp = check_round_trip(results, tol, label=FP16_CASE.id)
+    assert not cmp.ok
+    alike = [p for p in cmp.problems if p.startswith("the saved engine and a fresh one hold")]
+    assert len(alike) == 2, cmp.problems  # both ranks
+    for name in ("engine/skipped_steps (0)", "loss_scaler/last_overflow_iter (-1)",
+                 "loss_scaler/cur_hysteresis (2)"):
+        assert name in alike[0], alike[0]
+
+
 def _dir(tmp_path: Path) -> str:
     d = tmp_path / "ckpt"
     d.mkdir()

@@ -184,7 +184,9 @@ SAVED, FRESH = _snap(1.0, 0.5, 2, 3), _snap(9.0, 0.0, -1, 0)
 def test_components_of_a_snapshot():
     assert cs.component("optimizer/base_optimizer_state/state/0/exp_avg") == "moments"
     assert cs.component("optimizer/state/3/momentum_buffer") == "moments"
-    assert cs.component("optimizer/base_optimizer_state/state/0/step") is None
+    # Adam's step count (its bias correction) goes with the moments, per parameter or per group
+    assert cs.component("optimizer/base_optimizer_state/state/0/step") == "moments"
+    assert cs.component("optimizer/base_optimizer_state/param_groups[0]/step") == "moments"
     assert cs.component("scheduler/x") == "scheduler"
     assert cs.component("engine/lr[0]") is None
     with pytest.raises(ValueError):
@@ -222,6 +224,31 @@ def test_indistinguishable_saved_and_fresh_is_a_problem_not_a_pass():
     problems = cs.judge_load("no_scheduler", SAVED, dict(FRESH, **{
         "scheduler/last_batch_iteration": 2}), dict(SAVED), EXACT)
     assert any("cannot tell them apart" in p for p in problems), problems
+
+
+def test_a_load_that_keeps_the_fresh_step_count_is_named():
+    """Adam's moments loaded but its step count left at the fresh engine's (every bias
+    correction then restarts): the moments component MUST fail."""
+    loaded = dict(SAVED, **{"optimizer/base_optimizer_state/state/0/step": torch.tensor(0.0)})
+    problems = cs.judge_load("full", SAVED, FRESH, loaded, EXACT)
+    assert len(problems) == 1 and problems[0].startswith(
+        "load_checkpoint(defaults): moments must be the saved engine's"), problems
+    assert "state/0/step" in problems[0], problems
+
+
+def test_a_skip_counter_alike_in_saved_and_fresh_is_a_problem_with_a_dynamic_scaler():
+    """With a dynamic loss scaler the saved engine must have skipped a step (the suite injects
+    overflows before the save): a skip counter the fresh engine also holds makes the counters'
+    check vacuous for it. Without one (bf16, fp32) it is a constant and not asked for."""
+    dynamic = {"loss_scaler/dynamic": True}
+    problems = cs.judge_load("full", dict(SAVED, **dynamic), dict(FRESH, **dynamic),
+                             dict(SAVED, **dynamic), EXACT)
+    assert problems == ["load_checkpoint(defaults): counters: the checkpoint and the fresh "
+                        "engine hold the same engine/skipped_steps (0); the check cannot tell "
+                        "them apart"], problems
+    assert cs.judge_load("full", SAVED, FRESH, dict(SAVED), EXACT) == []
+    assert cs.same_as_fresh(dict(SAVED, **dynamic), dict(FRESH, **dynamic,
+                                                        **{"engine/skipped_steps": 2})) == []
 
 
 def test_empty_fresh_moments_left_empty_pass():

@@ -172,6 +172,22 @@ def verify_manifest(root: Path) -> list[str]:
     return problems
 
 
+def read_back_verdict(root: Path, problems: list[str], resident: float) -> tuple[str, str]:
+    """What CKPT-STORE-1 concludes from ``verify_manifest``'s ``problems`` and the largest
+    fraction of a file's pages still in memory after they were dropped: ("fail", why),
+    ("skip", why) or ("pass", ""). Wrong bytes fail whatever the cache did; a read-back served
+    (partly) from memory, tmpfs say, cannot vouch for a device: a skip that says so."""
+    if problems:
+        return "fail", (f"the storage under {root} returned other bytes than were written "
+                        f"(sha256, {MANIFEST_NAME}):\n  " + "\n  ".join(problems))
+    if resident > 0:
+        return "skip", (f"the checkpoint under {root} read back as written, but {resident:.0%} "
+                        f"of a file's pages stayed in memory after they were dropped (tmpfs?): "
+                        f"the read-back did not reach a device. Give --scratch a directory on "
+                        f"the storage checkpoints go to")
+    return "pass", ""
+
+
 def truncate(path: Path, keep: float = 0.5) -> int:
     """Cut ``path`` to ``keep`` of its size (at least one byte shorter); returns the new size."""
     size = Path(path).stat().st_size

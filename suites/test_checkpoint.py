@@ -638,7 +638,9 @@ STORE_CASE = CkptCase(stage=2, dtype="fp32", width=1024)
 @pytest.mark.parametrize("accelerator", accel_params(2))
 def test_storage_returns_written_bytes(accelerator, scratch, metrics):
     """CKPT-STORE-1: every checkpoint file read back from the device MUST match the sha256
-    manifest written right after the save."""
+    manifest written right after the save (hashed from the bytes the save left in the page
+    cache, then fsynced, dropped and read again). What the writer was handed is CKPT-RT-1's
+    concern; a read-back that memory served is no check of a device and skips saying so."""
     d = ckpt_dir(scratch, STORE_CASE)
     run_ranks(ranks.measure_saves, STORE_CASE.world_size, args=(STORE_CASE, d, 1),
               accelerator=accelerator, timeout_s=TIMEOUT_S)
@@ -652,9 +654,10 @@ def test_storage_returns_written_bytes(accelerator, scratch, metrics):
     metrics.record("checkpoint.verified_bytes", checkpoint_storage.total_bytes(tag_dir),
                    unit="B", better="higher", files=len(files), resident_after_drop=resident,
                    accelerator=accelerator)
-    assert not problems, (f"the storage under {tag_dir} returned other bytes than were written "
-                          f"(sha256, {checkpoint_storage.MANIFEST_NAME}):\n  "
-                          + "\n  ".join(problems))
+    verdict, why = checkpoint_storage.read_back_verdict(tag_dir, problems, resident)
+    if verdict == "skip":
+        pytest.skip(why)
+    assert verdict == "pass", why
 
 
 # ---------------------------------------------------------------------------- CKPT-PERF-1/2

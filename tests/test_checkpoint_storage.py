@@ -336,3 +336,14 @@ def test_ds_config_checkpoint_arguments():
         _cfg(lr_warmup_steps=-1)
     with pytest.raises(ValueError, match=r"load_universal=1"):
         _cfg(load_universal=1)
+
+
+def test_read_back_verdict():
+    """Wrong bytes fail even when memory served them; a clean read-back from memory cannot vouch
+    for a device (a skip naming the fraction); a clean one from the device passes."""
+    root = Path("/scratch/ckpt/r0")
+    verdict, why = st.read_back_verdict(root, ["a.pt: sha256 ... read back"], 1.0)
+    assert verdict == "fail" and "returned other bytes than were written" in why
+    verdict, why = st.read_back_verdict(root, [], 0.25)
+    assert verdict == "skip" and "25% of a file's pages stayed in memory" in why, why
+    assert st.read_back_verdict(root, [], 0.0) == ("pass", "")

@@ -202,7 +202,7 @@ def test_check_engine_run_names_rank_step_and_what_differs():
         check_engine_run(case, [{**result, "steps": leaky}])[0]
 
 
-def test_check_convergence_is_one_sided():
+def test_check_convergence_is_two_sided():
     from dsconform.tolerances import Tol
 
     tol = Tol(0.1, 0.0, "test")
@@ -212,9 +212,12 @@ def test_check_convergence_is_one_sided():
         return [{"fp32": {"losses": [1.0] * 10 + [0.5] * 10},
                  "fp16": {"losses": [1.0] * 10 + [low] * 10, "skipped": 3, "wrapper": "W"}}]
 
-    assert check_convergence(case, results(0.3), tol)[1] == []      # better than fp32
-    assert check_convergence(case, results(0.54), tol)[1] == []     # within 10 %
+    assert check_convergence(case, results(0.46), tol)[1] == []     # within 10 % below
+    assert check_convergence(case, results(0.54), tol)[1] == []     # within 10 % above
     problems = check_convergence(case, results(0.56), tol)[1]
     assert problems and "0.56" in problems[0] and "3 skipped steps" in problems[0]
+    # far below fp32 on the same task: its updates were larger than fp32's (an lr too high)
+    problems = check_convergence(case, results(0.3), tol)[1]
+    assert problems and "ended at loss 0.3 " in problems[0] and "-0.2 exceeds" in problems[0]
     assert curve_summary([3.0, 1.0, 2.0], window=2) == {"first_mean": 2.0, "last_mean": 1.5,
                                                          "min": 1.0}

@@ -430,7 +430,7 @@ def test_cross_check_with_second_tool(nvme_entry, profile, run, node, scratch, m
         # DeepNVMe's rate over the tool's, round by round (rate ratio = inverse time ratio).
         ratios = [t / a for a, t in zip(out[f"{op}_s"], tool_s[op])]
         metrics.record(f"nvme.xcheck.{op}_ratio", ratios, unit="ratio", better="lower",
-                       limit=nvme_xcheck.FIO_RATIO_CEILING if tool == "fio" else None, **params)
+                       limit=nvme_xcheck.ratio_ceiling(tool), **params)
 
 
 # ---------------------------------------------------------------------------- tuning

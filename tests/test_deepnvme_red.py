@@ -185,11 +185,15 @@ def test_zero_infinity_that_swaps_nothing_fails_the_nvme_check(tmp_path):
     assert "rank 1: no optimizer swap file under the test's path" in problems
 
 
-def test_cross_check_ratio_above_ceiling_fails():
-    """A DeepNVMe rate far above fio's on the same path MUST fail through the recorder."""
+@pytest.mark.parametrize("tool", ["fio", "dd"])
+def test_cross_check_ratio_above_ceiling_fails(tool):
+    """A DeepNVMe rate far above the tool's on the same path MUST fail through the recorder,
+    whichever tool measured it (dd too: the 2xH200 node has no fio)."""
     rec = MetricsRecorder("t::t", "deepnvme", lambda m: None)
     rec.record("nvme.xcheck.read_ratio", [9.0, 11.0, 10.0], unit="ratio", better="lower",
-               limit=nvme_xcheck.FIO_RATIO_CEILING, tool="fio", path="@scratch")
+               limit=nvme_xcheck.ratio_ceiling(tool), tool=tool, path="@scratch")
     [violation] = rec.violations()
     assert violation.startswith("nvme.xcheck.read_ratio = 10 ratio (median of 3 rounds: ")
-    assert "is beyond its ceiling 5 ratio [tool=fio, path=@scratch]" in violation
+    assert f"is beyond its ceiling 5 ratio [tool={tool}, path=@scratch]" in violation
+    with pytest.raises(ValueError, match="fio' or 'dd'"):
+        nvme_xcheck.ratio_ceiling("hdparm")

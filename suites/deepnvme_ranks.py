@@ -35,12 +35,27 @@ def _cwd(directory: str) -> Iterator[None]:
 
 
 def io_roundtrip(directory: str, settings: nvme.AioSettings, *, nbytes: int, offset: int,
-                 memory: str, mode: str, seed: int, tamper: int | None = None) -> dict[str, Any]:
-    """One byte-exact write/read through an aio_handle (nvme_io.roundtrip)."""
-    handle = nvme_io.open_handle(settings)
+                 memory: str, mode: str, seed: int, tamper: int | None = None,
+                 kind: str = "aio") -> dict[str, Any]:
+    """One byte-exact write/read through an aio_handle, or a gds_handle with GPU memory
+    (nvme_io.roundtrip)."""
+    with _cwd(directory):
+        handle = nvme_io.open_handle(settings, kind)
     result = nvme_io.roundtrip(handle, settings, Path(directory), nbytes=nbytes, offset=offset,
-                               memory=memory, mode=mode, seed=seed, tamper=tamper)
+                               memory=memory, mode=mode, seed=seed, tamper=tamper, kind=kind)
     return asdict(result)
+
+
+def gds_roundtrips(directory: str, settings: nvme.AioSettings, *, cells: list[dict[str, Any]],
+                   seed: int, tamper: int | None = None) -> list[dict[str, Any]]:
+    """Several byte-exact gds_handle round trips (GPU memory registered with cuFile; the file
+    checked with a plain os.pread between the write and the read) in one fresh process, one per
+    cell ({"nbytes", "offset", "mode"}). ``tamper``: flip that file byte before each read."""
+    with _cwd(directory):
+        handle = nvme_io.open_handle(settings, "gds")
+    return [asdict(nvme_io.roundtrip(handle, settings, Path(directory), memory="cuda",
+                                     seed=seed + i, tamper=tamper, kind="gds", **cell))
+            for i, cell in enumerate(cells)]
 
 
 def io_outstanding(directory: str, settings: nvme.AioSettings, *, sizes: list[int], memory: str,

@@ -40,8 +40,8 @@ https://github.com/deepspeedai/DeepSpeed/tree/master/deepspeed/nvme (ds_io, ds_n
 https://www.deepspeed.ai/docs/config-json/#asynchronous-io ,
 https://www.deepspeed.ai/tutorials/zero/#offloading-to-cpu-and-nvme-with-zero-infinity
 
-Stable ids: NVME-IO-1..4 (integrity, getters), NVME-GDS-1, NVME-CFG-1, NVME-BW-1, NVME-XCHK-1,
-NVME-TUNE-1, NVME-ZINF-1.
+Stable ids: NVME-IO-1..4 (integrity, getters), NVME-GDS-1 (handle), NVME-GDS-2 (file I/O),
+NVME-CFG-1, NVME-BW-1, NVME-XCHK-1, NVME-TUNE-1, NVME-ZINF-1.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ from dsconform.suite import (
 )
 from suites.deepnvme_ranks import (
     gds_device_tensors,
+    gds_roundtrips,
     handle_getters,
     io_outstanding,
     io_roundtrip,
@@ -324,6 +325,27 @@ def test_gds_handle_and_device_tensors(scratch):
     assert made["device"].startswith("cuda") and made["numel"] == 4 * MiB, made
     assert out["usable"], "a tensor from new_pinned_device_tensor did not hold what was written"
     assert out["freed"] and out["pin"] and out["unpin"], out
+
+
+# GDS file I/O: each API family, a sector-aligned and an unaligned size, at file offset 0 and
+# past the first sector; GPU memory registered with cuFile.
+GDS_CELLS = [{"nbytes": 4 * MiB, "offset": 0, "mode": "sync"},
+             {"nbytes": 4 * MiB + 4096, "offset": 4096, "mode": "async"},
+             {"nbytes": 1 * MiB + 512, "offset": 8192, "mode": "flag_async"},
+             {"nbytes": 2 * MiB, "offset": 0, "mode": "flag_sync"}]
+
+
+@pytest.mark.gpu
+@requires(min_gpus=1, op="gds")
+def test_gds_file_io_is_byte_exact(scratch):
+    """NVME-GDS-2: a gds_handle MUST write GPU memory to a file and read it back byte for byte
+    through every API family (the file checked with a plain pread between the two)."""
+    settings = nvme.AioSettings(block_size=1 * MiB, queue_depth=16, intra_op_parallelism=2,
+                                single_submit=False, overlap_events=True)
+    out = _gds_call(gds_roundtrips, "gds_handle file I/O", directory=str(scratch),
+                    settings=settings, cells=GDS_CELLS, seed=11)
+    assert [(r["nbytes"], r["offset"], r["mode"]) for r in out] == \
+        [(c["nbytes"], c["offset"], c["mode"]) for c in GDS_CELLS], out
 
 
 # ---------------------------------------------------------------------------- configuration

@@ -49,6 +49,40 @@ def _roundtrip(d: Path, tamper: int | None) -> dict:
                                  seed=3, tamper=tamper))[0]
 
 
+def _gds_available() -> str | None:
+    """Why GDS round trips cannot run here (None: they can)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (GDS moves GPU memory); runs on the GPU nodes"
+    from deepspeed.ops.op_builder import GDSBuilder
+
+    if not GDSBuilder().is_compatible(verbose=False):
+        return "DeepSpeed's gds op is not compatible with this node"
+    return None
+
+
+def test_gds_round_trip_goes_red_when_a_byte_flips(tmp_path):
+    """NVME-GDS-2's rank code: a file changed by one byte between the gds_handle's write and
+    read MUST fail, naming the byte; the control passes. GPU nodes only."""
+    why = _gds_available()
+    if why:
+        pytest.skip(why)
+    cells = [{"nbytes": MIB + 512, "offset": 4096, "mode": "async"}]
+
+    def call(tamper):
+        return run_ranks(deepnvme_ranks.gds_roundtrips, 1, timeout_s=900, accelerator="cuda",
+                         reuse=False, args=(str(tmp_path), SETTINGS),
+                         kwargs=dict(cells=cells, seed=5, tamper=tamper))[0]
+
+    assert call(None)[0]["nbytes"] == MIB + 512
+    with pytest.raises(RankError) as err:
+        call(4096 + 777)
+    msg = str(err.value)
+    assert "gds async read of 1049088 bytes into cuda memory from offset 4096" in msg, msg
+    assert "first at offset 777" in msg, msg
+
+
 def test_one_wrong_byte_on_read_fails_naming_it(tmp_path):
     """A file changed by one byte between DeepNVMe's write and read MUST fail the round trip."""
     assert _roundtrip(tmp_path, None)["nbytes"] == MIB + 3072  # the control

@@ -7,9 +7,11 @@ promises, and MUST carry ZeRO-Infinity training to DDP's result.
   page-locked buffers, ordinary CPU tensors, torch-pinned tensors and GPU tensors, at file
   offsets and sizes that are not multiples of the block size (hypothesis draws them), with
   several operations outstanding before one wait. Its getters MUST return what it was built
-  with. A ``gds_handle`` MUST do the same where the profile promises op gds, and its GPU-memory
-  registry (new_pinned_device_tensor, pin/unpin) MUST work. Every byte is checked twice: read
-  back through the handle and read from the file with plain os.pread.
+  with. Where the profile promises op gds, a ``gds_handle``'s getters and GPU-memory registry
+  (new_pinned_device_tensor, pin/unpin) MUST work; on a ``[[nvme.paths]]`` entry with ``gds =
+  true`` it MUST also move GPU memory to and from files byte for byte, every API family. Every
+  byte is checked twice: read back through the handle and read from the file with plain
+  os.pread.
 - Throughput. Every ``[[nvme.paths]]`` entry of the profile (``@scratch``: the run's --scratch)
   MUST write and read at its floors, from page-locked CPU memory (read_gbps/write_gbps) and, on
   GPU nodes, from GPU memory (gpu_read_gbps/gpu_write_gbps), at the entry's ``bytes``, median of
@@ -335,15 +337,32 @@ GDS_CELLS = [{"nbytes": 4 * MiB, "offset": 0, "mode": "sync"},
              {"nbytes": 2 * MiB, "offset": 0, "mode": "flag_sync"}]
 
 
+def _nvidia_fs() -> str:
+    """Whether the nvidia-fs kernel driver (GDS's direct path) is loaded, for messages."""
+    return ("loaded" if Path("/proc/driver/nvidia-fs").exists() else
+            "not loaded (/proc/driver/nvidia-fs absent: cuFile can only use its compatibility "
+            "mode)")
+
+
 @pytest.mark.gpu
 @requires(min_gpus=1, op="gds")
-def test_gds_file_io_is_byte_exact(scratch):
-    """NVME-GDS-2: a gds_handle MUST write GPU memory to a file and read it back byte for byte
-    through every API family (the file checked with a plain pread between the two)."""
+def test_gds_file_io_is_byte_exact(nvme_entry, profile, run, scratch):
+    """NVME-GDS-2: on every ``[[nvme.paths]]`` entry with ``gds = true``, a gds_handle MUST
+    write GPU memory to a file and read it back byte for byte through every API family (the
+    file checked with a plain pread between the two). The op alone (``[deepspeed] ops``)
+    promises that gds builds and hands out handles (NVME-GDS-1), not that cuFile accepts files:
+    that is the path's promise."""
+    index, entry = nvme_entry
+    if not entry.gds:
+        pytest.skip(f"{_where(profile, index, entry)} does not promise GDS file I/O (gds = "
+                    f"false)")
     settings = nvme.AioSettings(block_size=1 * MiB, queue_depth=16, intra_op_parallelism=2,
                                 single_submit=False, overlap_events=True)
-    out = _gds_call(gds_roundtrips, "gds_handle file I/O", directory=str(scratch),
-                    settings=settings, cells=GDS_CELLS, seed=11)
+    need = 2 * max(c["nbytes"] + c["offset"] for c in GDS_CELLS)
+    with _target(profile, index, entry, run, scratch, need) as (d, _):
+        out = _gds_call(gds_roundtrips, f"gds_handle file I/O on {entry.path} (nvidia-fs "
+                                        f"{_nvidia_fs()})", directory=str(d),
+                        settings=settings, cells=GDS_CELLS, seed=11)
     assert [(r["nbytes"], r["offset"], r["mode"]) for r in out] == \
         [(c["nbytes"], c["offset"], c["mode"]) for c in GDS_CELLS], out
 

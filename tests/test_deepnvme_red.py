@@ -55,6 +55,10 @@ def _gds_available() -> str | None:
 
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (GDS moves GPU memory); runs on the GPU nodes"
+    if not Path("/proc/driver/nvidia-fs").exists():
+        # The lent H200 nodes (ext4 on virtio, no nvidia-fs): cuFileHandleRegister refuses the
+        # file ('file descriptor is not registered') and DeepSpeed's op exits the process.
+        return "needs GDS file I/O: nvidia-fs is not loaded here, cuFile refuses files"
     from deepspeed.ops.op_builder import GDSBuilder
 
     if not GDSBuilder().is_compatible(verbose=False):

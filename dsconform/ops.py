@@ -373,6 +373,16 @@ def _assert_moved(check: str, params: Sequence[Any], initial: Sequence[Any]) -> 
     return moved
 
 
+def _gradient(n: int, gen: Any) -> Any:
+    """N(0, 1) gradients whose magnitudes span 10 decades (each element times 10**-u, u uniform
+    in [0, 10)): about a fifth of them sit at or below Adam's eps (1e-8) and Adagrad's (1e-10),
+    where the update depends on eps, so an optimizer that gets eps wrong (or drops it) fails;
+    N(0, 1) alone moves such updates by far less than the tolerance (eps 0 passed it)."""
+    import torch
+
+    return torch.randn(n, generator=gen) * torch.pow(10.0, -10.0 * torch.rand(n, generator=gen))
+
+
 def _run_optimizer_pair(check: str, make_opt: Callable[[list], Any],
                         make_ref: Callable[[list], Any] | None,
                         ref_step: Callable[[list, list, int], None] | None, *, steps: int,
@@ -394,7 +404,7 @@ def _run_optimizer_pair(check: str, make_opt: Callable[[list], Any],
     ref_opt = make_ref(refs) if make_ref else None
     worst_abs = worst_rel = 0.0
     for step in range(1, steps + 1):
-        grads = [torch.randn(n, generator=gen) for n in sizes]
+        grads = [_gradient(n, gen) for n in sizes]
         for p, r, g in zip(params, refs, grads):
             p.grad, r.grad = g.clone().to(device), g.clone().to(device)
         opt.step()

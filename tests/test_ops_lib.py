@@ -297,6 +297,23 @@ def test_optimizer_check_goes_red_on_wrong_semantics() -> None:
                                 lambda ps: torch.optim.Adam(ps, **hp), None, steps=2, sizes=(53,))
 
 
+@pytest.mark.parametrize("eps", [1e-6, 0.0])
+def test_optimizer_check_goes_red_on_a_wrong_eps(eps: float) -> None:
+    """DeepSpeed's CPU Adam with another eps (or none) than its torch reference MUST fail: the
+    check's gradients reach eps's scale."""
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    hp = dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    with pytest.raises(AssertionError, match=r"cpu_adam: step 1, parameter \d .* max abs diff"):
+        ops._run_optimizer_pair("cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, eps=eps, **hp),
+                                lambda ps: torch.optim.Adam(ps, eps=1e-8, **hp), None, steps=2,
+                                sizes=(53, 4103))
+    # the control: the same eps on both sides passes
+    ops._run_optimizer_pair("cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, eps=1e-8, **hp),
+                            lambda ps: torch.optim.Adam(ps, eps=1e-8, **hp), None, steps=2,
+                            sizes=(53, 4103))
+
+
 # Not promised by cpu-ci and not used by the CPU tier: each is a cold JIT build of 1-4 minutes on
 # the 2-core CI machine, so it runs in the nightly tier (-m slow).
 @pytest.mark.slow

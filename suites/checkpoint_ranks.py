@@ -376,9 +376,12 @@ def resume_save(case: CkptCase, ckpt_dir: str) -> dict[str, Any]:
     before, after = _batches(case)
     a = build(case, case.seed)
     try:
-        train(a, before, case.dtype)
+        train(a, before, case.dtype,
+              overflow_at=FP16_PRESAVE_OVERFLOWS if case.dtype == "fp16" else ())
         a.save_checkpoint(ckpt_dir, tag="resume")
-        return {"rank": rank(), "pid": os.getpid(), "reference": train(a, after, case.dtype)}
+        saved = snapshot(a)
+        return {"rank": rank(), "pid": os.getpid(), "saved": saved,
+                "reference": train(a, after, case.dtype)}
     finally:
         _destroy(a)
 
@@ -390,9 +393,11 @@ def resume_load(case: CkptCase, ckpt_dir: str) -> dict[str, Any]:
     _, after = _batches(case)
     b = build(case, case.seed + 1)
     try:
+        fresh = snapshot(b)
         load_path, _ = b.load_checkpoint(ckpt_dir, tag="resume")
-        return {"rank": rank(), "pid": os.getpid(), "load_path": load_path,
-                "resumed": train(b, after, case.dtype)}
+        loaded = snapshot(b)
+        return {"rank": rank(), "pid": os.getpid(), "load_path": load_path, "fresh": fresh,
+                "loaded": loaded, "resumed": train(b, after, case.dtype)}
     finally:
         _destroy(b)
 

@@ -8,7 +8,7 @@ continue exactly as if it had never stopped.
   and without offload, fp32/bf16/fp16).
 - Resume (CKPT-RESUME-1): N steps, save, a FRESH process loads and trains M steps: equal to
   N + M steps without interruption (bit-exact for fp32 SGD; elsewhere ``dsconform/tolerances.py``
-  "resume").
+  "resume"), and the state it loaded equal bit for bit to the state saved.
 - Partial loads (CKPT-PARTIAL-1): ``load_module_only``, ``load_optimizer_states=False`` and
   ``load_lr_scheduler_states=False`` MUST load exactly what they say and leave the rest as it was.
 - Consolidation (CKPT-FP32-1/2): ``get_fp32_state_dict_from_zero_checkpoint`` and the
@@ -211,9 +211,12 @@ RESUME_CPU_TIER = {(3, "bf16", "adam")}
 RESUME_GPU_TIER = [{"stage": 3, "dtype": "bf16", "optimizer": "adam"}]
 
 
-def check_resume(first: list[dict], second: list[dict], tol, *, label: str) -> Comparison:
+def check_resume(first: list[dict], second: list[dict], tol, *, label: str,
+                 state_tol=None) -> Comparison:
     """The resumed run (second) against the uninterrupted one (first), rank by rank; the two
-    MUST have run in different processes."""
+    MUST have run in different processes. With ``state_tol`` (the checkpoint table's: exact),
+    the state the fresh process loaded MUST also equal the state the first one saved, leaf by
+    leaf, and differ from a fresh engine's where a load could be dropped unseen."""
     cmp = Comparison(tol=tol, label=label)
     if not first or len(first) != len(second):
         cmp.problems.append(f"{len(first)} uninterrupted and {len(second)} resumed rank results: "
@@ -224,8 +227,23 @@ def check_resume(first: list[dict], second: list[dict], tol, *, label: str) -> C
     for ref, res in zip(first, second):
         if res["load_path"] is None:
             cmp.problems.append(f"load_checkpoint returned no path (rank {res['rank']})")
+        where = f"rank {res['rank']}"
         cmp.extend(compare_traces(res["resumed"], ref["reference"], tol, label=label,
-                                  where=f"rank {res['rank']}"))
+                                  where=where))
+        if state_tol is None:
+            continue
+        if "saved" not in ref or "loaded" not in res:
+            cmp.problems.append(f"no saved or loaded state ({where}): the load is not judged")
+            continue
+        alike = checkpoint_state.same_as_fresh(ref["saved"], res.get("fresh", {}))
+        if alike:
+            cmp.problems.append(f"the saved engine and a fresh one hold the same "
+                                f"{', '.join(alike)} ({where}): a load that dropped them would "
+                                f"pass")
+        state = compare_states(res["loaded"], ref["saved"], state_tol, label=label, where=where)
+        if not state.ok:
+            cmp.problems.append(f"the fresh process loaded another state than was saved "
+                                f"({where}): {state.report(limit=3)}")
     return cmp
 
 
@@ -249,7 +267,10 @@ def test_resume_in_fresh_process(accelerator, case, scratch, profile, request):
     first, second = cell_results(request, scratch)  # run at once with other cells
     tol = tolerance("resume", case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
-    check_resume(first, second, tol, label=_label(accelerator, case)).assert_ok()
+    state_tol = tolerance("checkpoint", case.dtype, case.optimizer, profile.tolerances,
+                          accelerator=accelerator)
+    check_resume(first, second, tol, label=_label(accelerator, case),
+                 state_tol=state_tol).assert_ok()
 
 
 # ---------------------------------------------------------------------------- CKPT-PARTIAL-1

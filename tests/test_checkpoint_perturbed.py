@@ -203,6 +203,74 @@ def test_resume_goes_red_when_the_fresh_process_drops_optimizer_and_scheduler(tm
     # The weights loaded fine, so the first resumed loss and gradient agree; the first update
     # (restarted warmup lr, no momentum) does not.
     assert (first_bad.step, first_bad.quantity) == (1, "loss"), cmp.report()
+    # With the state check (what the suite runs), the dropped state is named before any step.
+    cmp = check_resume(first, second, tol, label=case.id, state_tol=EXACT)
+    assert [p.split(": ")[0] for p in cmp.problems] == [
+        "the fresh process loaded another state than was saved (rank 0)",
+        "the fresh process loaded another state than was saved (rank 1)"], cmp.problems
+    assert check_resume(first, first_as_resumed(first), tol, label="x",
+                        state_tol=EXACT).problems[-1].startswith("the resumed run reused")
+
+
+def first_as_resumed(first: list[dict]) -> list[dict]:
+    """The uninterrupted run dressed as its own resumption (same pids): for the pid check."""
+    return [{**r, "load_path": "x", "resumed": r["reference"], "loaded": r["saved"],
+             "fresh": {}} for r in first]
+
+
+def resume_load_fp16(case: CkptCase, ckpt_dir: str, drop_scaler: bool = False) -> dict:
+    """The suite's resume_load in fp16 on the CPU accelerator; ``drop_scaler`` as in
+    round_trip_fp16."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from tests.loss_scaling_cpu_fp16 import cpu_fp16
+
+    original = DeepSpeedEngine.load_checkpoint
+
+    def load_checkpoint(self, load_dir, tag=None, **kwargs):
+        out = original(self, load_dir, tag, **kwargs)
+        scaler = self.optimizer.loss_scaler
+        scaler.last_overflow_iter, scaler.cur_hysteresis = -1, scaler.delayed_shift
+        self.skipped_steps = 0
+        return out
+
+    mp = pytest.MonkeyPatch()
+    if drop_scaler:
+        mp.setattr(DeepSpeedEngine, "load_checkpoint", load_checkpoint)
+    try:
+        with cpu_fp16():
+            return ranks.resume_load(case, ckpt_dir)
+    finally:
+        mp.undo()
+
+
+def resume_save_fp16(case: CkptCase, ckpt_dir: str) -> dict:
+    from tests.loss_scaling_cpu_fp16 import cpu_fp16
+
+    with cpu_fp16():
+        return ranks.resume_save(case, ckpt_dir)
+
+
+def test_resume_goes_red_when_the_fresh_process_drops_the_scaler(tmp_path):
+    """fp16: a fresh process that loads everything but the scaler's hysteresis, last overflow
+    and skip counter MUST fail CKPT-RESUME-1 by its state check, naming them; the control
+    passes."""
+    case = CkptCase(stage=2, dtype="fp16")
+    tol = tolerance("resume", "fp16", "adam", accelerator="cpu")
+    state_tol = tolerance("checkpoint", "fp16", "adam", accelerator="cpu")
+    d = _dir(tmp_path)
+    first = run_ranks(resume_save_fp16, 2, args=(case, d), timeout_s=TIMEOUT_S,
+                      accelerator="cpu")
+    control = run_ranks(resume_load_fp16, 2, args=(case, d), timeout_s=TIMEOUT_S,
+                        accelerator="cpu", reuse=False)
+    assert check_resume(first, control, tol, label="control", state_tol=state_tol).ok
+    second = run_ranks(resume_load_fp16, 2, args=(case, d), kwargs={"drop_scaler": True},
+                       timeout_s=TIMEOUT_S, accelerator="cpu", reuse=False)
+    cmp = check_resume(first, second, tol, label=case.id, state_tol=state_tol)
+    state = [p for p in cmp.problems if p.startswith("the fresh process loaded another state")]
+    assert len(state) == 2, cmp.problems
+    for name in ("engine/skipped_steps", "loss_scaler/cur_hysteresis"):
+        assert name in state[0], state[0]
 
 
 def test_partial_load_goes_red_when_the_flag_is_ignored(tmp_path):

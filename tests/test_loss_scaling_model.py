@@ -216,6 +216,12 @@ def test_check_convergence_is_two_sided():
     assert check_convergence(case, results(0.54), tol)[1] == []     # within 10 % above
     problems = check_convergence(case, results(0.56), tol)[1]
     assert problems and "0.56" in problems[0] and "3 skipped steps" in problems[0]
+    # a run that skipped more steps than the margin allows for fails on the count alone
+    many = results(0.5)
+    many[0]["fp16"]["skipped"] = 11
+    problems = check_convergence(case, many, tol)[1]
+    assert problems == ["rank ?: fp16 skipped 11 of 20 steps (overflows); at most 10 are "
+                        "allowed for"], problems
     # far below fp32 on the same task: its updates were larger than fp32's (an lr too high)
     problems = check_convergence(case, results(0.3), tol)[1]
     assert problems and "ended at loss 0.3 " in problems[0] and "-0.2 exceeds" in problems[0]

@@ -14,6 +14,7 @@ never choose a profile that promises only what still works.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import platform
 import re
@@ -152,6 +153,79 @@ def dist_version(name: str) -> str | None:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def _cgroup_dirs(controller: str, root: Path = Path("/sys/fs/cgroup"),
+                 proc_cgroup: Path = Path("/proc/self/cgroup")) -> list[Path]:
+    """The directories that may hold this process's limits for a cgroup ``controller``,
+    innermost first: its own cgroup (v2: ``0::/path`` under ``root``; v1: ``N:cpu,cpuacct:/path``
+    under ``root/cpu``), then the hierarchy's root (a container sees its own cgroup there)."""
+    dirs = []
+    for line in (_read(proc_cgroup) or "").splitlines():
+        _, ctrls, path = (line.split(":", 2) + ["", ""])[:3]
+        base = root if ctrls == "" else root / controller if controller in ctrls.split(",") \
+            else None
+        if base is not None:
+            if path.strip("/"):
+                dirs.append(base / path.strip("/"))
+            dirs.append(base)
+    return dirs + [root, root / controller]
+
+
+def _first(dirs: list[Path], name: str) -> str | None:
+    for d in dirs:
+        text = _read(d / name)
+        if text:
+            return text
+    return None
+
+
+def usable_cpu_cores(root: Path = Path("/sys/fs/cgroup"),
+                     proc_cgroup: Path = Path("/proc/self/cgroup"),
+                     affinity: int | None = None) -> tuple[int, str]:
+    """(cores this process may run on, how that was decided): the CPUs in its affinity mask
+    (a Slurm job's or a pinned container's), capped by a cgroup CPU quota (v2 ``cpu.max``, v1
+    ``cpu.cfs_quota_us``/``cpu.cfs_period_us``) rounded up. os.cpu_count() counts the host."""
+    host = os.cpu_count() or 0
+    if affinity is None:
+        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else host
+    cores, how = affinity, f"{affinity} in the affinity mask of {host} on the host"
+    dirs = _cgroup_dirs("cpu", root, proc_cgroup)
+    quota = None
+    v2 = _first(dirs, "cpu.max")
+    if v2:
+        q, _, period = v2.partition(" ")
+        if q != "max" and period:
+            quota = int(q) / int(period)
+    else:
+        q, period = _first(dirs, "cpu.cfs_quota_us"), _first(dirs, "cpu.cfs_period_us")
+        if q and period and int(q) > 0:
+            quota = int(q) / int(period)
+    if quota is not None and math.ceil(quota) < cores:
+        cores = math.ceil(quota)
+        how += f", capped by a cgroup CPU quota of {quota:g}"
+    return cores, how
+
+
+def usable_memory_bytes(root: Path = Path("/sys/fs/cgroup"),
+                        proc_cgroup: Path = Path("/proc/self/cgroup"),
+                        meminfo: int | None = None) -> tuple[int | None, str]:
+    """(host memory this process may use, how that was decided): /proc/meminfo's MemTotal,
+    capped by a cgroup memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``; "max"
+    or v1's page-rounded 2**63 mean none)."""
+    total = _meminfo_bytes() if meminfo is None else meminfo
+    dirs = _cgroup_dirs("memory", root, proc_cgroup)
+    limit = None
+    v2 = _first(dirs, "memory.max")
+    if v2:
+        limit = None if v2 == "max" else int(v2)
+    else:
+        v1 = _first(dirs, "memory.limit_in_bytes")
+        if v1 and int(v1) < (1 << 62):
+            limit = int(v1)
+    if limit is not None and (total is None or limit < total):
+        return limit, f"capped by a cgroup memory limit of {limit / 2**30:.1f} GiB"
+    return total, "MemTotal"
 
 
 def _meminfo_bytes() -> int | None:
@@ -334,8 +408,8 @@ def probe() -> NodeFacts:
     return NodeFacts(
         hostname=socket.gethostname(),
         python=platform.python_version(),
-        cpu_cores=os.cpu_count() or 0,
-        host_memory_bytes=_meminfo_bytes(),
+        cpu_cores=usable_cpu_cores()[0],
+        host_memory_bytes=usable_memory_bytes()[0],
         shm_bytes=shm_bytes(),
         torch_version=dist_version("torch"),
         deepspeed_version=dist_version("deepspeed"),

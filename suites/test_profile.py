@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 
+from dsconform import detect
 from dsconform.suite import GIB, versions
 
 CAPABILITY = "profile"
@@ -132,17 +133,21 @@ def test_shm_size(profile, node):
 
 @pytest.mark.anynode
 def test_cpu_cores(profile, node):
-    """PROF-CPU-1: The node MUST have at least the promised number of CPU cores."""
+    """PROF-CPU-1: The node MUST give this run at least the promised number of CPU cores (its
+    affinity mask and cgroup quota, not the host's count)."""
     want = _promised(profile.min_cpu_cores, "system.min_cpu_cores", profile)
-    assert node.cpu_cores >= want, f"expected >= {want} CPU cores, found {node.cpu_cores}"
+    assert node.cpu_cores >= want, (f"expected >= {want} CPU cores, found {node.cpu_cores} "
+                                    f"({detect.usable_cpu_cores()[1]})")
 
 
 @pytest.mark.anynode
 def test_host_memory(profile, node):
-    """PROF-MEM-1: The node MUST have at least the promised host memory."""
+    """PROF-MEM-1: The node MUST give this run at least the promised host memory (MemTotal,
+    capped by its cgroup's memory limit)."""
     want = _promised(profile.min_host_memory_gib, "system.min_memory_gib", profile)
     found = (node.host_memory_bytes or 0) / GIB
-    assert found >= want, f"expected >= {want} GiB host memory, found {found:.1f} GiB"
+    assert found >= want, (f"expected >= {want} GiB host memory, found {found:.1f} GiB "
+                           f"({detect.usable_memory_bytes()[1]})")
 
 
 @pytest.mark.anynode

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 
 from dsconform import detect, profile, toml_out
@@ -178,3 +179,61 @@ def test_detected_fallback_promises_the_hardware_count():
     assert "no shipped profile matches (4x NVIDIA H200 present (nvml), 3 usable)" in how
     p = roundtrip(broken_node(2, 0))  # torch sees none: the hardware's model is promised
     assert (p.gpu_count, p.gpu_model) == (2, "NVIDIA H200")
+
+
+# --- what a process may use: affinity and cgroup limits ----------------------------------------
+
+def _cgroup(tmp_path, files: dict[str, str], proc: str) -> tuple:
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        f = root / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text + "\n")
+    proc_cgroup = tmp_path / "proc_cgroup"
+    proc_cgroup.write_text(proc)
+    return root, proc_cgroup
+
+
+def test_cgroup_v2_quota_and_memory_limit_cap_the_host(tmp_path):
+    """A pod limited to 4 CPUs and 8 GiB on a big host: the promises see 4 and 8 GiB."""
+
+
+    root, proc = _cgroup(tmp_path, {"kubepods/pod1/cpu.max": "400000 100000",
+                                    "kubepods/pod1/memory.max": str(8 << 30)},
+                         "0::/kubepods/pod1\n")
+    cores, how = detect.usable_cpu_cores(root, proc, affinity=128)
+    assert cores == 4 and "capped by a cgroup CPU quota of 4" in how, how
+    mem, how = detect.usable_memory_bytes(root, proc, meminfo=2 << 40)
+    assert mem == 8 << 30 and "8.0 GiB" in how, how
+
+
+def test_cgroup_v2_without_limits_and_a_fractional_quota(tmp_path):
+
+
+    root, proc = _cgroup(tmp_path, {"cpu.max": "max 100000", "memory.max": "max"}, "0::/\n")
+    assert detect.usable_cpu_cores(root, proc, affinity=16)[0] == 16
+    assert detect.usable_memory_bytes(root, proc, meminfo=64 << 30) == (64 << 30, "MemTotal")
+    root, proc = _cgroup(tmp_path / "b", {"cpu.max": "250000 100000"}, "0::/\n")
+    assert detect.usable_cpu_cores(root, proc, affinity=16)[0] == 3  # 2.5 CPUs: 3 may run
+
+
+def test_cgroup_v1_limits_and_affinity(tmp_path):
+    """cgroup v1 (a Slurm job or Docker on an older host): quota per controller directory; an
+    affinity mask narrower than the quota wins; v1's 'no limit' is a page-rounded 2**63."""
+
+
+    root, proc = _cgroup(tmp_path, {"cpu/slurm/job7/cpu.cfs_quota_us": "800000",
+                                    "cpu/slurm/job7/cpu.cfs_period_us": "100000",
+                                    "memory/slurm/job7/memory.limit_in_bytes": str(32 << 30)},
+                         "4:memory:/slurm/job7\n2:cpu,cpuacct:/slurm/job7\n")
+    assert detect.usable_cpu_cores(root, proc, affinity=64)[0] == 8
+    assert detect.usable_cpu_cores(root, proc, affinity=6) == (
+        6, f"6 in the affinity mask of {os.cpu_count() or 0} on the host")
+    assert detect.usable_memory_bytes(root, proc, meminfo=512 << 30)[0] == 32 << 30
+    root, proc = _cgroup(tmp_path / "b", {"memory/memory.limit_in_bytes":
+                                          "9223372036854771712",
+                                          "cpu/cpu.cfs_quota_us": "-1",
+                                          "cpu/cpu.cfs_period_us": "100000"},
+                         "4:memory:/\n2:cpu,cpuacct:/\n")
+    assert detect.usable_memory_bytes(root, proc, meminfo=512 << 30)[0] == 512 << 30
+    assert detect.usable_cpu_cores(root, proc, affinity=64)[0] == 64

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "DEFAULT_STRAGGLER_PCT", "MIN_WAIT_CHECK_SECONDS", "GpuIdentity", "canonical_bus_id",
-    "identify", "matmul_flops", "pct_of_peer_median", "straggler_pct", "waited_for_pct",
+    "DEFAULT_STRAGGLER_PCT", "MIN_WAIT_CHECK_SECONDS", "SLOWDOWN_REASONS", "GpuIdentity",
+    "canonical_bus_id", "identify", "matmul_flops", "pct_of_peer_median",
+    "read_clock_event_reasons", "slowdown_problems", "straggler_pct", "waited_for_pct",
 ]
 
 #: Used when the profile does not set ``[gpus] straggler_pct``: loose enough that a healthy node
@@ -41,6 +42,48 @@ MIN_WAIT_CHECK_SECONDS = 1e-4
 
 _BUS_RE = re.compile(r"^(?:(?P<domain>[0-9a-fA-F]{1,8}):)?(?P<bus>[0-9a-fA-F]{1,2}):"
                      r"(?P<dev>[0-9a-fA-F]{1,2})(?:\.(?P<fn>[0-7]))?$")
+
+
+#: NVML's clock event ("throttle") reasons that mean the GPU is slowed by something wrong with
+#: it or its surroundings (nvml.h nvmlClocksEventReason*), by bit. Idle, application clocks,
+#: the software power cap (a configured limit), sync boost and display clocks are not faults.
+SLOWDOWN_REASONS = {
+    0x8: "hardware slowdown (HW_SLOWDOWN: thermal or power-brake signal, or a failing supply)",
+    0x20: "software thermal slowdown (SW_THERMAL_SLOWDOWN: above the max operating temperature)",
+    0x40: "hardware thermal slowdown (HW_THERMAL_SLOWDOWN: the GPU is too hot)",
+    0x80: "hardware power-brake slowdown (HW_POWER_BRAKE_SLOWDOWN: the system asked to brake)",
+}
+
+
+def slowdown_problems(reasons_by_gpu: Sequence[tuple[int, str | None, int]]) -> list[str]:
+    """One line per GPU whose clock event reasons (``(nvidia-smi index, bus id, bitmask)``)
+    include a slowdown of ``SLOWDOWN_REASONS``."""
+    out = []
+    for index, bus, mask in reasons_by_gpu:
+        found = [why for bit, why in SLOWDOWN_REASONS.items() if mask & bit]
+        if found:
+            out.append(f"GPU {index} (PCI {bus}): {'; '.join(found)} (reasons mask {mask:#x})")
+    return out
+
+
+def read_clock_event_reasons() -> list[tuple[int, str | None, int]]:
+    """(nvidia-smi index, PCI bus id, clock event reasons bitmask) of every GPU, from NVML;
+    raises when NVML is missing or cannot initialise."""
+    import pynvml
+
+    read = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+    pynvml.nvmlInit()
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            bus = pynvml.nvmlDeviceGetPciInfo(h).busId
+            bus = bus.decode() if isinstance(bus, bytes) else bus
+            out.append((i, canonical_bus_id(bus), int(read(h))))
+        return out
+    finally:
+        pynvml.nvmlShutdown()
 
 
 def canonical_bus_id(text: str | None) -> str | None:

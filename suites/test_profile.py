@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from dsconform import detect
+from dsconform import detect, gpu_health
 from dsconform.suite import GIB, versions
 
 CAPABILITY = "profile"
@@ -59,6 +59,19 @@ def test_gpu_memory(profile, node):
     small = [f"GPU {i}: {g.memory_gib:.1f} GiB" for i, g in enumerate(node.gpus)
              if g.memory_gib < want]
     assert not small, f"expected >= {want} GiB per GPU, found {'; '.join(small)}"
+
+
+@pytest.mark.gpu
+def test_no_gpu_slowdown(profile, node):
+    """PROF-GPU-6: No GPU MAY report a hardware, thermal or power-brake slowdown (NVML clock
+    event reasons): such a GPU can pass a short matmul and still train slowly."""
+    _promised(profile.gpu_count, "gpus.count", profile)
+    try:
+        reasons = gpu_health.read_clock_event_reasons()
+    except Exception as e:  # NVML missing or refusing: the driver check says why elsewhere
+        pytest.fail(f"cannot read the GPUs' clock event reasons from NVML: {e}", pytrace=False)
+    problems = gpu_health.slowdown_problems(reasons)
+    assert not problems, "GPUs slowed down:\n  " + "\n  ".join(problems)
 
 
 @pytest.mark.gpu

@@ -237,3 +237,36 @@ def test_cgroup_v1_limits_and_affinity(tmp_path):
                          "4:memory:/\n2:cpu,cpuacct:/\n")
     assert detect.usable_memory_bytes(root, proc, meminfo=512 << 30)[0] == 512 << 30
     assert detect.usable_cpu_cores(root, proc, affinity=64)[0] == 64
+
+
+def test_gpu_slowdown_reasons_name_the_gpu_and_the_cause():
+    """Idle, application clocks and a software power cap are not faults; hardware, thermal and
+    power-brake slowdowns are, each named with the GPU's index and bus id."""
+    from dsconform import gpu_health
+
+    fine = [(0, "0000:18:00.0", 0x1), (1, "0000:2a:00.0", 0x2 | 0x4 | 0x10)]
+    assert gpu_health.slowdown_problems(fine) == []
+    hot = [(0, "0000:18:00.0", 0x1), (1, "0000:2a:00.0", 0x40 | 0x4)]
+    [line] = gpu_health.slowdown_problems(hot)
+    assert line.startswith("GPU 1 (PCI 0000:2a:00.0): hardware thermal slowdown"), line
+    assert "reasons mask 0x44" in line
+    for bit in (0x8, 0x20, 0x80):
+        assert gpu_health.slowdown_problems([(3, None, bit)]), bit
+
+
+def test_clock_event_reasons_read_through_nvml(monkeypatch):
+    """The reader takes NVML's newer name when it exists and the older one otherwise."""
+    import sys
+    import types
+
+    from dsconform import gpu_health
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=f"00000000:1{h}:00.0".encode()),
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: 0x40 if h else 0x1)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    got = gpu_health.read_clock_event_reasons()
+    assert [(i, m) for i, _, m in got] == [(0, 0x1), (1, 0x40)]
+    assert got[1][1] == gpu_health.canonical_bus_id("00000000:11:00.0")

@@ -188,3 +188,17 @@ def test_missing_cupy_skips_unless_promised(monkeypatch):
     with pytest.raises(pytest.fail.Exception,
                        match=r"profile p promises \[ZeroOneAdam\]: expected cupy .* found none"):
         suite.need_cupy(promises)
+
+
+def test_lamb_convergence_bound_is_below_its_baseline():
+    """1-bit LAMB ends near 0.1x its uncompressed baseline (2xH200 fp16 0.104; stand-in
+    0.07-0.17): a run at 0.6x, six times worse, MUST fail; one at 0.3x passes. 1-bit Adam's
+    fp16 bound holds 1.64 (measured) and fails 3.2."""
+    from dsconform.tolerances import tolerance
+    from suites.test_onebit import within_ratio
+
+    for dtype in ("fp32", "fp16"):
+        tol = tolerance("onebit_convergence", dtype, "onebit_lamb", accelerator="cuda")
+        assert within_ratio(0.3, 1.0, tol) and not within_ratio(0.6, 1.0, tol), (dtype, tol)
+    tol = tolerance("onebit_convergence", "fp16", "onebit_adam", accelerator="cuda")
+    assert within_ratio(1.64, 1.0, tol) and not within_ratio(3.2, 1.0, tol), tol

@@ -82,6 +82,9 @@ class NodeFacts:
     cpu_fp16: bool = False
     # The GPUs present, counted without torch (see the module docstring).
     hardware: GpuHardware = field(default_factory=GpuHardware)
+    # Per NVML index, read before this process touched CUDA: (bytes in use, the pids NVML lists
+    # on the GPU). Empty where NVML could not be read.
+    gpu_memory_at_start: list[tuple[int, list[int]]] = field(default_factory=list)
 
     @property
     def gpu_count(self) -> int:
@@ -399,9 +402,39 @@ def _read(path: Path) -> str | None:
         return None
 
 
+def gpu_memory_in_use() -> list[tuple[int, list[int]]]:
+    """Per NVML index: (bytes in use, pids of the compute and graphics processes NVML lists).
+    [] when NVML is missing or refuses. Read it before any process of the run holds a CUDA
+    context: what is in use then belongs to someone else (a leftover job, another user)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            pids = set()
+            for lister in ("nvmlDeviceGetComputeRunningProcesses",
+                           "nvmlDeviceGetGraphicsRunningProcesses"):
+                try:
+                    pids |= {int(p.pid) for p in getattr(pynvml, lister)(h)}
+                except Exception:
+                    pass
+            out.append((int(pynvml.nvmlDeviceGetMemoryInfo(h).used), sorted(pids)))
+        return out
+    except Exception:
+        return []
+    finally:
+        pynvml.nvmlShutdown()
+
+
 def probe() -> NodeFacts:
     """Probe this node (imports torch; does not import DeepSpeed or create CUDA contexts
     beyond what torch.cuda.get_device_properties needs)."""
+    at_start = gpu_memory_in_use()  # before torch initialises CUDA in this process
     tf = _torch_facts()
     gpus = tf.get("gpus", [])
     hardware = probe_gpu_hardware()
@@ -420,6 +453,7 @@ def probe() -> NodeFacts:
         nvme=probe_nvme(),
         cpu_fp16=tf.get("cpu_fp16", False),
         hardware=hardware,
+        gpu_memory_at_start=at_start,
     )
 
 

@@ -61,6 +61,34 @@ def test_gpu_memory(profile, node):
     assert not small, f"expected >= {want} GiB per GPU, found {'; '.join(small)}"
 
 
+# Memory a GPU may show in use before the run touched it: the driver's own reservations and
+# a monitoring agent's context stay far below this.
+IDLE_GPU_MEMORY_GIB = 2.0
+
+
+@pytest.mark.gpu
+def test_gpus_free_at_start(profile, node):
+    """PROF-GPU-7: No GPU MAY hold another process's memory when the run starts (a leftover job
+    passes every capacity check and then leaves training short of memory). Read from NVML
+    before this run created any CUDA context."""
+    _promised(profile.gpu_count, "gpus.count", profile)
+    from dsconform.dist import external_rendezvous
+    from dsconform.dist_xdist import xdist_worker
+
+    if xdist_worker()[1] > 1 or external_rendezvous():
+        pytest.skip("GPU memory at start is only judged in a run of its own (not under -n or a "
+                    "launcher): its sibling processes may already hold contexts")
+    if not node.gpu_memory_at_start:
+        pytest.fail("NVML could not be read at the start of the run: the GPUs' memory in use "
+                    "is unknown", pytrace=False)
+    busy = [f"GPU {i}: {used / GIB:.1f} GiB in use" + (f" (pids {', '.join(map(str, pids))})"
+                                                      if pids else "")
+            for i, (used, pids) in enumerate(node.gpu_memory_at_start)
+            if used > IDLE_GPU_MEMORY_GIB * GIB]
+    assert not busy, (f"GPUs held by other processes before the run started (more than "
+                      f"{IDLE_GPU_MEMORY_GIB:g} GiB): {'; '.join(busy)}")
+
+
 @pytest.mark.gpu
 def test_no_gpu_slowdown(profile, node):
     """PROF-GPU-6: No GPU MAY report a hardware, thermal or power-brake slowdown (NVML clock

@@ -270,3 +270,54 @@ def test_clock_event_reasons_read_through_nvml(monkeypatch):
     got = gpu_health.read_clock_event_reasons()
     assert [(i, m) for i, _, m in got] == [(0, 0x1), (1, 0x40)]
     assert got[1][1] == gpu_health.canonical_bus_id("00000000:11:00.0")
+
+
+def test_gpu_memory_in_use_reads_nvml_and_survives_its_absence(monkeypatch):
+    import sys
+    import types
+
+    def procs(*pids):
+        return lambda h: [types.SimpleNamespace(pid=p) for p in pids]
+
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=(80 << 30) if h else 0),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: procs(4242)(h) if h else [],
+        nvmlDeviceGetGraphicsRunningProcesses=procs())
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert detect.gpu_memory_in_use() == [(0, []), (80 << 30, [4242])]
+
+    def refuse():
+        raise RuntimeError("NVML Shared Library Not Found")
+
+    monkeypatch.setitem(sys.modules, "pynvml", types.SimpleNamespace(nvmlInit=refuse))
+    assert detect.gpu_memory_in_use() == []
+
+
+def test_a_gpu_held_at_start_fails_the_profile(monkeypatch):
+    """PROF-GPU-7 on facts shaped like the probe's: 80 GiB held by pid 4242 on GPU 1 fails,
+    naming GPU and pid; 0.5 GiB of driver reservations passes; no NVML reading fails."""
+    import pytest
+
+    from suites import test_profile as suite
+
+    prof = types_profile(gpu_count=2)
+    held = _node([(512 << 20, []), (80 << 30, [4242])])
+    with pytest.raises(AssertionError, match=r"GPU 1: 80.0 GiB in use \(pids 4242\)"):
+        suite.test_gpus_free_at_start(prof, held)
+    suite.test_gpus_free_at_start(prof, _node([(512 << 20, []), (0, [])]))
+    with pytest.raises(pytest.fail.Exception, match="NVML could not be read"):
+        suite.test_gpus_free_at_start(prof, _node([]))
+
+
+def _node(at_start):
+    node = fake_node()
+    node.gpu_memory_at_start = at_start
+    return node
+
+
+def types_profile(**kw):
+    import types
+
+    return types.SimpleNamespace(name="p", source="test", **kw)

@@ -7,9 +7,11 @@ torchrun or Slurm every pytest process is one rank, so these run in-process, onc
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
 
-from dsconform.suite import device, world
+from dsconform.suite import device, rank, world
 from suites.zero_ranks import ZeroCase, train_zero_and_ddp
 
 
@@ -19,3 +21,10 @@ def zero_across_nodes(case: ZeroCase, perturb: float = 1.0,
     with the accelerator the ranks ran on, which picks the tolerance."""
     result = train_zero_and_ddp(case.with_(world_size=world()), perturb, perturb_from_step)
     return {**result, "accelerator": device().type}
+
+
+def node_name() -> dict[str, Any]:
+    """The node this rank runs on, as the cluster names it: Slurm's node name where there is
+    one ($SLURMD_NODENAME, what examples/nightly-node.sh names result folders by), else the
+    host name."""
+    return {"rank": rank(), "node": os.environ.get("SLURMD_NODENAME") or socket.gethostname()}

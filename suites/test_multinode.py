@@ -178,6 +178,24 @@ def record_busbw(metrics: MetricsRecorder, transfer: Transfer, result: dict) -> 
 
 # ------------------------------------------------------------------ tests
 
+def test_ranks_span_the_nodes(node, profile):
+    """MN-NODES-1: the job's ranks MUST run on as many distinct nodes as the rendezvous says
+    (WORLD_SIZE / LOCAL_WORLD_SIZE or SLURM_NNODES is arithmetic: two launcher groups on one
+    host, or overlapping Slurm steps, would pass every check below without crossing a node)."""
+    _ran_on_gpus(node, profile)
+    rdzv = rendezvous_info()
+    claimed = rdzv.nodes if rdzv else 1
+    names = run_ranks(multinode_ranks.node_name, None, accelerator=node.accelerator,
+                      timeout_s=TIMEOUT_S)
+    by_node: dict[str, list[int]] = {}
+    for r in names:
+        by_node.setdefault(r["node"], []).append(r["rank"])
+    assert len(by_node) == claimed, (
+        f"the rendezvous spans {claimed} nodes, the ranks ran on {len(by_node)}: "
+        + "; ".join(f"{n}: ranks {sorted(rs)}" for n, rs in sorted(by_node.items()))
+        + ": the multinode checks would not cross a node boundary")
+
+
 @pytest.mark.parametrize("case", ZERO_CASES, ids=lambda c: c.id)
 def test_zero_across_nodes(case: ZeroCase, node, profile, metrics):
     """MN-ZERO-1: ZeRO across nodes MUST give DDP's losses, boundary gradients and final

@@ -40,6 +40,9 @@ def launch_two_nodes(results: Path, logs: Path) -> list[tuple[int, str]]:
     env.update(PYTHONUNBUFFERED="1", PYTHON=sys.executable, DSCONFORM_TIME_S="600")
     agents = []
     for node in (0, 1):
+        # Two "nodes" on one host: each names itself as Slurm would (MN-NODES-1 counts names;
+        # the result folders take it too).
+        env = dict(env, SLURMD_NODENAME=f"simnode{node}")
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                    "--nproc-per-node=1", "--rdzv-backend=c10d",
                    f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=dsconform-sim-{port}",
@@ -79,14 +82,14 @@ def test_two_nodes_on_localhost_pass_the_multinode_tier_and_aggregate(tmp_path):
                        for n, (code, tail) in enumerate(agents))
     assert [code for code, _ in agents[:2]] == [0, 0], logs
     folders = sorted(p.name for p in results.iterdir())
-    host = folders[0].rsplit("-rank", 1)[0]
-    assert folders == [f"{host}-rank0", f"{host}-rank1"], (folders, logs)
+    assert folders == ["simnode0-rank0", "simnode1-rank1"], (folders, logs)
     ranks = []
     for folder in folders:
         summ = json.loads((results / folder / "summary.json").read_text())
         caps = summ["capabilities"]
         # 6 ZeRO cases (the fp16 one skips on CPUs without oneDNN fp16), 5 collectives exact.
-        assert caps["multinode"].get("passed", 0) >= 10, (caps, logs)
+        # and MN-NODES-1 (two node names)
+        assert caps["multinode"].get("passed", 0) >= 11, (caps, logs)
         # busbw at the default size: measured and recorded, no floor at this job size: skipped
         assert caps["multinode"].get("skipped", 0) >= 1, (caps, logs)
         assert caps["multinode"].get("failed", 0) == 0, (caps, logs)
@@ -129,3 +132,25 @@ def test_a_gpu_profile_is_not_checked_across_nodes_on_the_cpu():
     _ran_on_gpus(cpu_node, SimpleNamespace(gpus_promised=0, name="cpu-ci"))
     _ran_on_gpus(SimpleNamespace(accelerator="cuda", gpu_count=8),
                  SimpleNamespace(gpus_promised=8, name="h100-x8"))
+
+
+def test_ranks_on_one_host_fail_the_node_count(monkeypatch):
+    """MN-NODES-1: a rendezvous that claims 2 nodes whose ranks all report one node name (two
+    launcher groups on one host) MUST fail, naming the node and its ranks; distinct names pass."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from suites import test_multinode as suite
+
+    node = SimpleNamespace(accelerator="cpu", gpu_count=0)
+    prof = SimpleNamespace(gpus_promised=0, name="cpu-ci")
+    monkeypatch.setattr(suite, "rendezvous_info", lambda: SimpleNamespace(nodes=2))
+    same = [{"rank": 0, "node": "gpu-07"}, {"rank": 1, "node": "gpu-07"}]
+    monkeypatch.setattr(suite, "run_ranks", lambda *a, **k: same)
+    with pytest.raises(AssertionError, match=r"spans 2 nodes, the ranks ran on 1: gpu-07: "
+                                             r"ranks \[0, 1\]"):
+        suite.test_ranks_span_the_nodes(node, prof)
+    monkeypatch.setattr(suite, "run_ranks", lambda *a, **k: [{"rank": 0, "node": "gpu-07"},
+                                                            {"rank": 1, "node": "gpu-08"}])
+    suite.test_ranks_span_the_nodes(node, prof)

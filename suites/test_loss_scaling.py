@@ -283,11 +283,12 @@ def engine_tier() -> set[str]:
     return {ScalingCase(**cell).id for cell in pairwise(ACCEPTANCE_AXES, must=ACCEPTANCE_MUST)}
 
 
-def _engine_params() -> list:
-    tier = engine_tier()
+def _scaling_params(matrix: list[ScalingCase], tier: set[str]) -> list:
+    """A ScalingCase matrix as pytest params on each accelerator: fp16 (and FusedAdam's op)
+    required, the cells outside ``tier`` marked slow (nightly)."""
     params = []
     for accel in ("cpu", "cuda"):
-        for case in engine_matrix():
+        for case in matrix:
             base = next(p for p in accel_params(case.world_size) if p.id == accel)
             marks = list(base.marks) + [requires(fp16=True)]
             if case.optimizer == "fused_adam":
@@ -402,7 +403,7 @@ def engine_call(case: ScalingCase, accelerator: str) -> RankCall:
                     accelerator=accelerator)
 
 
-@pytest.mark.parametrize("accelerator, case", _engine_params())
+@pytest.mark.parametrize("accelerator, case", _scaling_params(engine_matrix(), engine_tier()))
 @batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]))
 def test_overflow_handling(accelerator: str, case: ScalingCase, request):
     """LOSS-SCALE-4: every step MUST scale, skip and apply as the model says, on every rank."""
@@ -434,21 +435,6 @@ STEP_SIZE_AXES = {"stage": list(STAGES), "world_size": [2, 1], "scaler": ["h1", 
 def step_size_tier() -> set[str]:
     """The acceptance tier of LOSS-SCALE-7: every pair of ``STEP_SIZE_AXES`` values."""
     return {ScalingCase(**cell).id for cell in pairwise(STEP_SIZE_AXES)}
-
-
-def _step_size_params() -> list:
-    tier = step_size_tier()
-    params = []
-    for accel in ("cpu", "cuda"):
-        for case in step_size_matrix():
-            base = next(p for p in accel_params(case.world_size) if p.id == accel)
-            marks = list(base.marks) + [requires(fp16=True)]
-            if case.optimizer == "fused_adam":
-                marks.append(requires(op="fused_adam"))
-            if case.id not in tier:
-                marks.append(pytest.mark.slow)
-            params.append(pytest.param(accel, case, id=f"{accel}-{case.id}", marks=marks))
-    return params
 
 
 def check_step_sizes(case: ScalingCase, results: list[dict], tol: Any
@@ -519,7 +505,8 @@ def _step_problem(cmp: Any, where: str) -> str:
             f"({tol.why})")
 
 
-@pytest.mark.parametrize("accelerator, case", _step_size_params())
+@pytest.mark.parametrize("accelerator, case", _scaling_params(step_size_matrix(),
+                                                               step_size_tier()))
 @batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]))
 def test_applied_steps_match_fp32(accelerator: str, case: ScalingCase, profile, metrics,
                                   request):

@@ -92,12 +92,12 @@ def load_tag_swallowing_errors(case: CkptCase, ckpt_dir: str, tag: str) -> dict:
         mp.undo()
 
 
-def round_trip_fp16(case: CkptCase, ckpt_dir: str, drop_scaler: bool = False,
-                    overflows: tuple[int, ...] | None = None) -> dict:
-    """The suite's round trip in fp16 on the CPU accelerator (its fp16 check lifted, as for the
-    loss-scaling project tests). ``drop_scaler``: after the real load, the loss scaler and the
-    skip counter are put back to a fresh engine's values (a load that drops them).
-    ``overflows``: the pre-save overflow steps instead of the suite's."""
+def _in_fp16(fn, *args, drop_scaler: bool = False,
+             overflows: tuple[int, ...] | None = None) -> dict:
+    """``fn(*args)`` (one of the suite's rank entry points) in fp16 on the CPU accelerator (its
+    fp16 check lifted, as for the loss-scaling project tests). ``drop_scaler``: after the real
+    load, the loss scaler and the skip counter are put back to a fresh engine's values (a load
+    that drops them). ``overflows``: the pre-save overflow steps instead of the suite's."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     from tests.loss_scaling_cpu_fp16 import cpu_fp16
@@ -119,9 +119,16 @@ def round_trip_fp16(case: CkptCase, ckpt_dir: str, drop_scaler: bool = False,
         mp.setattr(ranks, "FP16_PRESAVE_OVERFLOWS", overflows)
     try:
         with cpu_fp16():
-            return ranks.round_trip(case, ckpt_dir)
+            return fn(*args)
     finally:
         mp.undo()
+
+
+def round_trip_fp16(case: CkptCase, ckpt_dir: str, drop_scaler: bool = False,
+                    overflows: tuple[int, ...] | None = None) -> dict:
+    """The suite's round trip in fp16 (``_in_fp16``)."""
+    return _in_fp16(ranks.round_trip, case, ckpt_dir, drop_scaler=drop_scaler,
+                    overflows=overflows)
 
 
 FP16_CASE = CkptCase(stage=2, dtype="fp16")
@@ -219,36 +226,12 @@ def first_as_resumed(first: list[dict]) -> list[dict]:
 
 
 def resume_load_fp16(case: CkptCase, ckpt_dir: str, drop_scaler: bool = False) -> dict:
-    """The suite's resume_load in fp16 on the CPU accelerator; ``drop_scaler`` as in
-    round_trip_fp16."""
-    from deepspeed.runtime.engine import DeepSpeedEngine
-
-    from tests.loss_scaling_cpu_fp16 import cpu_fp16
-
-    original = DeepSpeedEngine.load_checkpoint
-
-    def load_checkpoint(self, load_dir, tag=None, **kwargs):
-        out = original(self, load_dir, tag, **kwargs)
-        scaler = self.optimizer.loss_scaler
-        scaler.last_overflow_iter, scaler.cur_hysteresis = -1, scaler.delayed_shift
-        self.skipped_steps = 0
-        return out
-
-    mp = pytest.MonkeyPatch()
-    if drop_scaler:
-        mp.setattr(DeepSpeedEngine, "load_checkpoint", load_checkpoint)
-    try:
-        with cpu_fp16():
-            return ranks.resume_load(case, ckpt_dir)
-    finally:
-        mp.undo()
+    """The suite's resume_load in fp16 (``_in_fp16``)."""
+    return _in_fp16(ranks.resume_load, case, ckpt_dir, drop_scaler=drop_scaler)
 
 
 def resume_save_fp16(case: CkptCase, ckpt_dir: str) -> dict:
-    from tests.loss_scaling_cpu_fp16 import cpu_fp16
-
-    with cpu_fp16():
-        return ranks.resume_save(case, ckpt_dir)
+    return _in_fp16(ranks.resume_save, case, ckpt_dir)
 
 
 def test_resume_goes_red_when_the_fresh_process_drops_the_scaler(tmp_path):

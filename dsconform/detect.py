@@ -13,6 +13,7 @@ never choose a profile that promises only what still works.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import math
 import os
@@ -21,6 +22,7 @@ import re
 import shutil
 import socket
 import subprocess
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,22 +279,31 @@ NVIDIA_PCI_VENDOR = "0x10de"
 _GPU_PCI_CLASSES = ("0x0300", "0x0302")
 
 
-def _nvml_gpus() -> tuple[list[str], list[str]]:
-    """(names, bus ids) from NVML; raises when NVML is missing or cannot initialise."""
-    import pynvml
+@contextlib.contextmanager
+def nvml_devices() -> Iterator[tuple[Any, list[Any]]]:
+    """(the pynvml module, every GPU's handle in NVML index order, nvidia-smi's numbering) with
+    NVML initialised for the duration (no CUDA context); raises when NVML is missing or
+    cannot initialise."""
+    import pynvml  # nvidia-ml-py
 
     pynvml.nvmlInit()
     try:
-        names, buses = [], []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            bus = pynvml.nvmlDeviceGetPciInfo(h).busId
-            names.append(name.decode() if isinstance(name, bytes) else name)
-            buses.append(bus.decode() if isinstance(bus, bytes) else bus)
-        return names, buses
+        yield pynvml, [pynvml.nvmlDeviceGetHandleByIndex(i)
+                       for i in range(pynvml.nvmlDeviceGetCount())]
     finally:
         pynvml.nvmlShutdown()
+
+
+def nvml_text(value: Any) -> str:
+    """NVML strings come as bytes from older bindings, str from newer ones."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _nvml_gpus() -> tuple[list[str], list[str]]:
+    """(names, bus ids) from NVML; raises when NVML is missing or cannot initialise."""
+    with nvml_devices() as (nvml, handles):
+        return ([nvml_text(nvml.nvmlDeviceGetName(h)) for h in handles],
+                [nvml_text(nvml.nvmlDeviceGetPciInfo(h).busId) for h in handles])
 
 
 def _proc_gpus(root: Path) -> tuple[list[str], list[str]]:
@@ -407,28 +418,20 @@ def gpu_memory_in_use() -> list[tuple[int, list[int]]]:
     [] when NVML is missing or refuses. Read it before any process of the run holds a CUDA
     context: what is in use then belongs to someone else (a leftover job, another user)."""
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
+        with nvml_devices() as (nvml, handles):
+            out = []
+            for h in handles:
+                pids = set()
+                for lister in ("nvmlDeviceGetComputeRunningProcesses",
+                               "nvmlDeviceGetGraphicsRunningProcesses"):
+                    try:
+                        pids |= {int(p.pid) for p in getattr(nvml, lister)(h)}
+                    except Exception:
+                        pass
+                out.append((int(nvml.nvmlDeviceGetMemoryInfo(h).used), sorted(pids)))
+            return out
     except Exception:
         return []
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            pids = set()
-            for lister in ("nvmlDeviceGetComputeRunningProcesses",
-                           "nvmlDeviceGetGraphicsRunningProcesses"):
-                try:
-                    pids |= {int(p.pid) for p in getattr(pynvml, lister)(h)}
-                except Exception:
-                    pass
-            out.append((int(pynvml.nvmlDeviceGetMemoryInfo(h).used), sorted(pids)))
-        return out
-    except Exception:
-        return []
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def probe() -> NodeFacts:

@@ -69,21 +69,13 @@ def slowdown_problems(reasons_by_gpu: Sequence[tuple[int, str | None, int]]) -> 
 def read_clock_event_reasons() -> list[tuple[int, str | None, int]]:
     """(nvidia-smi index, PCI bus id, clock event reasons bitmask) of every GPU, from NVML;
     raises when NVML is missing or cannot initialise."""
-    import pynvml
+    from dsconform.detect import nvml_devices, nvml_text
 
-    read = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-            or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
-    pynvml.nvmlInit()
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            bus = pynvml.nvmlDeviceGetPciInfo(h).busId
-            bus = bus.decode() if isinstance(bus, bytes) else bus
-            out.append((i, canonical_bus_id(bus), int(read(h))))
-        return out
-    finally:
-        pynvml.nvmlShutdown()
+    with nvml_devices() as (nvml, handles):
+        read = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+        return [(i, canonical_bus_id(nvml_text(nvml.nvmlDeviceGetPciInfo(h).busId)),
+                 int(read(h))) for i, h in enumerate(handles)]
 
 
 def canonical_bus_id(text: str | None) -> str | None:

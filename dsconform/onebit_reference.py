@@ -189,6 +189,17 @@ def _compression_violations(sent: torch.Tensor, compensated: torch.Tensor,
     why = _is_scaled_sign(sent, rtol)
     if why:
         problems.append(f"{who}: {what} is not one scale and signs: {why}")
+    # The bit sent is the compensated value's sign (0 -> +1). Elements within float32 rounding
+    # of zero may land on either side; no other may differ (flipped or constant signs keep
+    # the magnitude, the norm and the feedback sum, so only this sees them).
+    decided = compensated.to(torch.float64).abs() > rtol * max(size, 1e-30)
+    wrong = decided & ((sent >= 0) != (compensated >= 0))
+    if bool(wrong.any()):
+        first = int(wrong.nonzero()[0])
+        problems.append(f"{who}: {what} has the wrong sign at {int(wrong.sum())} of "
+                        f"{int(decided.sum())} elements (first: element {first}, sent "
+                        f"{float(sent[first]):.3g} for {float(compensated[first]):.3g}): one "
+                        f"bit must carry the sign of {of} + error")
     norm = float(torch.linalg.norm(compensated))
     energy_ok, _ = _close(torch.linalg.norm(sent.to(torch.float64)).reshape(1),
                           torch.linalg.norm(compensated).reshape(1), norm, rtol)
@@ -207,7 +218,8 @@ def round_violations(buffers: Sequence[torch.Tensor], worker_errors: Sequence[to
                      rtol: float = 1e-5) -> list[str]:
     """What one round must satisfy, given its inputs and what the round produced.
 
-    - 1 bit and 1 scale: every worker's message and every server chunk has one magnitude;
+    - 1 bit and 1 scale: every worker's message and every server chunk has one magnitude,
+      and each element's sign is the sign of what was compressed (0 counts as +);
     - the scale keeps the energy: ||C(v)|| == ||v|| for what each worker and server compressed;
     - worker error feedback loses nothing: sent_r + e_r' == x_r + e_r;
     - server error feedback loses nothing: out_j + E_j' == a_j + E_j, with a_j the average

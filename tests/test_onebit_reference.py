@@ -91,12 +91,23 @@ def _sign_without_scale(x):
     return ref.sign_pm1(x)
 
 
+def _flipped_signs(x):
+    return -ref.rms(x) * ref.sign_pm1(x)
+
+
+def _constant_signs(x):
+    return ref.rms(x) * torch.ones_like(x)
+
+
 PERTURBATIONS = {
     "server error feedback dropped": ("server_step", _drop_server_feedback,
                                       "server error feedback loses"),
     "worker error feedback dropped": ("worker_step", _drop_worker_feedback,
                                       "worker error feedback loses"),
     "sign without scale": ("scaled_sign", _sign_without_scale, "the scale must keep the norm"),
+    # Both keep one magnitude, the norm and the feedback sum: only the sign property sees them.
+    "signs flipped": ("scaled_sign", _flipped_signs, "one bit must carry the sign"),
+    "every sign +1": ("scaled_sign", _constant_signs, "one bit must carry the sign"),
 }
 
 

@@ -117,23 +117,42 @@ def _stage(engine: Any) -> dict[str, Any]:
             "backward_allreduce": bool(engine.enable_backward_allreduce)}
 
 
-def _count_compressed_calls(engine: Any, counter: list[int]) -> None:
-    """A pass-through counter on this engine's compressed allreduce: proves the compressed stage
-    really communicated compressed, as often as the run says."""
-    handle = getattr(engine.basic_optimizer, "comm_backend_handle", None)
-    if handle is None:
-        return
-    original = handle.compressed_allreduce
+class Compressed:
+    """A pass-through counter on an engine's compressed allreduce: how many calls, and how many
+    elements went through it in each optimizer step (``end_step`` closes a step). Proves the
+    compressed stage really communicated every parameter's momentum compressed, every step."""
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        counter[0] += 1
-        return original(*args, **kwargs)
+    def __init__(self) -> None:
+        self.calls = 0
+        self.elements = 0            # in the step under way
+        self.per_step: list[int] = []
 
-    handle.compressed_allreduce = counted
+    def attach(self, engine: Any) -> Compressed:
+        handle = getattr(engine.basic_optimizer, "comm_backend_handle", None)
+        if handle is None:
+            return self
+        original = handle.compressed_allreduce
+
+        def counted(buffer: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            self.elements += buffer.numel()
+            return original(buffer, *args, **kwargs)
+
+        handle.compressed_allreduce = counted
+        return self
+
+    def end_step(self) -> None:
+        self.per_step.append(self.elements)
+        self.elements = 0
+
+    def result(self, engine: Any) -> dict[str, Any]:
+        return {"compressed_calls": self.calls, "compressed_elements": self.per_step,
+                "param_elements": sum(p.numel() for p in engine.module.parameters()
+                                      if p.requires_grad)}
 
 
 def _train(engine: Any, x: torch.Tensor, y: torch.Tensor, steps: int,
-           trace: dict[str, list]) -> None:
+           trace: dict[str, list], counter: Compressed | None = None) -> None:
     for _ in range(steps):
         start = time.perf_counter()
         out = engine(x)
@@ -142,6 +161,8 @@ def _train(engine: Any, x: torch.Tensor, y: torch.Tensor, steps: int,
         engine.step()
         trace["losses"].append(loss.item())  # .item() waits for the step's kernels too
         trace["seconds"].append(time.perf_counter() - start)
+        if counter is not None:
+            counter.end_step()
 
 
 def _digest(engine: Any) -> torch.Tensor:
@@ -175,12 +196,11 @@ def train(run: OnebitRun) -> dict[str, Any]:
 
     seed_everything(run.seed)
     trace: dict[str, list] = {"losses": [], "seconds": []}
-    calls = [0]
     with _engine(run) as (engine, x, y):
-        _count_compressed_calls(engine, calls)
-        _train(engine, x, y, run.steps, trace)
+        counter = Compressed().attach(engine)
+        _train(engine, x, y, run.steps, trace, counter)
         return {**trace, "weights": _digest(engine), "stage": _stage(engine),
-                "compressed_calls": calls[0]}
+                **counter.result(engine)}
 
 
 def error_buffers(engine: Any) -> dict[str, Any]:
@@ -205,8 +225,10 @@ def train_save_resume(run: OnebitRun, save_at: int, checkpoint_dir: str) -> dict
     checkpoint; continue the same engine to ``run.steps`` (the uninterrupted run); then a fresh
     engine loads the checkpoint and trains the same remaining steps (the resumed run).
 
-    Returns both runs' losses, the error buffers at the save, right after the load and at the
-    end, the stage after the load, and both runs' weights at the end.
+    Returns both runs' losses (the resumed run's first is the loss of the loaded weights on the
+    step the uninterrupted run took after the save), the error buffers at the save, right after
+    the load and at the end, the stage after the load, the weights at the save and right after
+    the load, both runs' weights at the end, and what the resumed run compressed per step.
     """
     import deepspeed.comm as dist
 
@@ -218,24 +240,26 @@ def train_save_resume(run: OnebitRun, save_at: int, checkpoint_dir: str) -> dict
         _train(engine, x, y, save_at, first)
         at_save = error_buffers(engine)
         stage_at_save = _stage(engine)
+        weights_at_save = _digest(engine)
         engine.save_checkpoint(checkpoint_dir, tag="compressed")
         dist.barrier()
         _train(engine, x, y, run.steps - save_at, first)
         uninterrupted = {**first, "weights": _digest(engine), "errors_end": error_buffers(engine)}
     resumed: dict[str, list] = {"losses": [], "seconds": []}
-    calls = [0]
     with _engine(run) as (engine, x, y):
         load_path, _ = engine.load_checkpoint(checkpoint_dir, tag="compressed")
         after_load = error_buffers(engine)
         stage_after_load = _stage(engine)
         step_after_load = int(engine.global_steps)
-        _count_compressed_calls(engine, calls)
-        _train(engine, x, y, run.steps - save_at, resumed)
+        weights_after_load = _digest(engine)
+        counter = Compressed().attach(engine)
+        _train(engine, x, y, run.steps - save_at, resumed, counter)
         resumed_out = {**resumed, "weights": _digest(engine), "errors_end": error_buffers(engine),
-                       "stage_end": _stage(engine), "compressed_calls": calls[0]}
+                       "stage_end": _stage(engine), **counter.result(engine)}
     return {"uninterrupted": uninterrupted, "resumed": resumed_out, "errors_at_save": at_save,
             "stage_at_save": stage_at_save, "errors_after_load": after_load,
             "stage_after_load": stage_after_load, "step_after_load": step_after_load,
+            "weights_at_save": weights_at_save, "weights_after_load": weights_after_load,
             "loaded": load_path is not None}
 
 
@@ -280,41 +304,81 @@ def compressed_allreduce_rounds(shape: tuple[int, ...], rounds: int, seed: int) 
     return trace
 
 
-class _CountingComm:
-    """Stands in front of deepspeed.comm for one call of compressed_allreduce and adds up the
-    bytes each collective puts on the wire from this rank (nccl-tests' bus factors: all_to_all
-    and all_gather send (n-1)/n of their output). Everything is passed through unchanged."""
+class WireCount:
+    """Counts the bytes each torch.distributed collective puts on the wire from this rank while
+    the ``with`` block runs (nccl-tests' bus factors: all_to_all sends (n-1)/n of its input,
+    all_gather n-1 times its input, all_reduce 2(n-1)/n), whoever calls it: deepspeed.comm
+    passes through torch.distributed's functions, and a call straight to torch.distributed is
+    seen too. A collective without a factor here is listed in ``uncounted`` (the caller fails
+    on it rather than report a ratio that missed bytes). Only the outermost collective of a
+    nested call counts. Everything is passed through unchanged."""
 
-    COUNTED = ("all_to_all_single", "all_gather")
+    # name -> (the argument whose bytes travel, bytes on the wire per byte of it, world size n)
+    FACTORS = {"all_to_all_single": ("input", lambda n: (n - 1) / n),
+               "all_gather": ("tensor", lambda n: n - 1),
+               "all_gather_into_tensor": ("input_tensor", lambda n: n - 1),
+               "all_reduce": ("tensor", lambda n: 2 * (n - 1) / n),
+               "broadcast": ("tensor", lambda n: 1.0),
+               "send": ("tensor", lambda n: 1.0),
+               "isend": ("tensor", lambda n: 1.0)}
+    OTHERS = ("all_to_all", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather",
+              "scatter", "recv", "irecv", "batch_isend_irecv", "all_gather_object",
+              "broadcast_object_list", "gather_object", "scatter_object_list",
+              "all_reduce_coalesced", "all_gather_coalesced", "_all_gather_base",
+              "_reduce_scatter_base")
 
-    def __init__(self, comm: Any, world_size: int) -> None:
-        self._comm = comm
+    def __init__(self, world_size: int) -> None:
         self._n = world_size
         self.bytes = 0.0
         self.calls: dict[str, int] = {}
         self.uncounted: set[str] = set()
+        self._depth = 0
+        self._saved: list[tuple[Any, str, Any]] = []
 
-    def _add(self, name: str, nbytes: float) -> None:
-        self.bytes += nbytes
-        self.calls[name] = self.calls.get(name, 0) + 1
+    def _wrap(self, name: str, original: Any) -> Any:
+        import functools
+        import inspect
 
-    def all_to_all_single(self, output: torch.Tensor, tensor: torch.Tensor, *args: Any,
-                          **kwargs: Any) -> Any:
-        self._add("all_to_all_single",
-                  tensor.numel() * tensor.element_size() * (self._n - 1) / self._n)
-        return self._comm.all_to_all_single(output, tensor, *args, **kwargs)
+        factor = self.FACTORS.get(name)
+        signature = inspect.signature(original)
 
-    def all_gather(self, tensor_list: list, tensor: torch.Tensor, *args: Any,
-                   **kwargs: Any) -> Any:
-        self._add("all_gather", tensor.numel() * tensor.element_size() * (self._n - 1))
-        return self._comm.all_gather(tensor_list, tensor, *args, **kwargs)
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:
+                self.calls[name] = self.calls.get(name, 0) + 1
+                if factor is None:
+                    self.uncounted.add(name)
+                else:
+                    tensor = signature.bind(*args, **kwargs).arguments[factor[0]]
+                    self.bytes += tensor.numel() * tensor.element_size() * factor[1](self._n)
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
 
-    def __getattr__(self, name: str) -> Any:
-        value = getattr(self._comm, name)
-        collective = ("all_", "reduce", "broadcast", "send", "recv", "gather", "scatter")
-        if callable(value) and name.startswith(collective) and name not in self.COUNTED:
-            self.uncounted.add(name)  # a collective this count does not understand
-        return value
+        return counted
+
+    def __enter__(self) -> WireCount:
+        import torch.distributed as tdist
+        import torch.distributed.distributed_c10d as c10d
+
+        wrapped: dict[int, Any] = {}
+        for module in (tdist, c10d):
+            for name in (*self.FACTORS, *self.OTHERS):
+                original = getattr(module, name, None)
+                if original is None:
+                    continue
+                if id(original) not in wrapped:
+                    wrapped[id(original)] = self._wrap(name, original)
+                self._saved.append((module, name, original))
+                setattr(module, name, wrapped[id(original)])
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for module, name, original in reversed(self._saved):
+            setattr(module, name, original)
+        self._saved.clear()
 
 
 def _timed(op: Any, iters: int, rounds: int, dev: torch.device) -> list[float]:
@@ -345,8 +409,7 @@ def _timed(op: Any, iters: int, rounds: int, dev: torch.device) -> list[float]:
 def allreduce_cost(numel: int, iters: int, rounds: int) -> dict[str, Any]:
     """Rank entry point: seconds per call of DeepSpeed's compressed allreduce and of a plain
     fp32 all_reduce of the same buffer, and the bytes each put on the wire from this rank (the
-    compressed one counted on one untimed call, see _CountingComm)."""
-    import deepspeed.runtime.comm.nccl as nccl_module
+    compressed one counted on one untimed call, see WireCount)."""
     import torch.distributed as tdist
 
     from dsconform.suite import device, onebit_reference, world
@@ -360,13 +423,9 @@ def allreduce_cost(numel: int, iters: int, rounds: int) -> dict[str, Any]:
     worker = torch.zeros(padded, device=dev)
     server = torch.zeros(padded // n, device=dev)
 
-    counting = _CountingComm(nccl_module.dist, n)
-    nccl_module.dist = counting
-    try:
+    with WireCount(n) as counting:
         buf.copy_(source)
         backend.compressed_allreduce(buf, worker, server, dev.index)
-    finally:
-        nccl_module.dist = counting._comm
 
     def compressed() -> None:
         # The call works in place on its input: both timings include the same refill.

@@ -201,3 +201,24 @@ def tensors(n: int) -> list:
     import torch
 
     return [torch.full((16,), float(i)) for i in range(n)]
+
+
+def wire_count() -> dict:
+    """suites/onebit_ranks.WireCount on gloo: a direct torch.distributed call and one through
+    deepspeed.comm are both counted (once each), an object collective is named as uncounted,
+    and torch.distributed's functions are restored afterwards."""
+    import deepspeed.comm as dscomm
+
+    from suites.onebit_ranks import WireCount
+
+    n = tdist.get_world_size()
+    original = tdist.all_reduce, tdist.distributed_c10d.all_gather
+    with WireCount(n) as counted:
+        tdist.all_reduce(torch.ones(1000))                     # 2 (n-1)/n x 4000 bytes
+        dscomm.all_gather([torch.empty(250) for _ in range(n)], torch.ones(250))  # (n-1) x 1000
+    with WireCount(n) as objects:
+        tdist.all_gather_object([None] * n, {"rank": dist.rank()})
+    return {"bytes": counted.bytes, "calls": counted.calls,
+            "uncounted": sorted(counted.uncounted), "object_calls": objects.calls,
+            "object_uncounted": sorted(objects.uncounted),
+            "restored": (tdist.all_reduce, tdist.distributed_c10d.all_gather) == original}

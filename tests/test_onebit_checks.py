@@ -30,11 +30,22 @@ def decay(first: float, last: float, steps: int) -> list[float]:
 WEIGHTS = torch.linspace(-1, 1, 97)
 
 
-def rank_result(losses, compressed=True, calls=644, weights=WEIGHTS):
+PARAMS = 2632  # the suite's MLP 32-64-8
+
+
+def elements(steps, start, first=PARAMS):
+    """What the CPU stand-in counted per step: the initialising step 0 compresses once, nothing
+    until ``start``, then every parameter's elements on every step."""
+    return [first] + [0] * (start - 1) + [PARAMS] * (steps - start)
+
+
+def rank_result(losses, compressed=True, weights=WEIGHTS):
+    per_step = elements(len(losses), suite.FREEZE_STEP) if compressed else [0] * len(losses)
     return {"losses": list(losses), "seconds": [0.001] * len(losses), "weights": weights.clone(),
             "stage": {"optimizer_class": "OnebitAdam", "compressed": compressed,
                       "backward_allreduce": not compressed},
-            "compressed_calls": calls}
+            "compressed_calls": sum(1 for e in per_step if e) * 4,
+            "compressed_elements": per_step, "param_elements": PARAMS}
 
 
 @pytest.fixture
@@ -45,8 +56,7 @@ def metrics():
 @pytest.fixture
 def runs(monkeypatch):
     """suite._train answers from this dict of {"baseline" | "compressed": per-rank results}."""
-    canned = {"baseline": [rank_result(decay(2.2, 0.0038, suite.STEPS), compressed=False,
-                                       calls=4)] * 2,
+    canned = {"baseline": [rank_result(decay(2.2, 0.0038, suite.STEPS), compressed=False)] * 2,
               "compressed": [rank_result(decay(2.2, 0.0049, suite.STEPS))] * 2}
 
     def train(run):
@@ -70,7 +80,11 @@ def test_convergence_check_passes_as_measured(runs, metrics):
 @pytest.mark.parametrize("defect, message", [
     ("compressed ends 4x the baseline", r"ratio 3\.\d+ beyond 1 \+ rtol = 2.5"),
     ("never compressed", "did not train in the compressed stage"),
-    ("too few compressed allreduces", "did not train in the compressed stage"),
+    ("one step compressed nothing", r"rank 0: 1 of 160 steps .* \(step 120: 0\)"),
+    ("a parameter never compressed", r"rank 1: 160 of 160 steps from step 40 on compressed "
+                                     r"fewer than the model's 2632 parameter elements "
+                                     r"\(step 40: 2568"),
+    ("a step not counted", "199 steps counted, 200 run"),
     ("baseline does not learn", "did not learn the task"),
     ("compressed stage stalls", "stopped learning in the compressed stage"),
     ("replicas differ", "replicas hold different weights"),
@@ -82,8 +96,14 @@ def test_convergence_check_goes_red(defect, message, runs, metrics):
         c["losses"] = decay(2.2, 4 * 0.0038, suite.STEPS)
     elif defect == "never compressed":
         c["stage"] = {**c["stage"], "compressed": False, "backward_allreduce": True}
-    elif defect == "too few compressed allreduces":
-        c["compressed_calls"] = 12
+    elif defect == "one step compressed nothing":
+        c["compressed_elements"] = list(c["compressed_elements"])
+        c["compressed_elements"][120] = 0
+    elif defect == "a parameter never compressed":  # fc1.bias: 64 elements missing
+        runs["compressed"] = [c, {**c, "compressed_elements": [
+            e - 64 if e else 0 for e in c["compressed_elements"]]}]
+    elif defect == "a step not counted":
+        c["compressed_elements"] = c["compressed_elements"][1:]
     elif defect == "baseline does not learn":
         runs["baseline"] = [rank_result(decay(2.2, 0.5, suite.STEPS), False)] * 2
     elif defect == "compressed stage stalls":  # 0.05 at the freeze, 0.03 from then on
@@ -112,7 +132,9 @@ def resume_result(**changes):
                     "errors_end": {"count": 8, "max_abs": 0.01},
                     "stage_end": {"optimizer_class": "OnebitAdam", "compressed": True,
                                   "backward_allreduce": False},
-                    "compressed_calls": 316},
+                    "compressed_calls": 316, "compressed_elements": elements(left, 2),
+                    "param_elements": PARAMS},
+        "weights_at_save": WEIGHTS.clone(), "weights_after_load": WEIGHTS.clone(),
         "errors_at_save": {"count": 8, "max_abs": 0.02},
         "stage_at_save": {"optimizer_class": "OnebitAdam", "compressed": True,
                           "backward_allreduce": False},
@@ -127,6 +149,13 @@ def resume_result(**changes):
         else:
             result[key] = value
     return result
+
+
+def after_load(second, last):
+    """A resumed curve whose first loss is the saved weights' (as it must be), then
+    ``second`` falling to ``last``."""
+    whole = decay(2.2, 0.0049, suite.STEPS)
+    return [whole[suite.SAVE_AT]] + decay(second, last, suite.STEPS - suite.SAVE_AT - 1)
 
 
 @pytest.fixture
@@ -152,11 +181,16 @@ def test_resume_checks_pass_as_measured(resumed, metrics, tmp_path):
      "still holds 8 error buffers .* documents that a load resets the worker and server errors"),
     (dict(stage_after_load__backward_allreduce=True), "the compressed stage must continue"),
     (dict(errors_at_save={"count": 0, "max_abs": 0.0}), "not compressing with live errors"),
-    (dict(resumed__compressed_calls=3), "did not compress again"),
+    (dict(resumed__compressed_elements=elements(suite.STEPS - suite.SAVE_AT, 3)),
+     r"did not compress again .* rank 0: 1 of 78 steps from step 2 on .* \(step 2: 0\)"),
+    (dict(weights_after_load=WEIGHTS + 1e-3),
+     "rank 0's weights after load_checkpoint differ from the weights rank 0 saved at step 120"),
+    (dict(resumed__losses=decay(decay(2.2, 0.0049, suite.STEPS)[suite.SAVE_AT - 1], 0.0045,
+                                suite.STEPS - suite.SAVE_AT)),
+     "rank 0's first loss after the resume is .* at step 120, on the same weights and batch"),
     (dict(loaded=False), "found no checkpoint"),
-    (dict(resumed__losses=decay(0.07, 0.09, suite.STEPS - suite.SAVE_AT)),
-     "it must keep converging"),
-    (dict(resumed__losses=decay(0.012, 0.009, suite.STEPS - suite.SAVE_AT)),
+    (dict(resumed__losses=after_load(0.07, 0.09)), "it must keep converging"),
+    (dict(resumed__losses=after_load(0.012, 0.009)),
      "resumed final loss .* beyond 1 \\+ rtol = 1.5"),
 ])
 def test_resume_checks_go_red(changes, message, resumed, metrics, tmp_path):
@@ -202,3 +236,22 @@ def test_lamb_convergence_bound_is_below_its_baseline():
         assert within_ratio(0.3, 1.0, tol) and not within_ratio(0.6, 1.0, tol), (dtype, tol)
     tol = tolerance("onebit_convergence", "fp16", "onebit_adam", accelerator="cuda")
     assert within_ratio(1.64, 1.0, tol) and not within_ratio(3.2, 1.0, tol), tol
+
+
+# ---------------------------------------------------------------- the byte count, on gloo
+
+def test_wire_count_sees_torch_distributed_whoever_calls_it():
+    """ONEBIT-COMM-1's byte count sits on torch.distributed: a collective called straight on
+    torch.distributed (which a count on deepspeed.comm alone never saw) is counted like one
+    through deepspeed.comm, and an object collective it has no bus factor for is named."""
+    from dsconform import dist
+
+    from tests import rank_fns
+
+    results = dist.run_ranks(rank_fns.wire_count, 2, timeout_s=120, accelerator="cpu")
+    for r in results:
+        assert r["bytes"] == 4000 + 1000, r
+        assert r["calls"] == {"all_reduce": 1, "all_gather": 1} and not r["uncounted"], r
+        assert r["object_calls"] == {"all_gather_object": 1}, r  # its inner all_gather: once
+        assert r["object_uncounted"] == ["all_gather_object"], r
+        assert r["restored"], r

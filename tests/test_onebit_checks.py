@@ -245,7 +245,6 @@ def test_wire_count_sees_torch_distributed_whoever_calls_it():
     torch.distributed (which a count on deepspeed.comm alone never saw) is counted like one
     through deepspeed.comm, and an object collective it has no bus factor for is named."""
     from dsconform import dist
-
     from tests import rank_fns
 
     results = dist.run_ranks(rank_fns.wire_count, 2, timeout_s=120, accelerator="cpu")

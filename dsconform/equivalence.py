@@ -350,6 +350,10 @@ def compare_rank_results(per_rank: Sequence[Mapping[str, Any]], tol: Tol, *, lab
         where = f"rank {result.get('rank', i)}" if len(per_rank) > 1 else ""
         cmp.extend(compare_traces(result[candidate], result[reference], tol, label=label,
                                   where=where))
+        # What the candidate's engine built, where its trace says (suites/zero_ranks.py
+        # layout_problems): matching DDP proves nothing if ZeRO was not what ran.
+        cmp.problems += [f"{where or 'rank 0'}: {text}"
+                         for text in result[candidate].get("layout_problems", ())]
     return cmp
 
 

@@ -206,6 +206,78 @@ def _perturb_backward(engine: Any, factor: float, from_step: int) -> None:
     engine.backward = backward
 
 
+def layout_problems(engine: Any, case: ZeroCase) -> list[str]:
+    """Evidence that the engine runs the ZeRO stage and offload the case asked for, read from
+    what it built (not from its config): the stage; on more than one rank, an fp32 master
+    partition smaller than the model (stages 1-2) or every parameter partitioned (stage 3,
+    ``ds_tensor``); the partitions on the CPU where the optimizer (or, stage 3, the parameters)
+    are offloaded to it, on the accelerator where nothing is. An engine that fell back to
+    stage 0, or ignored an offload, would match DDP as well: only this sees it."""
+    problems = []
+    stage = engine.zero_optimization_stage()
+    if stage != case.stage:
+        problems.append(f"the engine runs ZeRO stage {stage}, the case asked for {case.stage}")
+    world = engine.dp_world_size
+    named = list(engine.module.named_parameters())
+    numel = sum(int(getattr(p, "ds_numel", p.numel())) for _, p in named)
+    opt = engine.optimizer
+    host = "cpu"
+    accel = torch.device(engine.device).type
+    opt_device = host if case.offload_optimizer and case.offload_device == "cpu" else (
+        None if case.offload_optimizer else accel)  # nvme: swapped, no device to read
+    # What the ZeRO optimizer set itself up to do (its own flags, not the config's).
+    flags = {1: {"cpu_offload": case.offload_optimizer},
+             2: {"cpu_offload": case.offload_optimizer},
+             3: {"offload_optimizer": case.offload_optimizer,
+                 "offload_param": case.offload_param}}.get(case.stage, {})
+    for flag, wanted in flags.items():
+        found = getattr(opt, flag, None)
+        if found is None:
+            problems.append(f"engine.optimizer ({type(opt).__name__}) has no {flag}: DeepSpeed's "
+                            f"internals changed or ZeRO-{case.stage} is not on; update "
+                            f"suites/zero_ranks.py layout_problems")
+        elif bool(found) != wanted:
+            problems.append(f"the ZeRO optimizer's {flag} is {found}, the case asked for "
+                            f"{wanted}")
+    if case.stage in (1, 2):
+        parts = getattr(opt, "single_partition_of_fp32_groups", None)
+        if not parts:
+            return problems + [f"no ZeRO-{case.stage} fp32 partition found (engine.optimizer of "
+                               f"type {type(opt).__name__} has no single_partition_of_fp32_"
+                               f"groups): DeepSpeed's internals changed or ZeRO is not on; "
+                               f"update suites/zero_ranks.py layout_problems"]
+        held = sum(t.numel() for t in parts)
+        if world > 1 and held >= numel:
+            problems.append(f"this rank holds {held} fp32 master elements of the model's {numel} "
+                            f"on {world} ranks: the optimizer state is not partitioned")
+        where = sorted({t.device.type for t in parts})
+        if opt_device is not None and where != [opt_device]:
+            problems.append(f"the fp32 master partition is on {where}, expected {opt_device} "
+                            f"(offload_optimizer {case.offload_optimizer})")
+    if case.stage == 3:
+        whole = [n for n, p in named
+                 if getattr(p, "ds_tensor", None) is None
+                 or (world > 1 and p.ds_numel > 1 and p.ds_tensor.numel() >= p.ds_numel)]
+        if whole:
+            problems.append(f"{len(whole)} of {len(named)} parameters are not partitioned by "
+                            f"ZeRO-3 on {world} ranks (no ds_tensor, or one as large as the "
+                            f"parameter): {whole[:3]}")
+        param_device = host if case.offload_param and case.offload_device == "cpu" else (
+            None if case.offload_param else accel)
+        where = sorted({p.ds_tensor.device.type for _, p in named
+                        if getattr(p, "ds_tensor", None) is not None})
+        if param_device is not None and where and where != [param_device]:
+            problems.append(f"the parameter partitions are on {where}, expected {param_device} "
+                            f"(offload_param {case.offload_param})")
+        flat = getattr(opt, "fp32_partitioned_groups_flat", None)
+        if flat and opt_device is not None:
+            where = sorted({t.device.type for t in flat})
+            if where != [opt_device]:
+                problems.append(f"the fp32 master partition is on {where}, expected "
+                                f"{opt_device} (offload_optimizer {case.offload_optimizer})")
+    return problems
+
+
 def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
                      perturb: float, perturb_from_step: int,
                      inspect: Callable[[Any], Any] | None = None) -> dict[str, Any]:
@@ -218,6 +290,7 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
         # The pinned semantics reached the engine (DeepSpeed's own default is 1.0).
         assert engine.gradient_clipping() == 0.0, \
             f"gradient_clipping: expected 0.0, found {engine.gradient_clipping()}"
+        layout = layout_problems(engine, case)
         if perturb != 1.0:
             _perturb_backward(engine, perturb, perturb_from_step)
         dtype = _TORCH_DTYPES[case.dtype]
@@ -249,7 +322,8 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
                 with deepspeed.zero.GatheredParameters([p]):
                     full = p.data
             params[n] = _cpu(full)
-        result = {"losses": losses, "grads": grads, "params": params, "param_source": source}
+        result = {"losses": losses, "grads": grads, "params": params, "param_source": source,
+                  "layout_problems": layout}
         if inspect is not None:
             result["inspected"] = inspected
         return result

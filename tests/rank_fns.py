@@ -222,3 +222,21 @@ def wire_count() -> dict:
             "uncounted": sorted(counted.uncounted), "object_calls": objects.calls,
             "object_uncounted": sorted(objects.uncounted),
             "restored": (tdist.all_reduce, tdist.distributed_c10d.all_gather) == original}
+
+
+def zero_layout(asked: dict, built: dict) -> list[str]:
+    """suites/zero_ranks.layout_problems of an engine built from ``built`` (ZeroCase fields)
+    judged against the case ``asked``: an engine that is not what the case asked for."""
+    import deepspeed
+
+    from suites.zero_ranks import MLP, ZeroCase, layout_problems
+
+    base = dict(dtype="fp32", optimizer="sgd", grad_accum=1, world_size=dist.world())
+    case, engine_case = ZeroCase(**base, **asked), ZeroCase(**base, **built)
+    model = MLP(case.d_in, case.width, case.d_out)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=engine_case.config())
+    try:
+        return layout_problems(engine, case)
+    finally:
+        engine.destroy()

@@ -109,3 +109,31 @@ def test_fp16_lr_error_fails_the_whole_update():
     assert cmps[1.0].ok, cmps[1.0].report()
     assert not cmps[1.05].ok
     assert {d.quantity for d in cmps[1.05].failures} >= {"gain"}
+
+
+# ZERO-EQ-1 matches DDP just as well when ZeRO is not what ran: the layout check reads what the
+# engine built. Real DeepSpeed engines on gloo, 2 ranks (world size 2 is what partitions).
+@pytest.mark.parametrize("asked, built, expected", [
+    (dict(stage=2), dict(stage=2), []),
+    (dict(stage=3), dict(stage=3), []),
+    (dict(stage=3, offload_optimizer=True, offload_param=True),
+     dict(stage=3, offload_optimizer=True, offload_param=True), []),
+    (dict(stage=2), dict(stage=0), ["the engine runs ZeRO stage 0, the case asked for 2",
+                                    "has no cpu_offload"]),
+    (dict(stage=3), dict(stage=1), ["the engine runs ZeRO stage 1, the case asked for 3",
+                                    "has no offload_optimizer", "has no offload_param",
+                                    "parameters are not partitioned by ZeRO-3"]),
+    (dict(stage=2, offload_optimizer=True), dict(stage=2),
+     ["the ZeRO optimizer's cpu_offload is False, the case asked for True"]),
+    (dict(stage=3, offload_optimizer=True, offload_param=True), dict(stage=3),
+     ["offload_optimizer is False, the case asked for True",
+      "offload_param is False, the case asked for True"]),
+])
+def test_layout_check_sees_what_the_engine_built(asked, built, expected):
+    from tests import rank_fns
+
+    for problems in run_ranks(rank_fns.zero_layout, 2, timeout_s=120, accelerator="cpu",
+                              args=(asked, built)):
+        text = "\n".join(problems)
+        assert all(e in text for e in expected), text
+        assert bool(problems) == bool(expected), text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -40,7 +41,11 @@ class Rate:
     limit: float | None = None  # floor on the median rate
 
     def of(self, seconds: float) -> float:
-        return self.amount / self.scale / seconds if seconds > 0 else float("inf")
+        """The rate of one round; NaN where the round's time is not a positive finite number
+        (a broken timer must not read as an infinitely fast round)."""
+        if not (math.isfinite(seconds) and seconds > 0):
+            return float("nan")
+        return self.amount / self.scale / seconds
 
 
 @dataclass
@@ -85,6 +90,12 @@ class Metric:
         where = f" [{params}]" if params else ""
         if self.rate is not None and self.rate.limit is not None:
             rates = self.rate_samples
+            broken = [s for s in self.samples if not (math.isfinite(s) and s > 0)]
+            if broken:
+                return (f"{self.name}: {len(broken)} of {len(self.samples)} rounds took "
+                        f"{', '.join(repr(s) for s in broken)} s, not a positive finite time: "
+                        f"no rate to hold to its floor {self.rate.limit:.4g} "
+                        f"{self.rate.unit}{where}")
             v = statistics.median(rates)
             if v >= self.rate.limit:
                 return None

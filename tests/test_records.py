@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tomllib
 
 import pytest
@@ -93,6 +94,19 @@ def test_nan_is_beyond_every_limit():
     assert len(found) == 2
     assert "zero.grad_max_abs_diff = nan 1" in found[0] and "ceiling 0.01" in found[0]
     assert "ratio = nan ratio" in found[1] and "floor 0.9" in found[1]
+
+
+@pytest.mark.parametrize("broken", [0.0, -1e-6, float("nan"), float("inf")])
+def test_a_broken_timer_never_beats_a_floor(broken):
+    """A round timed at zero, negative, NaN or infinite seconds has no rate: a floor fails,
+    naming it (a rate of inf from a zero time once beat every floor)."""
+    rec, _ = _recorder()
+    m = rec.record_rate("read", [0.01, broken, broken], amount=1e9, unit="GB/s", scale=1e9,
+                        floor=50.0)
+    assert all(math.isnan(r) for r in m.rate_samples[1:])
+    [v] = rec.violations()
+    assert f"read: 2 of 3 rounds took {broken!r}, {broken!r} s, not a positive finite time" in v
+    assert "floor 50 GB/s" in v
 
 
 def test_a_performance_limit_needs_three_rounds():

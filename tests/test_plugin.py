@@ -247,3 +247,35 @@ def test_recorder_limits_fail_the_test_after_recording_everything(pytester, tmp_
         "below its floor 5 GB/s ?size=1, amount=1000000000.0?; other = 3 s*ceiling 1 s*"])
     doc = json.loads((pytester.path / "res" / "benchmarks.json").read_text())
     assert len(doc["benchmarks"]) == 3  # the failing values are recorded too
+
+
+def test_a_killed_run_does_not_leave_the_previous_summary_for_aggregate(tmp_path):
+    """A run reusing a results folder sets the last run's results aside when it starts: killed
+    (SIGKILL, no results written) it leaves only its journal, and `dsconform aggregate` fails
+    the node as unfinished instead of reading last night's passing summary as this run's."""
+    import signal
+
+    from dsconform import aggregate
+
+    out = tmp_path / "results"
+    (tmp_path / "test_ok.py").write_text("def test_a(): pass\n")
+    (tmp_path / "test_killed.py").write_text(
+        "import os, signal\ndef test_a(): pass\n"
+        "def test_b(): os.kill(os.getpid(), signal.SIGKILL)\n")
+
+    def run(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", name, "-p", "fixtures.plugin", "-p",
+             "no:cacheprovider", "--rootdir", str(tmp_path), "--results", str(out), "-q"],
+            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+            text=True, timeout=120)
+
+    assert run("test_ok.py").returncode == 0
+    passed = (out / "summary.json").read_text()
+    killed = run("test_killed.py")
+    assert killed.returncode == -signal.SIGKILL, killed.stdout
+    assert not (out / "summary.json").exists() and not (out / "benchmarks.json").exists()
+    assert (out / "summary.previous.json").read_text() == passed  # set aside, not lost
+    report = aggregate.analyse(aggregate.collect([out]))
+    [node] = report.failed_nodes
+    assert "the run did not finish: no summary.json" in " ".join(node.problems), node.problems

@@ -12,7 +12,8 @@ files and classifies every difference; ``compare_report`` prints it (terminal, m
   in its run, is matched by its node id. Metrics and facts follow their test's id.
 - **Metrics** are direction-aware (``extra_info.better``: seconds up is worse) and noise-aware: a
   change counts only beyond the relative ``threshold`` and beyond three times the samples'
-  relative spread (stddev / median, the larger of the two runs), the metric's *noise band*. A
+  relative spread (stddev / median) of BASE's rounds (NEW's only where BASE has one round), the
+  metric's *noise band*. A
   metric with one round has unknown noise: only the threshold applies, and the report says so.
   A value past the limit the suite enforced is a regression however small. Timed metrics
   recorded with ``record_rate`` hold seconds in ``stats`` and the rate in ``extra_info.rate``:
@@ -380,9 +381,12 @@ def compare_measure(name: str, base: Measure, new: Measure, threshold: float) ->
     b, n, unit, better = base.value, new.value, new.unit, new.better
     if math.isnan(b) or math.isnan(n):
         return Change(NOT_COMPARABLE, name, f"not a number: {_fmt(b)} -> {_value(n, unit)}")
-    spreads = [s for s in (base.spread, new.spread) if s is not None]
     noise_known = base.spread is not None and new.spread is not None
-    band = max([threshold] + [NOISE_SIGMAS * s for s in spreads])
+    # The band is BASE's noise (the reference run): NEW's own spread must not widen the band
+    # it is held to, or a slower and noisier NEW ([300, 301, 299] -> [180, 185, 300]) would
+    # pass as "within noise". Only where BASE's noise is unknown does NEW's stand in.
+    reference = base.spread if base.spread is not None else new.spread
+    band = max(threshold, NOISE_SIGMAS * reference if reference is not None else 0.0)
     if n == b:
         rel, pct = 0.0, "+0.0%"
     elif b == 0 or math.isinf(b) or math.isinf(n):
@@ -421,12 +425,19 @@ def _with_reason(o: dict[str, Any]) -> str:
     return f"{o['outcome']}{issue}" + (f": {reason}" if reason else "")
 
 
+FAILING = ("failed", "error")
+
+
 def classify_outcome(b: str, n: str) -> str:
     """What a change of outcome means for the run under test (NEW)."""
     if b == n:
         return UNCHANGED
     if b == "passed":
         return REGRESSION  # failed, error, skipped, xfailed (broken upstream), xpassed
+    if n in FAILING and b not in FAILING:
+        # skipped -> failed (a promise now broken), xfailed -> failed (a known issue's range
+        # ended, or it fails another way now): NEW fails where BASE did not.
+        return REGRESSION
     if n == "passed":
         return IMPROVEMENT  # fixed, fixed upstream, or runs now
     if b == "xfailed" and n == "xpassed":
@@ -449,7 +460,11 @@ def compare_outcomes(base: Run, new: Run) -> list[Change]:
     for key in sorted(set(base.outcomes) | set(new.outcomes)):
         bo, no = base.outcomes.get(key), new.outcomes.get(key)
         if bo is None:
-            out.append(Change(NEW, key, _with_reason(no), OUTCOME, new=no["outcome"]))
+            # A test only NEW has is new; one that fails there is a failure of NEW all the same.
+            kind = REGRESSION if no["outcome"] in FAILING else NEW
+            detail = _with_reason(no) + (" (a test BASE did not run)" if kind == REGRESSION
+                                         else "")
+            out.append(Change(kind, key, detail, OUTCOME, new=no["outcome"]))
             continue
         if no is None:
             kind = REGRESSION if bo["outcome"] == "passed" else VANISHED

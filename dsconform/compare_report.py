@@ -182,8 +182,8 @@ def markdown(result: RunComparison) -> str:
     out = [f"# dsconform comparison: {title}", "",
            f"BASE `{result.base.label}`, NEW `{result.new.label}`. "
            f"**{verdict(result)}**; {tally(result)}. Metrics count as changed beyond "
-           f"±{result.threshold:.0%} or their noise band (three times the rounds' relative "
-           "spread), whichever is wider.", ""]
+           f"±{result.threshold:.0%} or their noise band (three times the relative "
+           "spread of BASE's rounds), whichever is wider.", ""]
     for w in _warning_lines(result):
         out += [f"> **{w}**", ""]
     for s in sections(result):

@@ -122,12 +122,22 @@ def test_rates_are_compared_as_rates_higher_is_better():
 
 
 def test_rate_noise_comes_from_the_rate_samples():
-    base = doc([rate("busbw", [0.004, 0.004, 0.004], GIB)])
     noisy = doc([rate("busbw", [0.003, 0.005, 0.008], GIB)])  # median 215 GB/s, wide spread
-    c = one(base, noisy, "busbw")
+    steady = doc([rate("busbw", [0.004, 0.004, 0.004], GIB)])
+    c = one(noisy, steady, "busbw")
     rates = [GIB / 1e9 / s for s in (0.003, 0.005, 0.008)]
     spread = statistics.stdev(rates) / statistics.median(rates)
     assert c.kind == "unchanged" and c.band == pytest.approx(3 * spread)
+
+
+def test_a_noisier_new_run_cannot_widen_its_own_band():
+    """The band is BASE's noise: NEW slower and noisier ([300, 301, 299] -> [180, 185, 300]
+    GB/s, -38%) is a regression, not "within noise" of its own spread."""
+    amount = 300e9
+    base = doc([rate("busbw", [amount / 1e9 / g for g in (300, 301, 299)], amount)])
+    new = doc([rate("busbw", [amount / 1e9 / g for g in (180, 185, 300)], amount)])
+    c = one(base, new, "busbw")
+    assert c.kind == "regression" and c.band == pytest.approx(0.10), c
 
 
 def test_rate_below_its_floor_is_a_regression():
@@ -154,8 +164,11 @@ def test_outcomes_lost_regained_new_and_vanished():
     new = doc(outcomes=[
         outcome("t.py::onebit", "skipped", "Requires: [DeepSpeed<0.19.7 (found 0.19.8)]"),
         outcome("t.py::zero", "passed"), outcome("t.py::added", "passed"),
+        outcome("t.py::added_failing", "failed", "AssertionError: new check"),
         outcome("t.py::broke", "failed", "AssertionError: boom")])
     got = {c.name: (c.kind, c.detail) for c in compare.compare(base, new).changes}
+    assert got["t.py::added_failing"] == ("regression", "failed: AssertionError: new check (a "
+                                                        "test BASE did not run)")
     assert got["t.py::onebit"] == ("regression", "passed -> skipped: Requires: [DeepSpeed<0.19.7 "
                                                  "(found 0.19.8)]")
     assert got["t.py::broke"] == ("regression", "passed -> failed: AssertionError: boom")
@@ -169,8 +182,8 @@ def test_outcomes_lost_regained_new_and_vanished():
     ("passed", "xfailed", "regression"),   # broken upstream now (a known issue)
     ("xfailed", "passed", "improvement"),  # fixed upstream
     ("xfailed", "xpassed", "improvement"),  # fixed, the registry still claims it
-    ("xfailed", "failed", "changed"),      # broken before and after
-    ("skipped", "failed", "changed"),      # did not run before
+    ("xfailed", "failed", "regression"),   # a known issue's range ended, or it fails otherwise
+    ("skipped", "failed", "regression"),   # did not run before; fails now
     ("skipped", "passed", "improvement"),
     ("failed", "error", "changed"),
     ("passed", "passed", "unchanged"),

@@ -4,8 +4,8 @@ One horizontal bar per metric: the relative change of its value from BASE to NEW
 Behind each bar a grey band spans the noise band the comparison held it to (the threshold, or
 three times the relative spread of BASE's rounds where that is wider). Regressions are red
 (and their labels bold), improvements green, changes within the band grey. Each label says
-which way is better. A change from exactly 0 (a ZeRO difference that drifts from bit-exact) or to or from
-infinity has no relative size: its bar is drawn to the edge and annotated ("from 0").
+which way is better. A change from exactly 0 (a ZeRO difference that drifts from bit-exact) or
+to or from infinity has no relative size: its bar is drawn to the edge and annotated ("from 0").
 
 matplotlib is an optional dependency (``pip install 'dsconform[plot]'``): ``require()`` says so
 in one line before any work is done.

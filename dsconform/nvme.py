@@ -61,6 +61,26 @@ UNSUITABLE_FS: dict[str, str] = {
     "squashfs": "a read-only compressed image", "iso9660": "a read-only image",
     "proc": "a kernel interface, not storage", "sysfs": "a kernel interface, not storage",
 }
+# Filesystems whose caching the page-cache checks (mincore) cannot see, or whose number would
+# describe a server: ZFS keeps data in its own ARC (and before 2.3 accepts O_DIRECT and ignores
+# it), so a write and its read-back run at memory speed with nothing resident; a network or
+# FUSE filesystem measures the network, the server or the daemon.
+_OWN_CACHE = ("caches in its own ARC, which the suite's page-cache checks cannot see (and before "
+              "ZFS 2.3 accepts O_DIRECT and ignores it): the read-back would measure memory")
+_REMOTE = ("a network filesystem: the number would describe the network and the server, not a "
+           "local NVMe device")
+_FUSE = ("a FUSE filesystem: a user-space daemon (and its cache) sits between DeepNVMe and the "
+         "disk")
+UNSUITABLE_FS.update({"zfs": _OWN_CACHE, "nfs": _REMOTE, "nfs4": _REMOTE, "cifs": _REMOTE,
+                      "smb3": _REMOTE, "9p": _REMOTE, "virtiofs": _REMOTE, "fuse": _FUSE,
+                      "fuseblk": _FUSE})
+
+
+def unsuitable(fstype: str) -> str | None:
+    """Why a DeepNVMe number on ``fstype`` would not describe a local disk, or None."""
+    if fstype.startswith("fuse."):  # fuse.sshfs, fuse.s3fs, ...
+        return _FUSE
+    return UNSUITABLE_FS.get(fstype)
 
 
 class NvmePathError(RuntimeError):
@@ -188,9 +208,10 @@ def check_path(path: str | os.PathLike[str], need_bytes: int, *, where: str) -> 
     if facts.read_only:
         raise NvmePathError(f"{where}: {facts.describe()} is read-only for this user: the suite "
                             "writes its test files there; mount it read-write or fix the path")
-    if facts.fstype in UNSUITABLE_FS:
+    why = unsuitable(facts.fstype)
+    if why:
         raise NvmePathError(f"{where}: {facts.describe()} is {facts.fstype}, "
-                            f"{UNSUITABLE_FS[facts.fstype]}; point the path at a directory on the "
+                            f"{why}; point the path at a directory on the "
                             "NVMe device's own filesystem (ext4, xfs, ...)")
     need = need_bytes + RESERVE_BYTES
     if facts.free_bytes < need:

@@ -328,10 +328,11 @@ def timed_rounds(handle: Any, settings: AioSettings, directory: Path, facts: Pat
     """``rounds`` times: write ``nbytes`` from ``memory`` to a fresh file (sync_pwrite), make
     sure none of the file is in the page cache, read it back (sync_pread), compare, remove.
 
-    Caching is ruled out three ways: DeepNVMe opens with O_DIRECT; the file is new each round
-    (nothing of it was ever read through the cache); its pages are dropped (posix_fadvise) and
-    mincore(2) must find none resident before the read. A filesystem that keeps pages anyway
-    (it ignored O_DIRECT) fails, naming it."""
+    Caching is ruled out four ways: DeepNVMe opens with O_DIRECT; mincore(2) must find none of
+    the file resident right after the write (a write that went through the cache was timed at
+    memory speed); the file is new each round (nothing of it was ever read through the cache);
+    its pages are dropped (posix_fadvise) and mincore must find none resident before the read.
+    A filesystem that keeps pages anyway (it ignored O_DIRECT) fails, naming it."""
     import torch
     out = Rounds(nbytes=nbytes, memory=memory, settings=settings.block())
     src = new_buffer(handle, nbytes, memory, kind=kind)
@@ -348,7 +349,14 @@ def timed_rounds(handle: Any, settings: AioSettings, directory: Path, facts: Pat
                 size = path.stat().st_size
                 if size != nbytes:
                     raise NvmeIOError(f"sync_pwrite of {nbytes} bytes left {size} in {path}")
-                out.resident_after_write.append(resident_fraction(path))
+                written = resident_fraction(path)
+                out.resident_after_write.append(written)
+                if written > 0:
+                    raise NvmeIOError(
+                        f"{facts.describe()}: {written:.0%} of a file just written with O_DIRECT "
+                        "is in the page cache: the write went through the cache (the "
+                        f"filesystem, {facts.fstype}, ignored O_DIRECT), so its time would be "
+                        "memory's, not the disk's")
                 drop_page_cache(path)
                 cached = resident_fraction(path)
                 out.resident_before_read.append(cached)

@@ -93,6 +93,26 @@ def test_overlay_path_fails_naming_it(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("fstype, source, why", [
+    ("zfs", "tank/nvme", "caches in its own ARC"),
+    ("nfs4", "server:/export", "a network filesystem"),
+    ("fuse.sshfs", "host:/dir", "a FUSE filesystem"),
+    ("fuseblk", "/dev/nvme0n1p1", "a FUSE filesystem"),
+])
+def test_filesystems_that_cache_or_measure_elsewhere_fail(fstype, source, why, tmp_path,
+                                                          monkeypatch):
+    """ZFS's ARC is invisible to mincore (the read-back would be memory's); a network or FUSE
+    filesystem measures a server or a daemon: none describes a local NVMe device."""
+    st = os.stat(tmp_path)
+    text = (f"1 0 {os.major(st.st_dev)}:{os.minor(st.st_dev)} / / rw - {fstype} {source} "
+            "rw\n")
+    real = nvme.mount_of
+    monkeypatch.setattr(nvme, "mount_of", lambda p: real(p, nvme.parse_mountinfo(text)))
+    with pytest.raises(nvme.NvmePathError, match=f"is {fstype}, {why}"):
+        nvme.check_path(tmp_path, MIB, where="w")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_missing_path_fails_naming_entry(tmp_path):
     with pytest.raises(nvme.NvmePathError, match=r"^x\.toml nvme\.paths\[0\]: .*/nope: does "
                                                  r"not exist: create it"):

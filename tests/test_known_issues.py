@@ -112,6 +112,13 @@ def test_only_the_issues_own_failure_counts_as_it():
     assert not ki.expects(RankTimeout("ranks still running after 300 s: " + seen))
     assert not ki.expects(AssertionError("first diverging step 3: loss not finite (nan)"))
     assert not ki.expects(RuntimeError(seen))
+    # An applied step 1/loss_scale as far: the named groups hold gain x scale to 1 (1xH200's
+    # floor scaler starts at 4: 0.25x); the same words with another gain are not this issue.
+    step = "rank 0 (FP16_UnfusedOptimizer), step 0 (scale {}): moved the fp32 masters {}x as far"
+    assert ki.expects(AssertionError(step.format(4, 0.25)))
+    assert ki.expects(AssertionError(step.format(256, 0.003907)))
+    assert not ki.expects(AssertionError(step.format(256, 0.5)))
+    assert not ki.expects(AssertionError(step.format(4, 0.82)))
     out = known_issues.expected_failure([ki], AssertionError(seen))
     assert isinstance(out, known_issues.KnownIssueFailure) and "DS-8393" in str(out)
     out = known_issues.expected_failure([ki], RankError("rank 1 of 2 died (signal 11)"))

@@ -7,6 +7,6 @@
 set -uo pipefail
 here=results/reference/h200-x1/hardening-2026-12-01
 DS=0.19.8 source results/reference/lib.sh || exit 1
-part nvme 200 suites/test_deepnvme.py -m gpu --profile "$here/h200-x1-nvme.toml" -k "not gds"
+part nvme 280 suites/test_deepnvme.py -m gpu --profile "$here/h200-x1-nvme.toml" -k "not gds"
 part z0steps 150 suites/test_loss_scaling.py -m gpu --nightly -k "applied_steps and z0"
 pack

@@ -350,3 +350,23 @@ def test_comparison_for_a_damaged_good_checkpoint_fails(tmp_path):
         cmp.extend(compare_states(loaded["loaded"], saved["good"], EXACT,
                                   where=f"rank {saved['rank']}"))
     assert not cmp.ok and len(cmp.failures) >= 1, cmp.report()
+
+
+def test_only_a_refusal_inside_load_checkpoint_is_the_stage_change_limitation():
+    """CKPT-STAGE-1's unsupported pairs are strict xfails that only the documented refusal
+    satisfies: a rank that died, or an error outside load_checkpoint, still fails."""
+    from dsconform.dist import RankError
+    from suites.test_checkpoint import refused_on_load
+
+    load = 'File "deepspeed/runtime/engine.py", line 4447, in load_checkpoint\n'
+    save = 'File "deepspeed/runtime/engine.py", line 3900, in save_checkpoint\n'
+    assert refused_on_load(RankError("rank 0 of 2 raised AssertionError: ",
+                                     remote_traceback=load))
+    assert refused_on_load(RankError("rank 1 of 2 raised FileNotFoundError: x", exc_type="x",
+                                     remote_traceback=load))
+    assert not refused_on_load(RankError("rank 0 of 2 raised AssertionError: ",
+                                         remote_traceback=save))
+    assert not refused_on_load(RankError("rank 1 of 2 died (signal 9) while running the call",
+                                         remote_traceback=""))
+    assert not refused_on_load(RankError("rank 0 of 2 raised RuntimeError: CUDA error",
+                                         remote_traceback=load))

@@ -215,6 +215,23 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "fp16 and keeps the dtype; a CPU with AVX512-FP16/AMX would too (this case then "
              "passes: narrow the entry). 0.19.6 has the same lines (not run)",
     ),
+    KnownIssue(
+        id="DS-Z3-LOAD-MODULE-ONLY",
+        title="ZeRO-3 load_checkpoint(load_module_only=True) returns the checkpoint's path but "
+              "loads no weights: the engine keeps its own (engine.py skips "
+              "_load_zero_checkpoint and calls _restore_from_bit16_weights)",
+        deepspeed=">=0.19.6,<=0.19.8",
+        # Found by this suite; no upstream issue names it yet: the link is the code at fault.
+        link="https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/"
+             "engine.py#L4455-L4467",
+        cases=("test_checkpoint.py::test_partial_load[*-module_only-3-*]",),
+        failure=(r"load_checkpoint\(load_module_only=True\) \(rank \d+\): module must be the "
+                 r"saved engine's \(it holds the fresh values\)"),
+        seen="CPU machine, DeepSpeed 0.19.6 and 0.19.8: after the load every ZeRO-3 module "
+             "weight is the fresh engine's (fc1.bias max abs diff 0.52 from the saved one), fp32 "
+             "and bf16; stages 1-2 load the weights. Kept in the suite as its own strict xfail "
+             "until 2026-12-01, when it moved here",
+    ),
     # The 1-bit optimizers were removed in 0.19.7 (PR #8490): nothing will be fixed upstream.
     KnownIssue(
         id="DS-ONEBIT-RESUME-LOCAL-STEP",

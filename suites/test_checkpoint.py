@@ -297,34 +297,9 @@ def check_partial(results: list[dict], mode: str, tol) -> list[str]:
 # Found by this suite, no upstream report yet: ZeRO-3's model-states files hold placeholders,
 # not weights, and load_module_only=True skips the ZeRO shards that hold them, then restores
 # the fp32 masters from the engine's own (fresh) bf16/fp32 weights: nothing is loaded, no error.
-Z3_MODULE_ONLY = (
-    "DeepSpeed {verified} defect (found by this suite, not yet reported upstream): ZeRO-3 "
-    "load_checkpoint(load_module_only=True) returns the checkpoint's path but loads no weights "
-    "(the engine keeps its own; engine.py skips _load_zero_checkpoint and calls "
-    "_restore_from_bit16_weights). If this passes, it is fixed: drop the mark")
-Z3_MODULE_ONLY_VERIFIED = ">=0.19.6,<=0.19.8"  # seen on 0.19.6 and 0.19.8 (CPU machine)
-
-
-def _partial_marks(params: list) -> list:
-    import deepspeed
-
-    affected = versions.parse(deepspeed.__version__) in versions.specifier(
-        Z3_MODULE_ONLY_VERIFIED)
-    out = []
-    for p in params:
-        accel, mode, case = p.values
-        marks = list(p.marks)
-        if affected and mode == "module_only" and case.stage == 3:
-            marks.append(pytest.mark.xfail(strict=True, raises=AssertionError,
-                                           reason=Z3_MODULE_ONLY.format(
-                                               verified=Z3_MODULE_ONLY_VERIFIED)))
-        out.append(pytest.param(accel, mode, case, id=p.id, marks=marks))
-    return out
-
-
-@pytest.mark.parametrize("accelerator, mode, case", _partial_marks(_params(
+@pytest.mark.parametrize("accelerator, mode, case", _params(
     PARTIAL_CELLS, cpu_tier=PARTIAL_CPU_TIER, gpu_tier=PARTIAL_GPU_TIER,
-    prefix=lambda c: (c["mode"],), build=lambda c: CkptCase(stage=c["stage"], dtype=c["dtype"]))))
+    prefix=lambda c: (c["mode"],), build=lambda c: CkptCase(stage=c["stage"], dtype=c["dtype"])))
 @batched(lambda params, workdir, run: RankCall(
     ranks.partial_load, params["case"].world_size, _timeout(params["case"]),
     args=(params["case"], ckpt_dir(workdir, params["case"]), params["mode"]),

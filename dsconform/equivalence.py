@@ -31,7 +31,8 @@ from dsconform.tolerances import Tol
 
 # Within one step the gradient is computed before the update that moves the parameters. A
 # "state" (compare_states: a checkpointed leaf) has no order of its own within a step.
-_ORDER = {"loss": 0, "grad": 1, "param": 2, "update": 3, "gain": 4, "state": 5}
+_ORDER = {"loss": 0, "grad": 1, "param": 2, "update": 3, "gain": 4, "tensor_gain": 5,
+          "state": 6}
 WHOLE = "all parameters"  # the name of the whole-update quantities
 
 
@@ -56,6 +57,10 @@ class Difference:
         if self.quantity == "gain":
             return (f"step {self.step}, gain of {self.name}{at}: the update is {self.value:.4g}x "
                     f"the reference's (<delta, delta_ref> / |delta_ref|^2)")
+        if self.quantity == "tensor_gain":
+            return (f"step {self.step}, gain of '{self.name}'{at}: its update is "
+                    f"{self.value:.4g}x the reference's (<delta, delta_ref> / |delta_ref|^2 over "
+                    f"this tensor)")
         what = "loss" if self.quantity == "loss" else f"{self.quantity} of '{self.name}'"
         return (f"step {self.step}, {what}{at}: max abs diff {self.max_abs:.3g}, "
                 f"max rel diff {self.max_rel:.3g}")
@@ -235,7 +240,7 @@ def _whole_update(cmp: Comparison, sides: Mapping[str, Mapping[str, Any]],
             cmp.problems.append(f"the {side} trace has no initial value of {missing[:5]}{at}")
             return
     names = [n for n in params["reference"] if n in params["candidate"]]
-    deltas = {}
+    deltas, per_tensor = {}, {}
     for side in _SIDES:
         parts = []
         for n in names:
@@ -250,6 +255,7 @@ def _whole_update(cmp: Comparison, sides: Mapping[str, Mapping[str, Any]],
             parts.append((final.detach().to("cpu", torch.float64)
                           - init.detach().to("cpu", torch.float64)).flatten())
         deltas[side] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        per_tensor[side] = parts
     a, b = deltas["candidate"], deltas["reference"]
     if a.shape != b.shape:
         cmp.problems.append(f"update{at}: {a.numel()} elements in the candidate, {b.numel()} in "
@@ -273,6 +279,15 @@ def _whole_update(cmp: Comparison, sides: Mapping[str, Mapping[str, Any]],
         dev = abs(gain - 1.0)
         cmp.differences.append(Difference("gain", step, WHOLE, where, dev, dev,
                                           dev <= tol.gain, b.numel(), value=gain))
+    if tol.tensor_gain is not None:
+        for n, ta, tb in zip(names, per_tensor["candidate"], per_tensor["reference"]):
+            sq = float((tb * tb).sum())
+            if sq == 0.0:
+                continue  # a tensor the reference did not move: the whole update judges it
+            g = float((ta * tb).sum()) / sq
+            dev = abs(g - 1.0)
+            cmp.differences.append(Difference("tensor_gain", step, n, where, dev, dev,
+                                              dev <= tol.tensor_gain, tb.numel(), value=g))
 
 
 def compare_update(before: Mapping[str, torch.Tensor], after: Mapping[str, torch.Tensor],

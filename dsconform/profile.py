@@ -385,7 +385,7 @@ def _check_tolerances(tol: Mapping[str, Any], src: str) -> list[str]:
         from dsconform.tolerances import known_tolerance_keys
         known = set(known_tolerance_keys())
     except ImportError:
-        known, fields = None, ("rtol", "atol", "update", "gain", "why")
+        known, fields = None, ("rtol", "atol", "update", "gain", "tensor_gain", "why")
     for key, val in tol.items():
         where = f"{src}: tolerances.{key}"
         if known is not None and key not in known:

@@ -204,6 +204,9 @@ def record(metrics, cmp: Comparison, case: ZeroCase, accelerator: str) -> None:
     if cmp.tol.gain is not None:
         metrics.record("zero.update_gain_dev", cmp.worst("gain")[0], unit="1", better="lower",
                        **params)
+    if cmp.tol.tensor_gain is not None:  # the same gain, per parameter tensor
+        metrics.record("zero.tensor_gain_dev", cmp.worst("tensor_gain")[0], unit="1",
+                       better="lower", **params)
 
 
 def _plan(params: dict, workdir, run) -> RankCall:

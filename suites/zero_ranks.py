@@ -278,9 +278,17 @@ def layout_problems(engine: Any, case: ZeroCase) -> list[str]:
     return problems
 
 
+def _scale_gradient(engine: Any, name: str, factor: float) -> None:
+    """Fault injection for the suite's own red test: one parameter's gradient times ``factor``
+    on the DeepSpeed side (a tensor hook on that parameter of this engine only)."""
+    param = dict(engine.module.named_parameters())[name]
+    param.register_hook(lambda grad: grad * factor)
+
+
 def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
                      perturb: float, perturb_from_step: int,
-                     inspect: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+                     inspect: Callable[[Any], Any] | None = None,
+                     grad_factor: tuple[str, float] | None = None) -> dict[str, Any]:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
@@ -293,6 +301,8 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
         layout = layout_problems(engine, case)
         if perturb != 1.0:
             _perturb_backward(engine, perturb, perturb_from_step)
+        if grad_factor is not None:
+            _scale_gradient(engine, *grad_factor)
         dtype = _TORCH_DTYPES[case.dtype]
         # safe_get_full_grad returns the gradient as it sits before the optimizer step: with fp16
         # still multiplied by the loss scale.
@@ -334,13 +344,15 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
 
 def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0, perturb_from_step: int = 0,
                        inspect: Callable[[Any], Any] | None = None,
-                       lr_factor: float = 1.0) -> dict[str, Any]:
+                       lr_factor: float = 1.0,
+                       grad_factor: tuple[str, float] | None = None) -> dict[str, Any]:
     """Rank entry point: DDP trace and DeepSpeed trace of the same run on this rank.
 
     Both traces carry ``init``, the parameters both trainers start from (the whole-update
     check, ``dsconform.tolerances.Tol.update``).
     ``perturb`` != 1 injects a fault into DeepSpeed's side only (see ``_perturb_backward``);
-    so does ``lr_factor`` != 1 (DeepSpeed's optimizer gets ``case.lr * lr_factor``).
+    so does ``lr_factor`` != 1 (DeepSpeed's optimizer gets ``case.lr * lr_factor``), and
+    ``grad_factor`` = (name, f) (that parameter's gradient times f, see ``_scale_gradient``).
     ``inspect(engine)`` (a module-level function) runs after the last step; what it returns is
     the DeepSpeed trace's ``inspected``.
     """
@@ -366,7 +378,7 @@ def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0, perturb_from_step: 
     try:
         ddp = _train_ddp(reference_model, case, data, dev)
         ds = _train_deepspeed(model.to(dev), ds_case, data, dev, perturb, perturb_from_step,
-                              inspect)
+                              inspect, grad_factor)
     finally:
         gc.collect()
     ddp["init"] = ds["init"] = init

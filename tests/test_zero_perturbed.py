@@ -137,3 +137,20 @@ def test_layout_check_sees_what_the_engine_built(asked, built, expected):
         text = "\n".join(problems)
         assert all(e in text for e in expected), text
         assert bool(problems) == bool(expected), text
+
+
+def test_one_layers_gradient_off_fails_its_tensor_gain():
+    """bf16 SGD with fc1.weight's gradient 10% low on the DeepSpeed side: the whole model's gain
+    stays inside its bound (the larger layers dominate it), the per-tensor gain names fc1.weight.
+    The same run without the fault passes (test_bf16_control_passes_with_its_gain_near_one)."""
+    case = ZeroCase(stage=2, dtype="bf16", optimizer="sgd", grad_accum=1, world_size=2)
+    results = run_ranks(train_zero_and_ddp, 2, timeout_s=180, args=(case,),
+                        kwargs={"grad_factor": ("fc1.weight", 0.9)}, accelerator="cpu")
+    cmp = compare_rank_results(results, tolerance("zero", "bf16", "sgd", accelerator="cpu"),
+                               label=case.id)
+    assert not cmp.ok
+    whole = [d for d in cmp.differences if d.quantity == "gain"]
+    assert whole and all(d.within for d in whole), cmp.report()  # what the model-wide gain saw
+    failed = {(d.name, d.where) for d in cmp.failures if d.quantity == "tensor_gain"}
+    assert failed == {("fc1.weight", "rank 0"), ("fc1.weight", "rank 1")}, cmp.report()
+    assert "gain of 'fc1.weight' (rank 0): its update is 0.898" in cmp.report()

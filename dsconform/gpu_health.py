@@ -27,7 +27,8 @@ from typing import Any
 __all__ = [
     "DEFAULT_STRAGGLER_PCT", "MIN_WAIT_CHECK_SECONDS", "SLOWDOWN_REASONS", "GpuIdentity",
     "canonical_bus_id", "identify", "matmul_flops", "pct_of_peer_median",
-    "read_clock_event_reasons", "slowdown_problems", "straggler_pct", "waited_for_pct",
+    "read_clock_event_reasons", "slowdown_problems", "slowdowns_under_load", "straggler_pct",
+    "waited_for_pct",
 ]
 
 #: Used when the profile does not set ``[gpus] straggler_pct``: loose enough that a healthy node
@@ -63,6 +64,19 @@ def slowdown_problems(reasons_by_gpu: Sequence[tuple[int, str | None, int]]) -> 
         found = [why for bit, why in SLOWDOWN_REASONS.items() if mask & bit]
         if found:
             out.append(f"GPU {index} (PCI {bus}): {'; '.join(found)} (reasons mask {mask:#x})")
+    return out
+
+
+def slowdowns_under_load(results: Sequence[Mapping[str, Any]], ids: Sequence[GpuIdentity],
+                         what: str) -> list[str]:
+    """One line per GPU whose clock event reasons, read while ``what`` ran on it
+    (suites/collective_ranks.py ClockEvents: ``clock_events_mask``), include a slowdown."""
+    out = []
+    for res, ident in zip(results, ids):
+        mask = res.get("clock_events_mask")
+        if mask:
+            out += [f"{line} while {what} ran ({res.get('clock_event_samples')} readings)"
+                    for line in slowdown_problems([(ident.gpu, ident.bus_id, int(mask))])]
     return out
 
 

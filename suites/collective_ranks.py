@@ -11,6 +11,7 @@ tests (tests/test_collectives_*.py), off by default:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -314,6 +315,76 @@ def measure_pairs(nbytes: int, iters: int, rounds: int = 3, warmup: int = 3,
 
 # ------------------------------------------------------------------ compute
 
+class ClockEvents:
+    """While the ``with`` block runs, a thread reads this rank's GPU's NVML clock event reasons
+    every ``every_s`` and ORs them (dsconform/gpu_health.py SLOWDOWN_REASONS names the faults):
+    a thermal or power-brake slowdown that sets in under load, which an idle reading at profile
+    time (PROF-GPU-6) cannot see. ``mask`` stays None where NVML or the GPU's bus id is
+    missing (``why`` says which)."""
+
+    def __init__(self, bus_id: str | None, every_s: float = 0.02) -> None:
+        self.bus_id, self.every_s = bus_id, every_s
+        self.mask: int | None = None
+        self.samples = 0
+        self.why = ""
+        self._stop = None
+        self._thread = None
+        self._nvml = None
+
+    def __enter__(self) -> ClockEvents:
+        import threading
+
+        from dsconform.gpu_health import canonical_bus_id
+
+        if self.bus_id is None:
+            self.why = "no PCI bus id for this rank's device"
+            return self
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as e:  # noqa: BLE001 - NVML missing: say so, do not fail the rank
+            self.why = f"NVML unavailable: {e}"
+            return self
+        self._nvml = pynvml
+        handle = None
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            bus = pynvml.nvmlDeviceGetPciInfo(h).busId
+            if canonical_bus_id(bus.decode() if isinstance(bus, bytes) else bus) == \
+                    canonical_bus_id(self.bus_id):
+                handle = h
+        if handle is None:
+            self.why = f"NVML lists no GPU at {self.bus_id}"
+            return self
+        read = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+        self.mask = 0
+        self._stop = threading.Event()
+
+        def poll() -> None:
+            while True:
+                self.mask |= int(read(handle))
+                self.samples += 1
+                if self._stop.wait(self.every_s):
+                    return
+
+        self._thread = threading.Thread(target=poll, name="clock-events", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+
+    def result(self) -> dict[str, Any]:
+        return {"clock_events_mask": self.mask, "clock_event_samples": self.samples,
+                "clock_events_why": self.why}
+
+
 def matmul_seconds(dtype: str, size: int, iters: int, rounds: int = 3, warmup: int = 10,
                    delay_rank: int | None = None, delay_s: float = 0.0) -> dict[str, Any]:
     """Dense (size x size) @ (size x size) products in ``dtype`` on this rank's device, all
@@ -329,15 +400,57 @@ def matmul_seconds(dtype: str, size: int, iters: int, rounds: int = 3, warmup: i
     _sync(dev)
     late = delay_s if rank() == delay_rank else 0.0
     seconds = []
-    for _ in range(rounds):
-        dist.barrier()
-        _sync(dev)
-        start = time.perf_counter()
-        if late:
-            time.sleep(late)
-        for _ in range(iters):
-            torch.matmul(a, b, out=c)
-        _sync(dev)
-        seconds.append((time.perf_counter() - start) / iters)
+    me = identity()
+    with ClockEvents(me["bus_id"]) as events:
+        for _ in range(rounds):
+            dist.barrier()
+            _sync(dev)
+            start = time.perf_counter()
+            if late:
+                time.sleep(late)
+            for _ in range(iters):
+                torch.matmul(a, b, out=c)
+            _sync(dev)
+            seconds.append((time.perf_counter() - start) / iters)
     del a, b, c
-    return {"identity": identity(), "seconds": seconds, "size": size, "iters": iters}
+    return {"identity": me, "seconds": seconds, "size": size, "iters": iters,
+            **events.result()}
+
+
+def matmul_sustained(dtype: str, size: int, seconds: float, window_s: float = 1.0,
+                     throttle_rank: int | None = None, throttle_after: float = 0.5
+                     ) -> dict[str, Any]:
+    """Dense products back to back for ``seconds`` on every rank at once (a training step's
+    load, long enough for the GPU to heat up): seconds per product in each ``window_s``
+    window, and the clock event reasons seen meanwhile. ``throttle_rank`` (the project's red
+    test) makes that rank run half as fast once ``throttle_after`` of the time has passed."""
+    dev = device()
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device=dev).manual_seed(4321 + rank())
+    a = torch.randn(size, size, generator=gen, device=dev).to(dt)
+    b = torch.randn(size, size, generator=gen, device=dev).to(dt)
+    c = torch.empty(size, size, dtype=dt, device=dev)
+    for _ in range(10):
+        torch.matmul(a, b, out=c)
+    _sync(dev)
+    me = identity()
+    windows: list[float] = []
+    dist.barrier()
+    with ClockEvents(me["bus_id"]) as events:
+        begin = time.perf_counter()
+        end = begin + seconds
+        hot = begin + throttle_after * seconds if rank() == throttle_rank else math.inf
+        while time.perf_counter() < end:
+            start, n = time.perf_counter(), 0
+            while time.perf_counter() - start < window_s:
+                t0 = time.perf_counter()
+                for _ in range(8):
+                    torch.matmul(a, b, out=c)
+                n += 8
+                _sync(dev)
+                if t0 >= hot:  # the fault: as long again
+                    time.sleep(time.perf_counter() - t0)
+            windows.append((time.perf_counter() - start) / n)
+    del a, b, c
+    return {"identity": me, "windows": windows, "size": size, "window_s": window_s,
+            **events.result()}

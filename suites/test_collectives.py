@@ -27,8 +27,12 @@ GPU, link or rank of the node MUST lag its peers.
   send/recv) and every GPU's dense bf16 and fp16 matmul TFLOPS MUST be within straggler_pct
   percent of the median of its peers, and the matmul MUST reach the profile's
   ``matmul_bf16_tflops`` / ``matmul_fp16_tflops`` floors (TFLOPS = 1e12 flop/s, 8192^3
-  products). Failures name the GPU by nvidia-smi index and PCI bus id
-  (dsconform/gpu_health.py). A node can meet every floor with one bad GPU; these catch it.
+  products), with no thermal or power-brake slowdown (NVML clock event reasons, read every
+  20 ms while the matmul runs). GPU-MATMUL-2 (nightly): SUSTAIN_S of matmul on every GPU at
+  once; the last quarter MUST run at least (100 - straggler_pct)% of the first quarter's speed,
+  each window's median at the floor, no slowdown meanwhile (a GPU that throttles once hot).
+  Failures name the GPU by nvidia-smi index and PCI bus id (dsconform/gpu_health.py). A node
+  can meet every floor with one bad GPU; these catch it.
 - Cross-check (COLL-XCHECK-1). Where nccl-tests' ``all_reduce_perf`` is on PATH, our all_reduce
   busbw MUST be at least 90% of its number at every all_reduce floor size; the ratio is
   recorded.
@@ -291,6 +295,52 @@ def test_matmul_tflops(dtype: str, node, profile, metrics):
     floor = {"bf16": profile.matmul_bf16_tflops, "fp16": profile.matmul_fp16_tflops}[dtype]
     record_matmul(metrics, dtype, results, ids, floor,
                   gpu_health.straggler_pct(profile.straggler_pct), world_size=n)
+    slow = gpu_health.slowdowns_under_load(results, ids, f"the {dtype} matmul")
+    assert not slow, "a GPU slowed down under load:\n  " + "\n  ".join(slow)
+
+
+SUSTAIN_S = 30.0  # long enough for a GPU with poor cooling to heat up and throttle
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.benchmark
+@pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=requires(min_gpus=1, bf16=True)),
+                                   pytest.param("fp16", marks=requires(min_gpus=1, fp16=True))])
+def test_matmul_sustained(dtype: str, node, profile, metrics):
+    """GPU-MATMUL-2: every GPU MUST hold its matmul speed under SUSTAIN_S of load: the last
+    quarter's TFLOPS at least (100 - straggler_pct)% of the first quarter's, every window's
+    median at the floor, and no thermal or power-brake slowdown meanwhile."""
+    n = _world("cuda")
+    results = run_ranks(collective_ranks.matmul_sustained, n, timeout_s=TIMEOUT_S,
+                        args=(dtype, MATMUL_SIZE, SUSTAIN_S), accelerator="cuda")
+    ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
+    floor = {"bf16": profile.matmul_bf16_tflops, "fp16": profile.matmul_fp16_tflops}[dtype]
+    record_sustained(metrics, dtype, results, ids, floor,
+                     gpu_health.straggler_pct(profile.straggler_pct), sustain_s=SUSTAIN_S,
+                     world_size=n)
+    slow = gpu_health.slowdowns_under_load(results, ids, f"{SUSTAIN_S:g} s of {dtype} matmul")
+    assert not slow, "a GPU slowed down under load:\n  " + "\n  ".join(slow)
+
+
+def record_sustained(metrics, dtype: str, results: list[dict[str, Any]],
+                     ids: list[gpu_health.GpuIdentity], floor: float | None,
+                     straggler_pct: float, **params: Any) -> None:
+    """Each GPU's TFLOPS per window (median held to ``floor``) and its last quarter's speed as a
+    percentage of its first quarter's (held to 100 - straggler_pct), by the recorder."""
+    size = results[0]["size"]
+    flops = gpu_health.matmul_flops(size, size, size)
+    for res, ident in zip(results, ids):
+        where = {"who": ident.label, **ident.params(), **params, "m": size,
+                 "window_s": res["window_s"]}
+        windows = res["windows"]
+        metrics.record_rate(f"matmul.{dtype}.sustained", windows, amount=flops, unit="TFLOPS",
+                            scale=TFLOPS, floor=floor, **where)
+        quarter = max(1, len(windows) // 4)
+        first = statistics.median(windows[:quarter])
+        last = statistics.median(windows[-quarter:])
+        metrics.record(f"matmul.{dtype}.sustained_pct_of_start", 100.0 * first / last,
+                       unit="%", better="higher", limit=100.0 - straggler_pct, **where)
 
 
 # ------------------------------------------------------------------ cross-check

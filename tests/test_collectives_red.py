@@ -191,3 +191,32 @@ def test_busbw_floor_far_above_the_machine_fails_through_the_recorder(pytester, 
     result.stdout.fnmatch_lines([
         "*recorded beyond its limit: all_reduce.busbw = * GB/s (median of 3 rounds: *) is "
         "below its floor 1e+06 GB/s [[]bytes=1048576, world_size=2, amount=1048576.0[]]*"])
+
+
+def test_a_gpu_that_slows_down_under_sustained_load_fails():
+    """GPU-MATMUL-2's check on real (gloo, CPU) matmuls: a rank that runs half as fast in the
+    second half MUST fail its sustained_pct_of_start, naming it; the other rank passes."""
+    from suites.test_collectives import record_sustained
+
+    results = run_ranks(collective_ranks.matmul_sustained, WORLD, timeout_s=300,
+                        args=("fp32", 128, 2.0), kwargs={"window_s": 0.1, "throttle_rank": 1},
+                        accelerator="cpu")
+    ids = gpu_health.identify([r["identity"] for r in results])
+    metrics = _recorder()
+    record_sustained(metrics, "fp32", results, ids, None, PCT, sustain_s=2.0, world_size=WORLD)
+    found = metrics.violations()
+    assert len(found) == 1 and found[0].startswith("matmul.fp32.sustained_pct_of_start"), found
+    assert "who=rank 1 (cpu)" in found[0] and "beyond its floor 80 %" in found[0], found
+
+
+def test_slowdown_reasons_read_under_load_are_named():
+    """What ClockEvents read while the matmul ran: a thermal or power-brake bit names the GPU;
+    a software power cap (the usual state of a GPU at full load) or idle does not."""
+    ids = [gpu_health.GpuIdentity(rank=0, device="cuda:0", bus_id="0000:06:00.0", gpu=0),
+           gpu_health.GpuIdentity(rank=1, device="cuda:1", bus_id="0000:07:00.0", gpu=1)]
+    results = [{"clock_events_mask": 0x40 | 0x4, "clock_event_samples": 12},
+               {"clock_events_mask": 0x4 | 0x1, "clock_event_samples": 12}]
+    [line] = gpu_health.slowdowns_under_load(results, ids, "the bf16 matmul")
+    assert line.startswith("GPU 0 (PCI 0000:06:00.0): hardware thermal slowdown")
+    assert line.endswith("while the bf16 matmul ran (12 readings)")
+    assert gpu_health.slowdowns_under_load([{"clock_events_mask": None}], ids[:1], "x") == []

@@ -28,7 +28,7 @@ __all__ = [
     "DEFAULT_STRAGGLER_PCT", "MIN_WAIT_CHECK_SECONDS", "SLOWDOWN_REASONS", "GpuIdentity",
     "canonical_bus_id", "identify", "matmul_flops", "pct_of_peer_median",
     "read_clock_event_reasons", "slowdown_problems", "slowdowns_under_load", "straggler_pct",
-    "waited_for_pct",
+    "unread_clock_events", "waited_for_pct",
 ]
 
 #: Used when the profile does not set ``[gpus] straggler_pct``: loose enough that a healthy node
@@ -78,6 +78,15 @@ def slowdowns_under_load(results: Sequence[Mapping[str, Any]], ids: Sequence[Gpu
             out += [f"{line} while {what} ran ({res.get('clock_event_samples')} readings)"
                     for line in slowdown_problems([(ident.gpu, ident.bus_id, int(mask))])]
     return out
+
+
+def unread_clock_events(results: Sequence[Mapping[str, Any]],
+                        ids: Sequence[GpuIdentity]) -> list[str]:
+    """One line per GPU whose clock event reasons could not be read under load (NVML missing
+    or refusing, no bus id): without them the slowdown check would pass unseen."""
+    return [f"{ident.label}: {res.get('clock_events_why') or 'not read'}"
+            for res, ident in zip(results, ids)
+            if res.get("clock_events_mask") is None or not res.get("clock_event_samples")]
 
 
 def read_clock_event_reasons() -> list[tuple[int, str | None, int]]:

@@ -295,7 +295,17 @@ def test_matmul_tflops(dtype: str, node, profile, metrics):
     floor = {"bf16": profile.matmul_bf16_tflops, "fp16": profile.matmul_fp16_tflops}[dtype]
     record_matmul(metrics, dtype, results, ids, floor,
                   gpu_health.straggler_pct(profile.straggler_pct), world_size=n)
-    slow = gpu_health.slowdowns_under_load(results, ids, f"the {dtype} matmul")
+    _no_slowdown(results, ids, f"the {dtype} matmul")
+
+
+def _no_slowdown(results: list[dict[str, Any]], ids: list[gpu_health.GpuIdentity],
+                 what: str) -> None:
+    """The clock event reasons read while ``what`` ran: each GPU's were read (else the check
+    could not fail), and none shows a thermal or power-brake slowdown."""
+    unread = gpu_health.unread_clock_events(results, ids)
+    assert not unread, ("cannot read the clock event reasons under load from NVML:\n  "
+                        + "\n  ".join(unread))
+    slow = gpu_health.slowdowns_under_load(results, ids, what)
     assert not slow, "a GPU slowed down under load:\n  " + "\n  ".join(slow)
 
 
@@ -319,8 +329,7 @@ def test_matmul_sustained(dtype: str, node, profile, metrics):
     record_sustained(metrics, dtype, results, ids, floor,
                      gpu_health.straggler_pct(profile.straggler_pct), sustain_s=SUSTAIN_S,
                      world_size=n)
-    slow = gpu_health.slowdowns_under_load(results, ids, f"{SUSTAIN_S:g} s of {dtype} matmul")
-    assert not slow, "a GPU slowed down under load:\n  " + "\n  ".join(slow)
+    _no_slowdown(results, ids, f"{SUSTAIN_S:g} s of {dtype} matmul")
 
 
 def record_sustained(metrics, dtype: str, results: list[dict[str, Any]],

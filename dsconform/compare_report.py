@@ -121,9 +121,14 @@ def verdict(result: RunComparison) -> str:
 def tally(result: RunComparison) -> str:
     metrics = result.of(UNCHANGED, METRIC)
     unknown = sum(1 for c in metrics if not c.noise_known)
+    incomparable = len(result.of(NOT_COMPARABLE))
+    # Metrics whose parameters or units differ were not compared: say how many, so a change of
+    # parameters (a tolerance override, another world size) cannot hide a metric silently.
     return (f"unchanged: {len(metrics)} metrics within their noise band ({unknown} of them with "
             f"unknown noise: one round), {len(result.of(UNCHANGED, OUTCOME))} outcomes, "
-            f"{len(result.of(UNCHANGED, FACT))} facts")
+            f"{len(result.of(UNCHANGED, FACT))} facts"
+            + (f"; NOT COMPARED: {incomparable} metrics (see 'Not comparable')"
+               if incomparable else ""))
 
 
 def _warning_lines(result: RunComparison) -> list[str]:

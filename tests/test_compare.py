@@ -94,6 +94,11 @@ def test_differing_parameters_are_not_comparable_and_named():
     new = doc([metric("bw", [300.0], "GB/s", "higher", bytes=2**32)])
     c = one(base, new, "bw")
     assert c.kind == "not comparable" and "bytes 1073741824 -> 4294967296" in c.detail
+    # ...and the summary line counts it: a parameter change cannot hide a metric silently.
+    from dsconform.compare_report import tally
+
+    assert tally(compare.compare(base, new)).endswith(
+        "; NOT COMPARED: 1 metrics (see 'Not comparable')")
 
 
 def test_infinite_and_nan_values_do_not_break_the_comparison():

@@ -321,6 +321,15 @@ class Rounds:
         return [self.nbytes / s / 1e9 for s in getattr(self, f"{op}_s")]
 
 
+def _uncached(path: Path, record: list[float], facts: PathFacts, what: str) -> None:
+    """Append the share of ``path`` resident in the page cache to ``record``; any of it is an
+    NvmeIOError saying ``what`` that means."""
+    cached = resident_fraction(path)
+    record.append(cached)
+    if cached > 0:
+        raise NvmeIOError(f"{facts.describe()}: {cached:.0%} of a file {what}")
+
+
 def timed_rounds(handle: Any, settings: AioSettings, directory: Path, facts: PathFacts, *,
                  nbytes: int, memory: str, rounds: int, seed: int = 0, kind: str = "aio",
                  verify: bool = True,
@@ -349,22 +358,15 @@ def timed_rounds(handle: Any, settings: AioSettings, directory: Path, facts: Pat
                 size = path.stat().st_size
                 if size != nbytes:
                     raise NvmeIOError(f"sync_pwrite of {nbytes} bytes left {size} in {path}")
-                written = resident_fraction(path)
-                out.resident_after_write.append(written)
-                if written > 0:
-                    raise NvmeIOError(
-                        f"{facts.describe()}: {written:.0%} of a file just written with O_DIRECT "
-                        "is in the page cache: the write went through the cache (the "
-                        f"filesystem, {facts.fstype}, ignored O_DIRECT), so its time would be "
-                        "memory's, not the disk's")
+                _uncached(path, out.resident_after_write, facts,
+                          "just written with O_DIRECT is in the page cache: the write went "
+                          f"through the cache (the filesystem, {facts.fstype}, ignored "
+                          "O_DIRECT), so its time would be memory's, not the disk's")
                 drop_page_cache(path)
-                cached = resident_fraction(path)
-                out.resident_before_read.append(cached)
-                if cached > 0:
-                    raise NvmeIOError(
-                        f"{facts.describe()}: {cached:.0%} of a file written with O_DIRECT is "
-                        "still in the page cache after posix_fadvise(DONTNEED): the read would "
-                        f"measure memory, not the disk ({facts.fstype} keeps the pages)")
+                _uncached(path, out.resident_before_read, facts,
+                          "written with O_DIRECT is still in the page cache after "
+                          "posix_fadvise(DONTNEED): the read would measure memory, not the "
+                          f"disk ({facts.fstype} keeps the pages)")
                 if verify:
                     dst.tensor.zero_()
                     _sync(dst.tensor)

@@ -385,19 +385,28 @@ class ClockEvents:
                 "clock_events_why": self.why}
 
 
+def _matmul_operands(dtype: str, size: int, seed: int, warmup: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two random (size x size) operands and an output in ``dtype`` on this rank's device,
+    after ``warmup`` products (which also let the clocks ramp up)."""
+    dev = device()
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device=dev).manual_seed(seed + rank())
+    a = torch.randn(size, size, generator=gen, device=dev).to(dt)
+    b = torch.randn(size, size, generator=gen, device=dev).to(dt)
+    c = torch.empty(size, size, dtype=dt, device=dev)
+    for _ in range(warmup):
+        torch.matmul(a, b, out=c)
+    _sync(dev)
+    return a, b, c
+
+
 def matmul_seconds(dtype: str, size: int, iters: int, rounds: int = 3, warmup: int = 10,
                    delay_rank: int | None = None, delay_s: float = 0.0) -> dict[str, Any]:
     """Dense (size x size) @ (size x size) products in ``dtype`` on this rank's device, all
     ranks at once (as in training, every GPU busy): seconds per product, per round."""
     dev = device()
-    dt = DTYPES[dtype]
-    gen = torch.Generator(device=dev).manual_seed(1234 + rank())
-    a = torch.randn(size, size, generator=gen, device=dev).to(dt)
-    b = torch.randn(size, size, generator=gen, device=dev).to(dt)
-    c = torch.empty(size, size, dtype=dt, device=dev)
-    for _ in range(warmup):  # also lets the clocks ramp up
-        torch.matmul(a, b, out=c)
-    _sync(dev)
+    a, b, c = _matmul_operands(dtype, size, 1234, warmup)
     late = delay_s if rank() == delay_rank else 0.0
     seconds = []
     me = identity()
@@ -426,14 +435,7 @@ def matmul_sustained(dtype: str, size: int, seconds: float, window_s: float = 1.
     test) makes that rank run at a fifth of its speed once ``throttle_after`` of the time has
     passed."""
     dev = device()
-    dt = DTYPES[dtype]
-    gen = torch.Generator(device=dev).manual_seed(4321 + rank())
-    a = torch.randn(size, size, generator=gen, device=dev).to(dt)
-    b = torch.randn(size, size, generator=gen, device=dev).to(dt)
-    c = torch.empty(size, size, dtype=dt, device=dev)
-    for _ in range(10):
-        torch.matmul(a, b, out=c)
-    _sync(dev)
+    a, b, c = _matmul_operands(dtype, size, 4321, 10)
     me = identity()
     windows: list[float] = []
     dist.barrier()

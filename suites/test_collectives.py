@@ -283,17 +283,27 @@ def record_matmul(metrics, dtype: str, results: list[dict[str, Any]],
                            unit="%", better="higher", limit=100.0 - straggler_pct, **where)
 
 
+def _matmul_on_every_gpu(fn: Any, dtype: str, node, profile, amount: float
+                         ) -> tuple[int, list[dict[str, Any]], list[gpu_health.GpuIdentity],
+                                    float | None]:
+    """``fn(dtype, MATMUL_SIZE, amount)`` on every GPU at once: (world size, the ranks'
+    results, who each rank ran on, the profile's TFLOPS floor for ``dtype``)."""
+    n = _world("cuda")
+    results = run_ranks(fn, n, timeout_s=TIMEOUT_S, args=(dtype, MATMUL_SIZE, amount),
+                        accelerator="cuda")
+    ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
+    floor = {"bf16": profile.matmul_bf16_tflops, "fp16": profile.matmul_fp16_tflops}[dtype]
+    return n, results, ids, floor
+
+
 @pytest.mark.gpu
 @pytest.mark.benchmark
 @pytest.mark.parametrize("dtype", [pytest.param("bf16", marks=requires(min_gpus=1, bf16=True)),
                                    pytest.param("fp16", marks=requires(min_gpus=1, fp16=True))])
 def test_matmul_tflops(dtype: str, node, profile, metrics):
     """GPU-MATMUL-1: every GPU's dense matmul MUST reach the floor and its peers' speed."""
-    n = _world("cuda")
-    results = run_ranks(collective_ranks.matmul_seconds, n, timeout_s=TIMEOUT_S,
-                        args=(dtype, MATMUL_SIZE, MATMUL_ITERS), accelerator="cuda")
-    ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
-    floor = {"bf16": profile.matmul_bf16_tflops, "fp16": profile.matmul_fp16_tflops}[dtype]
+    n, results, ids, floor = _matmul_on_every_gpu(collective_ranks.matmul_seconds, dtype, node,
+                                                  profile, MATMUL_ITERS)
     record_matmul(metrics, dtype, results, ids, floor,
                   gpu_health.straggler_pct(profile.straggler_pct), world_size=n)
     _no_slowdown(results, ids, f"the {dtype} matmul")
@@ -322,11 +332,8 @@ def test_matmul_sustained(dtype: str, node, profile, metrics):
     """GPU-MATMUL-2: every GPU MUST hold its matmul speed under SUSTAIN_S of load: the last
     quarter's TFLOPS at least (100 - straggler_pct)% of the faster of the first two quarters',
     the windows' median at the floor, and no thermal or power-brake slowdown meanwhile."""
-    n = _world("cuda")
-    results = run_ranks(collective_ranks.matmul_sustained, n, timeout_s=TIMEOUT_S,
-                        args=(dtype, MATMUL_SIZE, SUSTAIN_S), accelerator="cuda")
-    ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
-    floor = {"bf16": profile.matmul_bf16_tflops, "fp16": profile.matmul_fp16_tflops}[dtype]
+    n, results, ids, floor = _matmul_on_every_gpu(collective_ranks.matmul_sustained, dtype,
+                                                  node, profile, SUSTAIN_S)
     record_sustained(metrics, dtype, results, ids, floor,
                      gpu_health.straggler_pct(profile.straggler_pct), sustain_s=SUSTAIN_S,
                      world_size=n)

@@ -81,13 +81,19 @@ def test_tmpfs_path_fails_naming_it_and_nothing_is_written(shm_dir):
     assert list(shm_dir.iterdir()) == []
 
 
-def test_overlay_path_fails_naming_it(tmp_path, monkeypatch):
-    # A container's root; this machine has none to point at.
-    st = os.stat(tmp_path)
-    text = (f"1 0 {os.major(st.st_dev)}:{os.minor(st.st_dev)} / / rw - overlay overlay "
-            "rw,lowerdir=/l,upperdir=/u,workdir=/w\n")
+def _mounted_as(monkeypatch, path, fstype: str, source: str, options: str = "rw") -> None:
+    """Make ``path``'s filesystem read as ``fstype`` (a mountinfo line for its device)."""
+    st = os.stat(path)
+    text = (f"1 0 {os.major(st.st_dev)}:{os.minor(st.st_dev)} / / rw - {fstype} {source} "
+            f"{options}\n")
     real = nvme.mount_of
     monkeypatch.setattr(nvme, "mount_of", lambda p: real(p, nvme.parse_mountinfo(text)))
+
+
+def test_overlay_path_fails_naming_it(tmp_path, monkeypatch):
+    # A container's root; this machine has none to point at.
+    _mounted_as(monkeypatch, tmp_path, "overlay", "overlay",
+                "rw,lowerdir=/l,upperdir=/u,workdir=/w")
     with pytest.raises(nvme.NvmePathError, match=r"is overlay, a union filesystem .*bind mount"):
         nvme.check_path(tmp_path, MIB, where="w")
     assert list(tmp_path.iterdir()) == []
@@ -103,11 +109,7 @@ def test_filesystems_that_cache_or_measure_elsewhere_fail(fstype, source, why, t
                                                           monkeypatch):
     """ZFS's ARC is invisible to mincore (the read-back would be memory's); a network or FUSE
     filesystem measures a server or a daemon: none describes a local NVMe device."""
-    st = os.stat(tmp_path)
-    text = (f"1 0 {os.major(st.st_dev)}:{os.minor(st.st_dev)} / / rw - {fstype} {source} "
-            "rw\n")
-    real = nvme.mount_of
-    monkeypatch.setattr(nvme, "mount_of", lambda p: real(p, nvme.parse_mountinfo(text)))
+    _mounted_as(monkeypatch, tmp_path, fstype, source)
     with pytest.raises(nvme.NvmePathError, match=f"is {fstype}, {why}"):
         nvme.check_path(tmp_path, MIB, where="w")
     assert list(tmp_path.iterdir()) == []

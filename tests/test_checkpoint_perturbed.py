@@ -370,3 +370,23 @@ def test_only_a_refusal_inside_load_checkpoint_is_the_stage_change_limitation():
                                          remote_traceback=""))
     assert not refused_on_load(RankError("rank 0 of 2 raised RuntimeError: CUDA error",
                                          remote_traceback=load))
+
+
+def test_a_crash_is_not_the_flipped_bit_limitation(monkeypatch, tmp_path):
+    """CKPT-CORRUPT-2 is a strict xfail that only FlipLoadedSilently satisfies: a rank that
+    crashed while saving or loading raises its RankError (an AssertionError, which the old
+    raises=AssertionError accepted as the limitation) and so fails the run."""
+    from dsconform.dist import RankError
+    from dsconform.profile import Profile
+    from suites import test_checkpoint as suite
+
+    def crash(*args, **kwargs):
+        raise RankError("rank 1 of 2 died (signal 11) while running the call")
+
+    monkeypatch.setattr(suite, "run_ranks", crash)
+    with pytest.raises(RankError) as err:
+        suite.test_flipped_bit_is_detected("cpu", tmp_path, Profile(name="t", source="t",
+                                                                     gpu_count=0))
+    assert not isinstance(err.value, suite.FlipLoadedSilently)
+    mark = next(m for m in suite.test_flipped_bit_is_detected.pytestmark if m.name == "xfail")
+    assert mark.kwargs["raises"] is suite.FlipLoadedSilently

@@ -432,8 +432,8 @@ def matmul_sustained(dtype: str, size: int, seconds: float, window_s: float = 1.
     """Dense products back to back for ``seconds`` on every rank at once (a training step's
     load, long enough for the GPU to heat up): seconds per product in each ``window_s``
     window, and the clock event reasons seen meanwhile. ``throttle_rank`` (the project's red
-    test) makes that rank run at a fifth of its speed once ``throttle_after`` of the time has
-    passed."""
+    test) makes that rank take 50 ms a product once ``throttle_after`` of the time has passed
+    (a fixed delay: on a shared CPU the products' own time varies 40-fold)."""
     dev = device()
     a, b, c = _matmul_operands(dtype, size, 4321, 10)
     me = identity()
@@ -451,8 +451,8 @@ def matmul_sustained(dtype: str, size: int, seconds: float, window_s: float = 1.
                     torch.matmul(a, b, out=c)
                 n += 8
                 _sync(dev)
-                if t0 >= hot:  # the fault: five times as long
-                    time.sleep(4 * (time.perf_counter() - t0))
+                if t0 >= hot:  # the fault: 50 ms a product, far slower than any real one
+                    time.sleep(0.4)
             windows.append((time.perf_counter() - start) / n)
     del a, b, c
     return {"identity": me, "windows": windows, "size": size, "window_s": window_s,

@@ -41,7 +41,7 @@ import math
 import re
 import statistics
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -370,11 +370,30 @@ def _params_diff(b: dict[str, Any], n: dict[str, Any]) -> str:
                      if b.get(k, "-") != n.get(k, "-"))
 
 
+# Parameters that say how a value was judged, not what was measured: a tolerance override in
+# one run's profile (or a table entry that moved) must not make a measured difference
+# incomparable. They are named in the change's detail when they differ.
+JUDGING_PARAMS = ("rtol", "atol")
+
+
+def _measured(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k not in JUDGING_PARAMS}
+
+
 def compare_measure(name: str, base: Measure, new: Measure, threshold: float) -> Change:
     """One metric of both runs: regression, improvement, unchanged or not comparable."""
-    if base.params != new.params:
+    if _measured(base.params) != _measured(new.params):
         return Change(NOT_COMPARABLE, name, f"parameters differ: "
                                             f"{_params_diff(base.params, new.params)}")
+    judged = ("" if base.params == new.params else
+              f"; judged under other bounds: {_params_diff(base.params, new.params)}")
+    change = _compare_values(name, base, new, threshold)
+    if judged:
+        change = replace(change, detail=change.detail + judged)
+    return change
+
+
+def _compare_values(name: str, base: Measure, new: Measure, threshold: float) -> Change:
     if (base.unit, base.better) != (new.unit, new.better):
         return Change(NOT_COMPARABLE, name, f"measured differently: {base.unit} ({base.better} "
                                             f"is better) -> {new.unit} ({new.better} is better)")

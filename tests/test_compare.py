@@ -101,6 +101,18 @@ def test_differing_parameters_are_not_comparable_and_named():
         "; NOT COMPARED: 1 metrics (see 'Not comparable')")
 
 
+def test_a_tolerance_override_does_not_make_a_measured_difference_incomparable():
+    """rtol/atol say how a value was judged, not what was measured: a profile override in one
+    run leaves the ZeRO differences comparable, and the detail names the other bounds."""
+    base = doc([metric("zero.grad_max_abs_diff", [1e-3], "1", "lower", stage=2, rtol=0.016)])
+    new = doc([metric("zero.grad_max_abs_diff", [1.5e-3], "1", "lower", stage=2, rtol=0.02)])
+    c = one(base, new, "zero.grad_max_abs_diff")
+    assert c.kind == "regression" and c.detail.endswith(
+        "; judged under other bounds: rtol 0.016 -> 0.02"), c.detail
+    moved = doc([metric("zero.grad_max_abs_diff", [1e-3], "1", "lower", stage=3, rtol=0.016)])
+    assert one(base, moved, "zero.grad_max_abs_diff").kind == "not comparable"
+
+
 def test_infinite_and_nan_values_do_not_break_the_comparison():
     # A diverged ZeRO comparison records inf (results/reference/h200-x2/zero-full).
     base = doc([metric("g", [math.inf], "1"), metric("n", [1.0], "1")])

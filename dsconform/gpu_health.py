@@ -92,13 +92,24 @@ def unread_clock_events(results: Sequence[Mapping[str, Any]],
 def read_clock_event_reasons() -> list[tuple[int, str | None, int]]:
     """(nvidia-smi index, PCI bus id, clock event reasons bitmask) of every GPU, from NVML;
     raises when NVML is missing or cannot initialise."""
-    from dsconform.detect import nvml_devices, nvml_text
+    from dsconform.detect import nvml_devices
 
     with nvml_devices() as (nvml, handles):
-        read = (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
-        return [(i, canonical_bus_id(nvml_text(nvml.nvmlDeviceGetPciInfo(h).busId)),
-                 int(read(h))) for i, h in enumerate(handles)]
+        read = clock_event_reader(nvml)
+        return [(i, nvml_bus_id(nvml, h), int(read(h))) for i, h in enumerate(handles)]
+
+
+def clock_event_reader(nvml: Any) -> Any:
+    """NVML's "clock event reasons" call (named "throttle reasons" before driver 535)."""
+    return (getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            or nvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+
+
+def nvml_bus_id(nvml: Any, handle: Any) -> str | None:
+    """One NVML device's PCI address in sysfs form (canonical_bus_id)."""
+    from dsconform.detect import nvml_text
+
+    return canonical_bus_id(nvml_text(nvml.nvmlDeviceGetPciInfo(handle).busId))
 
 
 def canonical_bus_id(text: str | None) -> str | None:

@@ -11,8 +11,10 @@ tests (tests/test_collectives_*.py), off by default:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -327,40 +329,29 @@ class ClockEvents:
         self.mask: int | None = None
         self.samples = 0
         self.why = ""
-        self._stop = None
-        self._thread = None
-        self._nvml = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._nvml = contextlib.ExitStack()
 
     def __enter__(self) -> ClockEvents:
-        import threading
-
-        from dsconform.gpu_health import canonical_bus_id
+        from dsconform.detect import nvml_devices
+        from dsconform.gpu_health import canonical_bus_id, clock_event_reader, nvml_bus_id
 
         if self.bus_id is None:
             self.why = "no PCI bus id for this rank's device"
             return self
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
+            nvml, handles = self._nvml.enter_context(nvml_devices())
         except Exception as e:  # noqa: BLE001 - NVML missing: say so, do not fail the rank
             self.why = f"NVML unavailable: {e}"
             return self
-        self._nvml = pynvml
-        handle = None
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            bus = pynvml.nvmlDeviceGetPciInfo(h).busId
-            if canonical_bus_id(bus.decode() if isinstance(bus, bytes) else bus) == \
-                    canonical_bus_id(self.bus_id):
-                handle = h
+        mine = canonical_bus_id(self.bus_id)
+        handle = next((h for h in handles if nvml_bus_id(nvml, h) == mine), None)
         if handle is None:
             self.why = f"NVML lists no GPU at {self.bus_id}"
             return self
-        read = (getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-                or pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+        read = clock_event_reader(nvml)
         self.mask = 0
-        self._stop = threading.Event()
 
         def poll() -> None:
             while True:
@@ -377,8 +368,7 @@ class ClockEvents:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-        if self._nvml is not None:
-            self._nvml.nvmlShutdown()
+        self._nvml.close()  # NVML shut down, if it was started
 
     def result(self) -> dict[str, Any]:
         return {"clock_events_mask": self.mask, "clock_event_samples": self.samples,

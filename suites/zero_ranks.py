@@ -221,10 +221,16 @@ def layout_problems(engine: Any, case: ZeroCase) -> list[str]:
     named = list(engine.module.named_parameters())
     numel = sum(int(getattr(p, "ds_numel", p.numel())) for _, p in named)
     opt = engine.optimizer
-    host = "cpu"
     accel = torch.device(engine.device).type
-    opt_device = host if case.offload_optimizer and case.offload_device == "cpu" else (
-        None if case.offload_optimizer else accel)  # nvme: swapped, no device to read
+
+    def expected_device(offloaded: bool) -> str | None:
+        """Where a partition must live: the CPU when offloaded there, the accelerator when not
+        offloaded, None when offloaded to nvme (swapped out: no device to read)."""
+        if not offloaded:
+            return accel
+        return "cpu" if case.offload_device == "cpu" else None
+
+    opt_device = expected_device(case.offload_optimizer)
     # What the ZeRO optimizer set itself up to do (its own flags, not the config's).
     flags = {1: {"cpu_offload": case.offload_optimizer},
              2: {"cpu_offload": case.offload_optimizer},
@@ -262,8 +268,7 @@ def layout_problems(engine: Any, case: ZeroCase) -> list[str]:
             problems.append(f"{len(whole)} of {len(named)} parameters are not partitioned by "
                             f"ZeRO-3 on {world} ranks (no ds_tensor, or one as large as the "
                             f"parameter): {whole[:3]}")
-        param_device = host if case.offload_param and case.offload_device == "cpu" else (
-            None if case.offload_param else accel)
+        param_device = expected_device(case.offload_param)
         where = sorted({p.ds_tensor.device.type for _, p in named
                         if getattr(p, "ds_tensor", None) is not None})
         if param_device is not None and where and where != [param_device]:

@@ -11,7 +11,9 @@ import json
 import sys
 from pathlib import Path
 
-from dsconform import detect, profile, toml_out
+from dsconform.node import detect
+from dsconform.profile import schema as profile
+from dsconform.profile import toml_writer as toml_out
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
@@ -43,7 +45,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from dsconform import dsreport
+    from dsconform.ops import dsreport
 
     text = dsreport.run_ds_report()
     try:
@@ -61,7 +63,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from dsconform import compare, compare_plot, compare_report
+    from dsconform.results import compare
+    from dsconform.results.render import compare as compare_report
+    from dsconform.results.render import compare_chart as compare_plot
 
     def unusable(msg: object) -> int:
         print(f"dsconform compare: {msg}", file=sys.stderr)
@@ -111,7 +115,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
-    from dsconform import aggregate_report
+    from dsconform.results.render import aggregate as aggregate_report
 
     expect = [n for n in (args.expect or "").replace(",", " ").split() if n]
     return aggregate_report.main(args.dirs, out=args.out, outlier_pct=args.outlier_pct,
@@ -166,9 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the nodes that should have results (comma-separated, e.g. the job's "
                         "node list): one without a folder fails too")
     g.set_defaults(func=cmd_aggregate)
-    from dsconform import nvme_tune  # its command and arguments live with the sweep
+    from dsconform.storage import tune as nvme_tune  # its command and arguments live with the sweep
     nvme_tune.add_cli(sub)
-    from dsconform import bundle  # air-gapped nodes: its command lives with it
+    from dsconform.tools import bundle  # air-gapped nodes: its command lives with it
     bundle.add_cli(sub)
     return ap
 

@@ -11,22 +11,37 @@ Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` 
 
 from __future__ import annotations
 
-from dsconform import (
-    checkpoint_state,
-    checkpoint_storage,
-    collectives,
-    gpu_health,
-    nccl_tests,
-    nvme,
-    nvme_io,
-    nvme_tune,
-    nvme_xcheck,
-    onebit_reference,
-    versions,
+from dsconform.checks import checkpoint_state, collectives
+from dsconform.checks import onebit as onebit_reference
+from dsconform.checks.dsconfig import (
+    ASSUMED_DEFAULTS,
+    ONEBIT_TYPES,
+    OPTIMIZER_OPS,
+    defaults_mismatches,
+    ds_config,
 )
-from dsconform.batch import RankCall, batched, cell_results
-from dsconform.detect import GIB, NodeFacts
-from dsconform.dist import (
+from dsconform.checks.equivalence import (
+    Comparison,
+    compare_rank_results,
+    compare_states,
+    compare_traces,
+    non_finite,
+    tensor_difference,
+)
+from dsconform.checks.lossscale import (
+    ModelStep,
+    ScalerModel,
+    ScalerSettings,
+    ScalerState,
+    read_scaler,
+)
+from dsconform.checks.tolerances import Tol, tolerance
+from dsconform.gate import versions
+from dsconform.gate.known_issues import KNOWN_ISSUES, KnownIssue
+from dsconform.gate.removed import ONEBIT_OPTIMIZERS
+from dsconform.gate.requires import accel_params, requires
+from dsconform.gate.tiers import pairwise, uncovered_pairs
+from dsconform.harness.api import (
     InsufficientGPUs,
     RankError,
     RankTimeout,
@@ -39,39 +54,26 @@ from dsconform.dist import (
     worker_gpus,
     world,
 )
-from dsconform.dsconfig import (
-    ASSUMED_DEFAULTS,
-    ONEBIT_TYPES,
-    OPTIMIZER_OPS,
-    defaults_mismatches,
-    ds_config,
-)
-from dsconform.dsreport import parse_ds_report, run_ds_report
-from dsconform.equivalence import (
-    Comparison,
-    compare_rank_results,
-    compare_states,
-    compare_traces,
-    non_finite,
-    tensor_difference,
-)
-from dsconform.gating import accel_params, requires
-from dsconform.known_issues import KNOWN_ISSUES, KnownIssue
-from dsconform.lossscale import ModelStep, ScalerModel, ScalerSettings, ScalerState, read_scaler
-from dsconform.ops import (
+from dsconform.harness.batch import RankCall, batched, cell_results
+from dsconform.node import gpu_health, nccl_tests
+from dsconform.node.detect import GIB, NodeFacts
+from dsconform.ops.checks import (
     OpChecks,
     OpCrashed,
     OpUnavailableText,
     check_op_isolated,
     checks_for_run,
 )
-from dsconform.profile import NcclFloor, NvmePath, Profile
-from dsconform.records import FactsRecorder, MetricsRecorder
-from dsconform.removed import ONEBIT_OPTIMIZERS
-from dsconform.runstate import RunState, run_state
-from dsconform.session import Rendezvous, rendezvous_info
-from dsconform.tiers import pairwise, uncovered_pairs
-from dsconform.tolerances import Tol, tolerance
+from dsconform.ops.dsreport import parse_ds_report, run_ds_report
+from dsconform.plugin.runstate import RunState, run_state
+from dsconform.profile.schema import NcclFloor, NvmePath, Profile
+from dsconform.profile.select import Rendezvous, rendezvous_info
+from dsconform.results.records import FactsRecorder, MetricsRecorder
+from dsconform.storage import checkpoint as checkpoint_storage
+from dsconform.storage import io as nvme_io
+from dsconform.storage import nvme
+from dsconform.storage import tune as nvme_tune
+from dsconform.storage import xcheck as nvme_xcheck
 
 GB = 1e9  # GB/s means 1e9 bytes per second, everywhere
 

@@ -6,7 +6,7 @@
 #          its own folder under a shared results directory.
 # Stage 2: the multi-node tier (`pytest suites -m multinode`): one torchrun agent per node,
 #          one rank per GPU, rendezvous through torchrun's c10d store on the first node; every
-#          pytest process joins it as one rank (dsconform/dist.py, external rendezvous).
+#          pytest process joins it as one rank (dsconform/harness/api.py, external rendezvous).
 # Stage 3: `dsconform aggregate`: one report, and PRINTED (never run) drain commands for the
 #          failing nodes (Slurm's scontrol syntax: adapt them to your scheduler).
 # Exit status: aggregate's (0 every node passed, 1 a node failed, 2 unusable input).

@@ -4,7 +4,7 @@ The model, the data and the ZeRO cell come from the ZeRO suite (suites/zero_rank
 MLP with awkward widths, the same per-rank data seeded by (seed, rank). Every entry point trains
 an engine for ``steps`` steps, saves, and builds a second engine from ANOTHER seed (so a value the
 load forgets cannot be right by accident) that loads. What comes back to the parent is plain: flat
-snapshots (``dsconform.checkpoint_state``: module weights, fp32 master weights, optimizer and
+snapshots (``dsconform.checks.checkpoint_state``: module weights, fp32 master weights, optimizer and
 scheduler state, counters, loss scaler) and training traces (losses, boundary gradients, final
 parameters) as CPU tensors.
 
@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsconform.checkpoint_state import LOAD_MODES, flatten_state
-from dsconform.checkpoint_storage import (
+from dsconform.checks.checkpoint_state import LOAD_MODES, flatten_state
+from dsconform.storage.checkpoint import (
     checkpoint_files,
     drop_cached_pages,
     fsync_file,

@@ -35,7 +35,7 @@ def _sync(dev: torch.device) -> None:
 def identity() -> dict[str, Any]:
     """What this rank computes on. On GPUs the PCI address comes from the device itself, so it
     is right whatever CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER did to torch's numbering; the
-    parent maps it to nvidia-smi's index (dsconform/gpu_health.py)."""
+    parent maps it to nvidia-smi's index (dsconform/node/gpu_health.py)."""
     dev = device()
     info: dict[str, Any] = {"rank": rank(), "device": "cpu", "bus_id": None, "visible": None}
     if dev.type != "cuda":
@@ -190,7 +190,7 @@ def _wrong_after_one_call(collective: str, inp: torch.Tensor, out: torch.Tensor,
 class _CallTimer:
     """Time this rank spends inside each call: CUDA events around the call on the GPU (no host
     synchronisation per call, so back-to-back timing is unchanged), the host clock on the CPU.
-    A rank its peers wait for spends the least time inside (dsconform/gpu_health.py)."""
+    A rank its peers wait for spends the least time inside (dsconform/node/gpu_health.py)."""
 
     def __init__(self, dev: torch.device, iters: int) -> None:
         self.cuda = dev.type == "cuda"
@@ -319,7 +319,7 @@ def measure_pairs(nbytes: int, iters: int, rounds: int = 3, warmup: int = 3,
 
 class ClockEvents:
     """While the ``with`` block runs, a thread reads this rank's GPU's NVML clock event reasons
-    every ``every_s`` and ORs them (dsconform/gpu_health.py SLOWDOWN_REASONS names the faults):
+    every ``every_s`` and ORs them (dsconform/node/gpu_health.py SLOWDOWN_REASONS names the faults):
     a thermal or power-brake slowdown that sets in under load, which an idle reading at profile
     time (PROF-GPU-6) cannot see. ``mask`` stays None where NVML or the GPU's bus id is
     missing (``why`` says which)."""
@@ -334,8 +334,8 @@ class ClockEvents:
         self._nvml = contextlib.ExitStack()
 
     def __enter__(self) -> ClockEvents:
-        from dsconform.detect import nvml_devices
-        from dsconform.gpu_health import canonical_bus_id, clock_event_reader, nvml_bus_id
+        from dsconform.node.detect import nvml_devices
+        from dsconform.node.gpu_health import canonical_bus_id, clock_event_reader, nvml_bus_id
 
         if self.bus_id is None:
             self.why = "no PCI bus id for this rank's device"

@@ -7,7 +7,8 @@ continue exactly as if it had never stopped.
   be equal bit for bit, and both engines MUST take the same next steps (ZeRO stages 0-3, with
   and without offload, fp32/bf16/fp16).
 - Resume (CKPT-RESUME-1): N steps, save, a FRESH process loads and trains M steps: equal to
-  N + M steps without interruption (bit-exact for fp32 SGD; elsewhere ``dsconform/tolerances.py``
+  N + M steps without interruption (bit-exact for fp32 SGD; elsewhere
+  ``dsconform/checks/tolerances.py``
   "resume"), and the state it loaded equal bit for bit to the state saved.
 - Partial loads (CKPT-PARTIAL-1): ``load_module_only``, ``load_optimizer_states=False`` and
   ``load_lr_scheduler_states=False`` MUST load exactly what they say and leave the rest as it was.
@@ -200,7 +201,8 @@ def check_round_trip(results: list[dict], tol, *, label: str,
 def test_round_trip_is_exact(accelerator, case, scratch, profile, request):
     """CKPT-RT-1: save then load MUST give back every saved value bit for bit and the same next
     steps."""
-    results = cell_results(request, scratch)  # run at once with other cells (dsconform.batch)
+    # run at once with other cells (dsconform.harness.batch)
+    results = cell_results(request, scratch)
     tol = tolerance("checkpoint", case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
     check_round_trip(results, tol, label=_label(accelerator, case)).assert_ok()

@@ -9,7 +9,8 @@ GPU, link or rank of the node MUST lag its peers.
   elements (and 2**24 + 3 on GPUs; 2**20 + 3 on CPUs). The data of each dtype is exact in it,
   every partial sum too, and mostly not exact in a narrower type, so a collective that carries
   fp32 in bf16 or fp16, or fp16 in bf16, fails. Odd sizes, not multiples of the world
-  size, padded as ZeRO pads partitions, all_to_all with uneven splits (dsconform/collectives.py).
+  size, padded as ZeRO pads partitions, all_to_all with uneven splits
+  (dsconform/checks/collectives.py).
   gloo (CI) and NCCL (GPUs) both run every collective in every dtype here.
 - Bandwidth (COLL-BW-1, COLL-BW-2). Through torch.distributed, fp32, back-to-back calls, 3
   rounds per point, each point recorded as algbw and busbw (nccl-tests' formulas; GB/s = 1e9
@@ -32,7 +33,7 @@ GPU, link or rank of the node MUST lag its peers.
   once; the last quarter MUST run at least (100 - straggler_pct)% of the speed of the faster of
   the first two quarters,
   each window's median at the floor, no slowdown meanwhile (a GPU that throttles once hot).
-  Failures name the GPU by nvidia-smi index and PCI bus id (dsconform/gpu_health.py). A node
+  Failures name the GPU by nvidia-smi index and PCI bus id (dsconform/node/gpu_health.py). A node
   can meet every floor with one bad GPU; these catch it.
 - Cross-check (COLL-XCHECK-1). Where nccl-tests' ``all_reduce_perf`` is on PATH, our all_reduce
   busbw MUST be at least 90% of its number at every all_reduce floor size; the ratio is

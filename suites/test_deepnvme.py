@@ -220,7 +220,8 @@ def _roundtrip_plan(params: dict, workdir: Path, run) -> tuple:
 @NEEDS_AIO
 @pytest.mark.anynode
 @pytest.mark.parametrize("memory, mode, iop", _matrix_params())
-@batched(_roundtrip_plan, cost=0.3)  # the cells run at once where lanes are on (dsconform.batch)
+# the cells run at once where lanes are on (dsconform.harness.batch)
+@batched(_roundtrip_plan, cost=0.3)
 def test_aio_api_roundtrip(memory, mode, iop, scratch, request):
     """NVME-IO-1: every aio_handle API family MUST write and read back every byte exactly."""
     cell_results(request, scratch)
@@ -276,7 +277,7 @@ def _outstanding_plan(params: dict, workdir: Path, run) -> tuple:
 @pytest.mark.parametrize("memory", [pytest.param(m, marks=_memory_marks(m))
                                     for m in CPU_MEMORY + GPU_MEMORY])
 @pytest.mark.parametrize("iop", [1, 4], ids=lambda n: f"iop{n}")
-@batched(_outstanding_plan, cost=0.3)  # at once where lanes are on (dsconform.batch)
+@batched(_outstanding_plan, cost=0.3)  # at once where lanes are on (dsconform.harness.batch)
 def test_outstanding_then_one_wait(memory, iop, scratch, request):
     """NVME-IO-3: eight operations outstanding MUST all complete at one wait(), byte-exact."""
     out = cell_results(request, scratch)
@@ -377,7 +378,7 @@ def test_aio_block_is_what_the_runtime_reads():
     assumed = nvme.AioSettings().block()
     assert defaults == assumed, (
         f"DeepSpeed's aio keys or defaults (deepspeed/runtime/swap_tensor/constants.py) are "
-        f"{defaults}, dsconform.nvme.AioSettings assumes {assumed}")
+        f"{defaults}, dsconform.storage.nvme.AioSettings assumes {assumed}")
     tuned = nvme.AioSettings(block_size=8 * MiB, queue_depth=128, intra_op_parallelism=8,
                              single_submit=True, overlap_events=False)
     parsed = nvme.runtime_aio_config(tuned.block())
@@ -580,7 +581,7 @@ def _zinf_plan(params: dict, workdir: Path, run) -> tuple:
 
 @pytest.mark.nvme
 @pytest.mark.parametrize("accelerator, cell", _zinf_params())
-@batched(_zinf_plan, cost=4)  # the cells run at once where lanes are on (dsconform.batch)
+@batched(_zinf_plan, cost=4)  # the cells run at once where lanes are on (dsconform.harness.batch)
 def test_zero_infinity_matches_ddp(accelerator, cell, nvme_entry, profile, run, node, scratch,
                                    metrics, request):
     """NVME-ZINF-1: ZeRO-3 offloading to NVMe MUST give DDP's losses, gradients, parameters."""

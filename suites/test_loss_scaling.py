@@ -3,7 +3,7 @@ rank at once, and fp16 and bf16 MUST train as well as fp32.
 
 - DeepSpeed's own scaler (``DynamicLossScaler`` as ``CreateLossScaler`` builds it for ZeRO
   stages 1-3, from the config ``ds_config`` writes) MUST follow the reference model of
-  ``dsconform/lossscale.py`` after every step of any sequence of clean and overflowing steps:
+  ``dsconform/checks/lossscale.py`` after every step of any sequence of clean and overflowing steps:
   the initial scale ``2**initial_scale_power``, ``hysteresis`` and ``consecutive_hysteresis``,
   the raise after ``loss_scale_window`` clean steps, the lower and raise factor 2, the floor
   ``min_loss_scale``, and an error (not an endless run of silent skips) at the floor.
@@ -22,7 +22,8 @@ rank at once, and fp16 and bf16 MUST train as well as fp32.
   same task from the same weights within the tolerance table's margin; each loss curve's summary
   goes to the benchmark JSON.
 
-Known upstream defects on stage 0 (dsconform/known_issues.py): its fp16 wrappers never scale the
+Known upstream defects on stage 0 (dsconform/gate/known_issues.py): its fp16 wrappers never scale
+the
 loss in ``engine.backward`` (DS-8393-Z0-FP16-UNSCALED: fp16 SGD does not converge), and they
 keep a scaler of their own that ignores hysteresis (DS-Z0-FP16-NO-HYSTERESIS) and skips forever
 at the floor (DS-697-Z0-FP16-SILENT-FLOOR); their FusedAdam takes a zero-gradient step at
@@ -444,7 +445,7 @@ def check_step_sizes(case: ScalingCase, results: list[dict], tol: Any
     replica's step moved it (``tol.update``, ``tol.gain``), and so must the run as a whole (a
     skipped step that moved the masters shows there). Returns the problems and the worst
     values found (``update``: norm-relative difference, ``gain``: |gain - 1|)."""
-    from dsconform.equivalence import compare_update
+    from dsconform.checks.equivalence import compare_update
 
     expected = ScalerModel(case.settings).run(list(case.pattern))
     applied = [i for i, e in enumerate(expected) if e.outcome == "applied"]
@@ -584,7 +585,7 @@ def check_bf16_run(results: list[dict], world_size: int | None = None) -> list[s
     accelerator=params["accelerator"]))
 def test_bf16_has_no_scaler(accelerator: str, stage: int, world_size: int, request):
     """LOSS-SCALE-5: bf16 MUST train with no loss scaler, to finite losses and weights."""
-    results = cell_results(request)  # run at once with other cells (dsconform.batch)
+    results = cell_results(request)  # run at once with other cells (dsconform.harness.batch)
     problems = check_bf16_run(results, world_size)
     assert not problems, f"{accelerator}-z{stage}-ws{world_size} bf16:\n  " + "\n  ".join(problems)
 
@@ -662,7 +663,7 @@ def check_convergence(case: CurveCase, results: list[dict], tol: Any) -> tuple[d
     accelerator=params["accelerator"]), cost=6)
 def test_fp16_bf16_converge(accelerator: str, case: CurveCase, profile, metrics, request):
     """LOSS-SCALE-6: fp16 and bf16 MUST reach fp32's final loss within the table's margin."""
-    results = cell_results(request)  # run at once with other cells (dsconform.batch)
+    results = cell_results(request)  # run at once with other cells (dsconform.harness.batch)
     tol = tolerance("convergence", case.dtype, "sgd", profile.tolerances,
                     accelerator=accelerator)
     curves, problems = check_convergence(case, results, tol)

@@ -2,16 +2,16 @@
 
 Run under a launcher that spans several nodes (torchrun, Slurm's srun, the DeepSpeed launcher):
 every pytest process is one rank of the job and ``run_ranks(..., world_size=None)`` uses the
-job's size (see dsconform/dist.py, external rendezvous). Over the job's ranks, on the node's
+job's size (see dsconform/harness/api.py, external rendezvous). Over the job's ranks, on the node's
 accelerator (nccl on GPUs, gloo on CPUs):
 
 - ZeRO stages 0-3 MUST give DDP's per-step losses, boundary gradients and final parameters
-  within the one tolerance table (``dsconform/tolerances.py``; fp32 SGD bit for bit), the
+  within the one tolerance table (``dsconform/checks/tolerances.py``; fp32 SGD bit for bit), the
   ZeRO suite's check (suites/test_zero.py, suites/zero_ranks.py) with gradients reduced,
   partitioned and gathered over the network;
 - every collective ZeRO uses (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all),
   through deepspeed.comm, MUST return the exact result on known data on every rank
-  (dsconform/collectives.py; the collectives suite's check, suites/collective_ranks.py);
+  (dsconform/checks/collectives.py; the collectives suite's check, suites/collective_ranks.py);
 - bus bandwidth across the nodes is measured (busbw as nccl-tests defines it, GB/s = 1e9 B/s)
   and MUST reach every floor of the profile measured at the job's world size
   (``[[nccl.floors]]`` with ``world_size`` above the GPUs of one node).

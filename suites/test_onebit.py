@@ -5,7 +5,7 @@ so by name.
 
 - ONEBIT-VER-1 (every node): the installed DeepSpeed provides each 1-bit optimizer by name; on
   a CPU machine this is where the CPU tier reports the removal.
-- ONEBIT-REF-1/2 (CPU, every run): the plain-torch reference (dsconform/onebit_reference.py)
+- ONEBIT-REF-1/2 (CPU, every run): the plain-torch reference (dsconform/checks/onebit.py)
   holds its properties for any sizes, world sizes and values hypothesis draws: one bit and one
   scale per message, the scale keeps the norm, worker and server error feedback lose nothing,
   over any number of rounds; and repeated rounds of the same input average to the true mean.
@@ -287,7 +287,7 @@ def test_compressed_allreduce_matches_reference(shape, profile, metrics):
     metrics.record("onebit.allreduce_worker_error_max_abs", worst, unit="1", better="lower",
                    shape=list(shape), rounds=AR_ROUNDS)
     assert not problems, (f"DeepSpeed's compressed allreduce differs from the reference "
-                          f"(dsconform/onebit_reference.py), shape {shape}:\n  "
+                          f"(dsconform/checks/onebit.py), shape {shape}:\n  "
                           + "\n  ".join(problems))
 
 
@@ -321,7 +321,7 @@ def test_compressed_allreduce_cost(numel, profile, metrics):
     assert result["compressed_bytes"] == pytest.approx(expected["compressed"], rel=1e-9), (
         f"DeepSpeed's compressed allreduce put {result['compressed_bytes']:.0f} bytes on the "
         f"wire ({result['calls']}); 1-bit compression of {numel} elements on 2 ranks moves "
-        f"{expected['compressed']:.0f} (dsconform/onebit_reference.py bus_bytes)")
+        f"{expected['compressed']:.0f} (dsconform/checks/onebit.py bus_bytes)")
 
 
 # ------------------------------------------------------------------ training (GPU)

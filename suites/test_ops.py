@@ -46,8 +46,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 @pytest.fixture(scope="module")
 def op_checks(run):
     """Every promised op's check, each in its own child process, started together as their
-    parallel builds (dsconform.opbuild) end: compute ops at once, I/O ops one at a time
-    (dsconform.ops.OpChecks). Their scratch is under --scratch. In a run with a background
+    parallel builds (dsconform.ops.prebuild) end: compute ops at once, I/O ops one at a time
+    (dsconform.ops.checks.OpChecks). Their scratch is under --scratch. In a run with a background
     cell batch the plugin started them after collection (run.op_checks)."""
     if run.op_checks is not None:
         yield run.op_checks
@@ -107,7 +107,7 @@ def test_promised_op(promised_op, report, op_checks, node, metrics, profile, run
     elif not status["compatible"]:
         problems.append(f"ds_report: {promised_op} not compatible: "
                         f"{'; '.join(status['warnings']) or 'no reason printed'}")
-    # The run started every promised op's build in parallel (dsconform.opbuild): wait for this
+    # The run started every promised op's build in parallel (dsconform.ops.prebuild): wait for this
     # one. A failed build is reported from its own result, with the diagnosis.
     build = run.op_builds.wait(promised_op) if run.op_builds is not None else None
     result = None

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from dsconform import detect, gpu_health
+from dsconform.node import detect, gpu_health
 from dsconform.suite import GIB, versions
 
 CAPABILITY = "profile"
@@ -72,8 +72,8 @@ def test_gpus_free_at_start(profile, node):
     passes every capacity check and then leaves training short of memory). Read from NVML
     before this run created any CUDA context."""
     _promised(profile.gpu_count, "gpus.count", profile)
-    from dsconform.dist import external_rendezvous
-    from dsconform.dist_xdist import xdist_worker
+    from dsconform.harness.api import external_rendezvous
+    from dsconform.harness.xdist import xdist_worker
 
     if xdist_worker()[1] > 1 or external_rendezvous():
         pytest.skip("GPU memory at start is only judged in a run of its own (not under -n or a "

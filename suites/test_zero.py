@@ -6,10 +6,11 @@ parameters on stage 3; fp32, bf16, fp16; SGD, torch Adam, DeepSpeed's FusedAdam 
 gradient accumulation 1 and 4; 1, 2 and every GPU) MUST give the losses of every step, the
 gradients at every accumulation boundary (``deepspeed.utils.safe_get_full_grad`` before
 ``engine.step()``) and the final parameters (``safe_get_full_fp32_param``, else
-``deepspeed.zero.GatheredParameters``) that torch DDP gives, within ``dsconform/tolerances.py``;
+``deepspeed.zero.GatheredParameters``) that torch DDP gives, within
+``dsconform/checks/tolerances.py``;
 fp32 SGD bit for bit; bf16 and fp16 also the whole update (final minus initial parameters, as
 one vector) within a norm-relative bound and with a gain within 1% of DDP's. The semantics are
-pinned by ``dsconform.dsconfig.ds_config`` (gradient_clipping 0, Adam not AdamW, no weight
+pinned by ``dsconform.checks.dsconfig.ds_config`` (gradient_clipping 0, Adam not AdamW, no weight
 decay, static fp16 loss scale), and DeepSpeed's own defaults MUST be the ones the suite assumes,
 so an upgrade that moves one is named.
 
@@ -213,7 +214,7 @@ def _plan(params: dict, workdir, run) -> RankCall:
     return case_call(_resolve(params["case"], run.node), params["accelerator"])
 
 
-@batched(_plan)  # the cells run at once where lanes are on (dsconform.batch)
+@batched(_plan)  # the cells run at once where lanes are on (dsconform.harness.batch)
 def test_zero_matches_ddp(accelerator: str, case: ZeroCase, node, profile, metrics, request):
     """ZERO-EQ-1: ZeRO MUST give DDP's per-step losses, boundary gradients and final parameters."""
     case = _resolve(case, node)
@@ -253,5 +254,5 @@ def test_effective_defaults(facts):
     mismatches = defaults_mismatches(ASSUMED_DEFAULTS, found)
     assert not mismatches, (
         f"DeepSpeed {deepspeed.__version__} changed defaults the suite assumes "
-        f"(dsconform/dsconfig.py ASSUMED_DEFAULTS); configs built by ds_config pin them, user "
-        f"configs that omit them now train differently:\n  " + "\n  ".join(mismatches))
+        f"(dsconform/checks/dsconfig.py ASSUMED_DEFAULTS); configs built by ds_config pin them, "
+        f"user configs that omit them now train differently:\n  " + "\n  ".join(mismatches))

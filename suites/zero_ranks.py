@@ -354,7 +354,7 @@ def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0, perturb_from_step: 
     """Rank entry point: DDP trace and DeepSpeed trace of the same run on this rank.
 
     Both traces carry ``init``, the parameters both trainers start from (the whole-update
-    check, ``dsconform.tolerances.Tol.update``).
+    check, ``dsconform.checks.tolerances.Tol.update``).
     ``perturb`` != 1 injects a fault into DeepSpeed's side only (see ``_perturb_backward``);
     so does ``lr_factor`` != 1 (DeepSpeed's optimizer gets ``case.lr * lr_factor``), and
     ``grad_factor`` = (name, f) (that parameter's gradient times f, see ``_scale_gradient``).

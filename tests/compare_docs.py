@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dsconform import records
+from dsconform.results import records
 
 H200 = {"deepspeed": "0.19.6", "torch": "2.11.0", "cuda": "13.0", "nccl": "2.28.9",
         "driver": "580.159.04", "gpu_model": "NVIDIA H200", "gpu_count": 2, "profile": "h200-x2",

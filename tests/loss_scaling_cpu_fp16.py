@@ -276,7 +276,7 @@ def adapter_views() -> dict[str, dict[str, Any]]:
     from deepspeed.runtime.fp16.loss_scaler import CreateLossScaler, LossScaleConfig
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
-    from dsconform.lossscale import read_scaler
+    from dsconform.checks.lossscale import read_scaler
 
     args = {"init_scale": 256, "scale_window": 2, "delayed_shift": 2,
             "consecutive_hysteresis": False, "min_scale": 1}

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.distributed as tdist
 
-from dsconform import dist
+from dsconform.harness import api as dist
 
 
 def rank_and_sum() -> dict:
@@ -178,7 +178,7 @@ def pid_calls_warmed() -> tuple[int, int, bool]:
 
 def warmed_up() -> bool:
     """Whether this rank built dsconform's warm-up engine before its first call."""
-    from dsconform import dist_rank
+    from dsconform.harness import rank as dist_rank
 
     return dist_rank._warmed_up
 

@@ -4,8 +4,8 @@ a settable share of the fleet median even above its floor, count a known upstrea
 merge JUnit XML, write markdown, JSON and a heat map, and refuse bad input (empty folders,
 foreign JSON, a node that appears twice) with one line naming the folder or file.
 
-Node folders are crafted with the plugin's own writers (dsconform.records.document,
-dsconform.summary.summarize), so they have the real format.
+Node folders are crafted with the plugin's own writers (dsconform.results.records.document,
+dsconform.results.summary.summarize), so they have the real format.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from dsconform import aggregate, aggregate_report, records, summary
-from dsconform.known_issues import KNOWN_ISSUES
+from dsconform.gate.known_issues import KNOWN_ISSUES
+from dsconform.results import aggregate, records, summary
+from dsconform.results.render import aggregate as aggregate_report
 
 KI = KNOWN_ISSUES[0]
 BUSBW = "suites/test_collectives.py::test_busbw_floor[all_reduce-1073741824B-8gpu]"

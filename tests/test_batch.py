@@ -1,4 +1,4 @@
-"""Cell batches (dsconform.batch) through the real plugin: every cell keeps its own outcome.
+"""Cell batches (dsconform.harness.batch) through the real plugin: every cell keeps its own outcome.
 
 A small suite of batched cells (a pass, a rank that raises, a unanimous skip, a plan that
 refuses, a cell the gate skips, two that sleep) runs in an in-process pytest session, with two
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsconform import dist
+from dsconform.harness import api as dist
 from tests import rank_fns  # noqa: F401 - imported once, before pytester snapshots sys.modules
 
 SUITE = '''

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dsconform import buildlock
-from dsconform.buildlock import StaleBuildLock, clear_stale, scan
+from dsconform.ops import buildlock
+from dsconform.ops.buildlock import StaleBuildLock, clear_stale, scan
 
 
 def _plant(ext, op="fused_adam", age_s=120.0):
@@ -71,7 +71,8 @@ def test_ranks_start_despite_a_stale_shm_comm_lock(tmp_path, monkeypatch):
     """FINDINGS: a run killed during a JIT build left <op>/lock and every later rank on CPU
     waited in torch's FileBaton until the 300 s startup timeout, with no cause given. The lock
     is planted in the real extensions cache the ranks use; they must start within seconds."""
-    from dsconform import dist, ops
+    from dsconform.harness import api as dist
+    from dsconform.ops import checks as ops
     from tests import rank_fns
 
     ext = ops.ensure_extensions_dir()

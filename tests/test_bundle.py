@@ -23,7 +23,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from dsconform import bundle
+from dsconform.tools import bundle
 
 REPO = Path(__file__).resolve().parent.parent
 ENV_312 = bundle.target_environment("3.12", "manylinux_2_28_x86_64")
@@ -187,7 +187,7 @@ def test_suite_wheel_carries_the_hardware_profiles(tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--target", str(site), str(wheel)], check=True, timeout=300)
-    probe = ("import dsconform.profile as p; "
+    probe = ("import dsconform.profile.schema as p; "
              "print(p.PROFILES_DIR); print(sorted(p.shipped()))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(site)},

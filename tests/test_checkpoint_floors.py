@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dsconform.profile import ProfileError, load
+from dsconform.profile.schema import ProfileError, load
 
 ROOT = Path(__file__).resolve().parent.parent
 CASE = str(ROOT / "suites" / "test_checkpoint.py")

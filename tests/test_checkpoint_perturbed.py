@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsconform.checkpoint_state import judge_load
-from dsconform.dist import run_ranks
-from dsconform.equivalence import Comparison, compare_states
-from dsconform.tolerances import tolerance
+from dsconform.checks.checkpoint_state import judge_load
+from dsconform.checks.equivalence import Comparison, compare_states
+from dsconform.checks.tolerances import tolerance
+from dsconform.harness.api import run_ranks
 from suites import checkpoint_ranks as ranks
 from suites.checkpoint_ranks import CkptCase
 from suites.test_checkpoint import (
@@ -337,7 +337,7 @@ def test_refusal_check_goes_red_when_the_loader_swallows_errors(tmp_path):
 def test_comparison_for_a_damaged_good_checkpoint_fails(tmp_path):
     """The second half of CKPT-CORRUPT-1 (the good checkpoint still loads bit for bit) fails
     when the good checkpoint's own bytes changed: here one flipped bit."""
-    from dsconform.checkpoint_storage import flip_tensor_byte
+    from dsconform.storage.checkpoint import flip_tensor_byte
 
     d = _dir(tmp_path)
     good = run_ranks(ranks.save_good_then_bad, 2, args=(CASE, d), timeout_s=TIMEOUT_S,
@@ -355,7 +355,7 @@ def test_comparison_for_a_damaged_good_checkpoint_fails(tmp_path):
 def test_only_a_refusal_inside_load_checkpoint_is_the_stage_change_limitation():
     """CKPT-STAGE-1's unsupported pairs are strict xfails that only the documented refusal
     satisfies: a rank that died, or an error outside load_checkpoint, still fails."""
-    from dsconform.dist import RankError
+    from dsconform.harness.api import RankError
     from suites.test_checkpoint import refused_on_load
 
     load = 'File "deepspeed/runtime/engine.py", line 4447, in load_checkpoint\n'
@@ -376,8 +376,8 @@ def test_a_crash_is_not_the_flipped_bit_limitation(monkeypatch, tmp_path):
     """CKPT-CORRUPT-2 is a strict xfail that only FlipLoadedSilently satisfies: a rank that
     crashed while saving or loading raises its RankError (an AssertionError, which the old
     raises=AssertionError accepted as the limitation) and so fails the run."""
-    from dsconform.dist import RankError
-    from dsconform.profile import Profile
+    from dsconform.harness.api import RankError
+    from dsconform.profile.schema import Profile
     from suites import test_checkpoint as suite
 
     def crash(*args, **kwargs):

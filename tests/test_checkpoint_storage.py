@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsconform import checkpoint_state as cs
-from dsconform import checkpoint_storage as st
-from dsconform.equivalence import compare_states
-from dsconform.tolerances import Tol, tolerance
+from dsconform.checks import checkpoint_state as cs
+from dsconform.checks.equivalence import compare_states
+from dsconform.checks.tolerances import Tol, tolerance
+from dsconform.storage import checkpoint as st
 
 EXACT = tolerance("checkpoint", "fp32", "adam", accelerator="cpu")
 
@@ -312,7 +312,7 @@ def test_a_master_missing_after_the_load_is_named(mode):
 # ---------------------------------------------------------------------------- ds_config
 
 def _cfg(**kw):
-    from dsconform.dsconfig import ds_config
+    from dsconform.checks.dsconfig import ds_config
 
     base = {"stage": 3, "dtype": "fp32", "optimizer": "adam", "lr": 1e-3, "micro_batch": 4,
             "grad_accum": 1, "world_size": 2}

@@ -18,8 +18,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dsconform import collectives, gpu_health, nccl_env, nccl_tests, profile
-from dsconform.collectives import GIB, MIB
+from dsconform.checks import collectives
+from dsconform.checks.collectives import GIB, MIB
+from dsconform.node import gpu_health, nccl_env, nccl_tests
+from dsconform.profile import schema as profile
 
 # ------------------------------------------------------------------ exact data
 
@@ -406,7 +408,7 @@ def test_header_and_machine_info_show_nccl_settings(pytester, tmp_path, monkeypa
 def test_waits_are_held_to_the_threshold_only_where_a_call_is_long_enough():
     """Microseconds of launch jitter on a 40 us call are recorded, not failed; the same share
     of a 1 ms call fails, naming the rank."""
-    from dsconform.records import MetricsRecorder
+    from dsconform.results.records import MetricsRecorder
     from suites.test_collectives import record_point
 
     ids = gpu_health.identify([{"rank": 0, "device": "cpu"}, {"rank": 1, "device": "cpu"}])

@@ -20,9 +20,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsconform import gpu_health
-from dsconform.dist import run_ranks
-from dsconform.records import MetricsRecorder
+from dsconform.harness.api import run_ranks
+from dsconform.node import gpu_health
+from dsconform.results.records import MetricsRecorder
 from suites import collective_ranks
 from suites.test_collectives import (
     EXACT_SIZES,

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from dsconform import compare, records
 from dsconform.cli import main
+from dsconform.results import compare, records
 from tests.compare_docs import ISSUE, doc, metric, outcome, rate, write
 
 REFERENCE = Path(__file__).parent.parent / "results/reference/h200-x2"
@@ -95,7 +95,7 @@ def test_differing_parameters_are_not_comparable_and_named():
     c = one(base, new, "bw")
     assert c.kind == "not comparable" and "bytes 1073741824 -> 4294967296" in c.detail
     # ...and the summary line counts it: a parameter change cannot hide a metric silently.
-    from dsconform.compare_report import tally
+    from dsconform.results.render.compare import tally
 
     assert tally(compare.compare(base, new)).endswith(
         "; NOT COMPARED: 1 metrics (see 'Not comparable')")

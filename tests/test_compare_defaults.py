@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dsconform import compare
 from dsconform.cli import main
+from dsconform.results import compare
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST = "suites/test_zero.py::test_effective_defaults"

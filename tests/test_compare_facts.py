@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from dsconform import compare, records
+from dsconform.results import compare, records
 
 FACTS_SUITE = '''
 import pytest

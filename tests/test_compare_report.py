@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dsconform import compare, compare_plot, compare_report, records
 from dsconform.cli import main
+from dsconform.results import compare, records
+from dsconform.results.render import compare as compare_report
+from dsconform.results.render import compare_chart as compare_plot
 from tests.compare_docs import ISSUE, doc, metric, outcome, rate, write
 
 GIB = 2**30

@@ -28,12 +28,14 @@ from xml.etree import ElementTree
 
 import pytest
 
-from dsconform import nvme, nvme_io, nvme_xcheck
-from dsconform.dist import RankError, run_ranks
-from dsconform.equivalence import compare_rank_results
-from dsconform.ops import ensure_extensions_dir
-from dsconform.records import MetricsRecorder
-from dsconform.tolerances import tolerance
+from dsconform.checks.equivalence import compare_rank_results
+from dsconform.checks.tolerances import tolerance
+from dsconform.harness.api import RankError, run_ranks
+from dsconform.ops.checks import ensure_extensions_dir
+from dsconform.results.records import MetricsRecorder
+from dsconform.storage import io as nvme_io
+from dsconform.storage import nvme
+from dsconform.storage import xcheck as nvme_xcheck
 from suites import deepnvme_ranks
 from suites.zero_ranks import ZeroCase
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import tomllib
 
-from dsconform import detect, profile, toml_out
-from dsconform.detect import GpuInfo, NodeFacts, NvmeDevice
-from dsconform.session import auto_select, matches, rendezvous_nodes
+from dsconform.node import detect
+from dsconform.node.detect import GpuInfo, NodeFacts, NvmeDevice
+from dsconform.profile import schema as profile
+from dsconform.profile import toml_writer as toml_out
+from dsconform.profile.select import auto_select, matches, rendezvous_nodes
 
 MOUNTS = """\
 /dev/vda / ext4 rw,relatime 0 0
@@ -242,7 +244,7 @@ def test_cgroup_v1_limits_and_affinity(tmp_path):
 def test_gpu_slowdown_reasons_name_the_gpu_and_the_cause():
     """Idle, application clocks and a software power cap are not faults; hardware, thermal and
     power-brake slowdowns are, each named with the GPU's index and bus id."""
-    from dsconform import gpu_health
+    from dsconform.node import gpu_health
 
     fine = [(0, "0000:18:00.0", 0x1), (1, "0000:2a:00.0", 0x2 | 0x4 | 0x10)]
     assert gpu_health.slowdown_problems(fine) == []
@@ -259,7 +261,7 @@ def test_clock_event_reasons_read_through_nvml(monkeypatch):
     import sys
     import types
 
-    from dsconform import gpu_health
+    from dsconform.node import gpu_health
 
     fake = types.SimpleNamespace(
         nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,

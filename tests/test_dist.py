@@ -1,4 +1,4 @@
-"""The rank harness (dsconform.dist) MUST: return per-rank values, fail fast with the failing
+"""The rank harness (dsconform.harness.api) MUST: return per-rank values, fail fast with the failing
 rank's traceback, contain hangs to one call with every rank's stacks, carry pytest skips,
 leave no process behind, split ports and GPUs between xdist workers, and run in-process as
 one rank of a torchrun job. These tests run on a 2-core CPU machine (gloo)."""
@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from dsconform import dist
+from dsconform.harness import api as dist
 
 try:
     from tests import rank_fns  # tests/ is a package: ranks import it by this name too

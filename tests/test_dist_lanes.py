@@ -1,4 +1,4 @@
-"""Lanes (dsconform.dist.run_concurrently): independent calls at once over several pools.
+"""Lanes (dsconform.harness.api.run_concurrently): independent calls at once over several pools.
 
 Run on the CPU accelerator with two lanes forced ("auto" gives one lane on this 2-core machine).
 """
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from dsconform import dist
-from dsconform.dist import RankCall
+from dsconform.harness import api as dist
+from dsconform.harness.api import RankCall
 
 try:
     from tests import rank_fns

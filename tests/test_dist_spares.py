@@ -1,4 +1,4 @@
-"""Standby rank pools (dsconform.dist spares): fresh processes without waiting for them.
+"""Standby rank pools (dsconform.harness.api spares): fresh processes without waiting for them.
 
 Run on the CPU accelerator with spares forced on (on this 2-core machine "auto" leaves them off).
 """
@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from dsconform import dist
+from dsconform.harness import api as dist
 
 try:
     from tests import rank_fns

@@ -1,10 +1,10 @@
-"""dsconform.dsconfig: the one DeepSpeed config builder, and the ZeRO matrix built on it."""
+"""dsconform.checks.dsconfig: the one DeepSpeed config builder, and the ZeRO matrix built on it."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsconform.dsconfig import ASSUMED_DEFAULTS, OPTIMIZERS, defaults_mismatches, ds_config
+from dsconform.checks.dsconfig import ASSUMED_DEFAULTS, OPTIMIZERS, defaults_mismatches, ds_config
 from suites.zero_ranks import OFFLOADS, ZeroCase, matrix
 
 BASE = dict(stage=2, dtype="fp32", optimizer="sgd", lr=0.1, micro_batch=4, grad_accum=1,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsconform.dsreport import parse_ds_report, run_ds_report, shm_bytes, strip_ansi
+from dsconform.ops.dsreport import parse_ds_report, run_ds_report, shm_bytes, strip_ansi
 
 DATA = Path(__file__).parent / "data" / "ds_report"
 CAPTURES = sorted(DATA.glob("*.txt"))

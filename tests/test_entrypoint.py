@@ -29,7 +29,7 @@ def test_entry_point_is_registered():
     from importlib.metadata import entry_points
 
     eps = {ep.name: ep.value for ep in entry_points(group="pytest11")}
-    assert eps.get("dsconform") == "dsconform.pytest_options"
+    assert eps.get("dsconform") == "dsconform.plugin.options"
 
 
 def test_unrelated_project_sees_no_trace_of_the_plugin(tmp_path):

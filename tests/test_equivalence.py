@@ -1,4 +1,5 @@
-"""dsconform.equivalence with plain tensors: what counts as equal, and what a failure says."""
+"""dsconform.checks.equivalence with plain tensors: what counts as equal, and what a failure
+says."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import math
 import pytest
 import torch
 
-from dsconform.equivalence import Comparison, compare_traces, tensor_difference
-from dsconform.tolerances import Tol
+from dsconform.checks.equivalence import Comparison, compare_traces, tensor_difference
+from dsconform.checks.tolerances import Tol
 
 EXACT = Tol(0.0, 0.0, "bit-exact")
 LOOSE = Tol(1e-3, 1e-6, "loose for the test")
@@ -193,8 +194,8 @@ def test_inf_loss_fails():
 
 # ------------------------------------------------------------------ the tolerance table
 
-from dsconform import tolerances  # noqa: E402
-from dsconform.tolerances import known_tolerance_keys, tolerance  # noqa: E402
+from dsconform.checks import tolerances  # noqa: E402
+from dsconform.checks.tolerances import known_tolerance_keys, tolerance  # noqa: E402
 
 
 def test_table_covers_every_matrix_cell_with_a_reason():
@@ -422,7 +423,7 @@ STEP = tolerances.Tol(0.0, 0.0, "test", update=0.01, gain=0.01)
 
 
 def test_compare_update_passes_the_same_step_and_fails_a_scaled_one():
-    from dsconform.equivalence import compare_update
+    from dsconform.checks.equivalence import compare_update
 
     before, after = _params(0.0, 1.0, 2.0), _params(0.1, 0.8, 2.3)
     assert compare_update(before, after, before, after, STEP, step=3).ok
@@ -436,7 +437,7 @@ def test_compare_update_passes_the_same_step_and_fails_a_scaled_one():
 def test_compare_update_measures_from_each_side_own_start():
     """The candidate and the reference may start apart (the candidate's previous step): only
     each side's own move is compared."""
-    from dsconform.equivalence import compare_update
+    from dsconform.checks.equivalence import compare_update
 
     cmp = compare_update(_params(1.0, 1.0), _params(1.5, 0.5), _params(0.0, 0.0),
                          _params(0.5, -0.5), STEP, step=0)
@@ -451,7 +452,7 @@ def test_compare_update_measures_from_each_side_own_start():
     ("no_bounds", "bounds no update"),
 ])
 def test_compare_update_problems_never_pass(case, problem):
-    from dsconform.equivalence import compare_update
+    from dsconform.checks.equivalence import compare_update
 
     before, after = _params(0.0, 1.0), _params(0.5, 1.5)
     tol, cand_after, ref_after = STEP, after, after

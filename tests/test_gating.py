@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsconform import gating
-from dsconform.profile import NvmePath, Profile
+from dsconform.gate import requires as gating
+from dsconform.profile.schema import NvmePath, Profile
 from tests.test_detect import fake_node
 
 H200X2 = Profile(name="h200-x2", source="t", gpu_count=2, bf16=True, nccl_min_version="2.21",
@@ -108,9 +108,9 @@ def test_accel_params_mark_cuda_only():
 def test_a_gpu_promise_on_a_node_whose_torch_lost_its_gpus_names_both_counts(monkeypatch):
     """Seen on 2xH200 with CUDA_VISIBLE_DEVICES='': "expected 2 GPUs, found 0" read like a CPU
     machine; the failure now says the GPUs are there and torch cannot use them."""
-    from dsconform.detect import GpuHardware
-    from dsconform.gating import evaluate
-    from dsconform.profile import from_data
+    from dsconform.gate.requires import evaluate
+    from dsconform.node.detect import GpuHardware
+    from dsconform.profile.schema import from_data
     from tests.test_detect import fake_node
 
     node = fake_node(0)

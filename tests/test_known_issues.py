@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from dsconform import known_issues
-from dsconform.known_issues import KnownIssue, check_registry, issues_for
+from dsconform.gate import known_issues
+from dsconform.gate.known_issues import KnownIssue, check_registry, issues_for
 
 Z0 = "test_zero.py::test_zero_matches_ddp[cuda-z0-off_none-fp16-sgd-gas1-ws2]"
 Z2 = "test_zero.py::test_zero_matches_ddp[cuda-z2-off_none-fp16-sgd-gas1-ws2]"
@@ -101,7 +101,7 @@ def test_a_fixed_build_makes_the_strict_xfail_fail_and_says_so(pytester, tmp_pat
 def test_only_the_issues_own_failure_counts_as_it():
     """A known issue expects an assertion worded as its failure; a rank that crashed (its error
     comes back as an AssertionError subclass), a hang, a NaN or another error is not it."""
-    from dsconform.dist import RankError, RankTimeout
+    from dsconform.harness.api import RankError, RankTimeout
 
     ki = known_issues.by_id("DS-8393-Z0-FP16-UNSCALED")
     seen = ("cuda-z0-off_none-fp16-sgd-gas1-ws1: first diverging step 0: step 0, grad of "
@@ -128,7 +128,7 @@ def test_only_the_issues_own_failure_counts_as_it():
 
 FAKE_ZERO_OTHER_FAILURES = '''
 import pytest
-from dsconform.dist import RankError, RankTimeout
+from dsconform.harness.api import RankError, RankTimeout
 
 @pytest.mark.parametrize("cell", ["cuda-z0-off_none-fp16-sgd-gas1-ws1",
                                   "cuda-z0-off_none-fp16-adam-gas1-ws1",

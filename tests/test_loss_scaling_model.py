@@ -1,4 +1,5 @@
-"""dsconform.lossscale: the reference model and the adapter's dispatch (pure logic, no ranks);
+"""dsconform.checks.lossscale: the reference model and the adapter's dispatch (pure logic, no
+ranks);
 the loss-scaling arguments of ds_config; the suite's tiers."""
 
 from __future__ import annotations
@@ -7,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from dsconform.dsconfig import ds_config
-from dsconform.lossscale import ScalerModel, ScalerSettings, read_scaler
-from dsconform.tiers import uncovered_pairs
+from dsconform.checks.dsconfig import ds_config
+from dsconform.checks.lossscale import ScalerModel, ScalerSettings, read_scaler
+from dsconform.gate.tiers import uncovered_pairs
 from suites.loss_scaling_ranks import INJECTIONS, SCALERS, ScalingCase
 from suites.test_loss_scaling import (
     ACCEPTANCE_AXES,
@@ -203,7 +204,7 @@ def test_check_engine_run_names_rank_step_and_what_differs():
 
 
 def test_check_convergence_is_two_sided():
-    from dsconform.tolerances import Tol
+    from dsconform.checks.tolerances import Tol
 
     tol = Tol(0.1, 0.0, "test")
     case = SimpleNamespace(dtype="fp16", steps=20)

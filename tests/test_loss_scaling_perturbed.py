@@ -28,8 +28,8 @@ import re
 
 import pytest
 
-from dsconform.dist import run_ranks
-from dsconform.tolerances import tolerance
+from dsconform.checks.tolerances import tolerance
+from dsconform.harness.api import run_ranks
 from suites.loss_scaling_ranks import CurveCase, ScalingCase
 from suites.test_loss_scaling import (
     TIMEOUT_S,

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import psutil
 
-from dsconform.dist import free_port
+from dsconform.harness.api import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT_TIMEOUT_S = 480  # generous: other engineers' tests share the two cores

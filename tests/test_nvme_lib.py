@@ -1,4 +1,5 @@
-"""The DeepNVMe library's own logic (dsconform.nvme, nvme_xcheck, nvme_tune, the nvme parts of
+"""The DeepNVMe library's own logic (dsconform.storage.nvme, nvme_xcheck, nvme_tune, the nvme parts
+of
 ds_config and the profile schema): path checks that must refuse before writing, page-cache
 measurement, the aio block the runtime reads, fio/dd parsing, the sweep's order and CLI.
 
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from dsconform import nvme, nvme_tune, nvme_xcheck
-from dsconform.dsconfig import ds_config
-from dsconform.profile import ProfileError, from_data
-from dsconform.tiers import uncovered_pairs
+from dsconform.checks.dsconfig import ds_config
+from dsconform.gate.tiers import uncovered_pairs
+from dsconform.profile.schema import ProfileError, from_data
+from dsconform.storage import nvme
+from dsconform.storage import tune as nvme_tune
+from dsconform.storage import xcheck as nvme_xcheck
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20
@@ -235,7 +238,7 @@ def test_ds_config_writes_zero_infinity_sections():
             (dict(nvme_path="/x"), "applies to offload_device='nvme' only"),
             (dict(offload_device="disk"), "must be 'cpu' or 'nvme'"),
             (dict(offload_device="nvme", offload_optimizer=True, nvme_path="/x",
-                  aio={"num_threads": 8}), "must be a dsconform.nvme.AioSettings")):
+                  aio={"num_threads": 8}), "must be a dsconform.storage.nvme.AioSettings")):
         with pytest.raises(ValueError, match=message):
             ds_config(**base, **extra)
 

@@ -4,7 +4,7 @@ exist for.
 DeepSpeed's 1-bit optimizers need GPUs, cupy and DeepSpeed <= 0.19.6, none of which this machine
 has, so the suite's own test functions run here on rank results shaped like the ones
 suites/onebit_ranks.py returns (curves and flags as measured on the CPU stand-in, see
-dsconform/tolerances.py), once as they should be and once with one defect each. The real runs
+dsconform/checks/tolerances.py), once as they should be and once with one defect each. The real runs
 happen on the GPU node; what is checked here is that the suite would notice.
 """
 
@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from dsconform.profile import Profile
-from dsconform.records import MetricsRecorder
+from dsconform.profile.schema import Profile
+from dsconform.results.records import MetricsRecorder
 from suites import test_onebit as suite
 
 PROFILE = Profile(name="t", source="t", gpu_count=2)
@@ -228,7 +228,7 @@ def test_lamb_convergence_bound_is_below_its_baseline():
     """1-bit LAMB ends near 0.1x its uncompressed baseline (2xH200 fp16 0.104; stand-in
     0.07-0.17): a run at 0.6x, six times worse, MUST fail; one at 0.3x passes. 1-bit Adam's
     fp16 bound holds 1.64 (measured) and fails 3.2."""
-    from dsconform.tolerances import tolerance
+    from dsconform.checks.tolerances import tolerance
     from suites.test_onebit import within_ratio
 
     for dtype in ("fp32", "fp16"):
@@ -244,7 +244,7 @@ def test_wire_count_sees_torch_distributed_whoever_calls_it():
     """ONEBIT-COMM-1's byte count sits on torch.distributed: a collective called straight on
     torch.distributed (which a count on deepspeed.comm alone never saw) is counted like one
     through deepspeed.comm, and an object collective it has no bus factor for is named."""
-    from dsconform import dist
+    from dsconform.harness import api as dist
     from tests import rank_fns
 
     results = dist.run_ranks(rank_fns.wire_count, 2, timeout_s=120, accelerator="cpu")

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from dsconform import gating, removed, versions
-from dsconform.dsconfig import ds_config
-from dsconform.profile import PROFILES_DIR, Profile, from_data, validate_data
+from dsconform.checks.dsconfig import ds_config
+from dsconform.gate import removed, versions
+from dsconform.gate import requires as gating
+from dsconform.profile.schema import PROFILES_DIR, Profile, from_data, validate_data
 from tests.test_detect import fake_node
 
 ROOT = Path(__file__).resolve().parent.parent

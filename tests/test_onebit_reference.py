@@ -1,4 +1,4 @@
-"""The 1-bit reference (dsconform/onebit_reference.py) and the onebit suite's checks built on it.
+"""The 1-bit reference (dsconform/checks/onebit.py) and the onebit suite's checks built on it.
 
 The suite's property tests (ONEBIT-REF-1/2) must go red when the reference loses what error
 feedback exists for: each perturbation below breaks the real reference module (monkeypatched
@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from dsconform import onebit_reference as ref
-from dsconform.tolerances import tolerance
+from dsconform.checks import onebit as ref
+from dsconform.checks.tolerances import tolerance
 from suites import onebit_ranks
 from suites import test_onebit as suite
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsconform.opbuild import ParallelBuilds
+from dsconform.ops.prebuild import ParallelBuilds
 
 
 def test_parallel_builds_report_each_op():
@@ -31,7 +31,7 @@ def test_a_build_that_prints_more_than_a_pipe_holds_still_finishes_unread(monkey
     output fills the pipe (compiler warnings) must not stop there, holding the extension lock."""
     import time
 
-    from dsconform import opbuild
+    from dsconform.ops import prebuild as opbuild
 
     child = ("import json, sys\n"
              "sys.stdout.write('warning: something\\n' * 60000)\n"  # about 1.2 MB
@@ -69,7 +69,7 @@ def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
 
     import pytest
 
-    from dsconform.gating import requires
+    from dsconform.gate.requires import requires
     from fixtures.plugin import ops_to_build
 
     items = [_Item("suites/test_ops.py"),

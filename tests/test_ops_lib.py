@@ -1,4 +1,5 @@
-"""dsconform.ops and dsconform.opdiag: the extensions cache, real op builds and loads on this
+"""dsconform.ops.checks and dsconform.ops.diagnose: the extensions cache, real op builds and loads
+on this
 machine, the functional checks with real data, and the diagnosis of real build failures.
 
 Ops build once into the stable cache (`extensions_dir()`); the first run on a machine pays the cold
@@ -21,9 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from dsconform import ops
-from dsconform.opdiag import LIBAIO_FIX, Diagnosis, diagnose, first_compiler_error, format_failure
-from dsconform.ops import (
+from dsconform.ops import checks as ops
+from dsconform.ops.checks import (
     OpLoad,
     OpUnavailable,
     check_async_io,
@@ -36,6 +36,13 @@ from dsconform.ops import (
     environment_key,
     extensions_dir,
     load_op,
+)
+from dsconform.ops.diagnose import (
+    LIBAIO_FIX,
+    Diagnosis,
+    diagnose,
+    first_compiler_error,
+    format_failure,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +78,7 @@ def test_extensions_dir_is_keyed_by_environment(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_extensions_dir_does_not_import_torch() -> None:
-    code = ("import sys; from dsconform.ops import extensions_dir; extensions_dir(); "
+    code = ("import sys; from dsconform.ops.checks import extensions_dir; extensions_dir(); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True)
@@ -386,7 +393,7 @@ def test_check_op_dispatch(tmp_path: Path) -> None:
 
 def _load_in_subprocess(name: str, env: dict[str, str], prefix: list[str] | None = None,
                         timeout: int = 900) -> dict:
-    code = ("import json, sys\nfrom dsconform.ops import load_op\nr = load_op(sys.argv[1])\n"
+    code = ("import json, sys\nfrom dsconform.ops.checks import load_op\nr = load_op(sys.argv[1])\n"
             "print('DSCONFORM-RESULT ' + json.dumps({**r.summary(), 'log_tail': r.log_tail}))")
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
     proc = subprocess.run([*(prefix or []), sys.executable, "-c", code, name], env=env, cwd=REPO,
@@ -497,7 +504,7 @@ class _FakeCheck:
 
 
 def test_op_checks_start_compute_ops_together_and_io_ops_one_at_a_time(tmp_path):
-    from dsconform.ops import OpChecks
+    from dsconform.ops.checks import OpChecks
 
     log = []
 
@@ -520,7 +527,7 @@ def test_op_checks_start_compute_ops_together_and_io_ops_one_at_a_time(tmp_path)
 
 
 def test_op_checks_never_wait_for_a_build_before_their_op_is_asked_for(tmp_path):
-    from dsconform.ops import OpChecks
+    from dsconform.ops.checks import OpChecks
 
     log, done = [], {"fused_adam": False, "cpu_adam": True}
 
@@ -544,7 +551,7 @@ def test_a_disk_op_check_waiting_for_the_one_before_reads_its_output(tmp_path, m
     pipe holds must not hang that wait."""
     import threading
 
-    from dsconform import ops
+    from dsconform.ops import checks as ops
 
     monkeypatch.setattr(ops, "_CHILD", "import sys; sys.stdout.write('x' * 1_000_000)\n")
     checks = ops.OpChecks(["async_io", "gds"], device="cpu", scratch_root=tmp_path)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 SUITE = '''
 import pytest
-from dsconform.gating import requires
+from dsconform.gate.requires import requires
 
 CAPABILITY = "demo"
 
@@ -255,7 +255,7 @@ def test_a_killed_run_does_not_leave_the_previous_summary_for_aggregate(tmp_path
     the node as unfinished instead of reading last night's passing summary as this run's."""
     import signal
 
-    from dsconform import aggregate
+    from dsconform.results import aggregate
 
     out = tmp_path / "results"
     (tmp_path / "test_ok.py").write_text("def test_a(): pass\n")

@@ -6,8 +6,8 @@ import tomllib
 
 import pytest
 
-from dsconform import profile
 from dsconform.cli import main
+from dsconform.profile import schema as profile
 
 MINIMAL = """
 [profile]
@@ -115,9 +115,9 @@ def test_resolve_names_and_unknown():
 
 def test_tolerance_overrides_need_a_reason(tmp_path):
     try:
-        from dsconform.tolerances import known_tolerance_keys
+        from dsconform.checks.tolerances import known_tolerance_keys
     except ImportError:
-        pytest.skip("dsconform.tolerances not present")
+        pytest.skip("dsconform.checks.tolerances not present")
     key = sorted(known_tolerance_keys())[0]
     ok = MINIMAL + f'[tolerances."{key}"]\nrtol = 0.1\nwhy = "measured"\n'
     assert profile.load(write(tmp_path, ok)).tolerances[key]["rtol"] == 0.1

@@ -7,7 +7,8 @@ import tomllib
 
 import pytest
 
-from dsconform import records, toml_out
+from dsconform.profile import toml_writer as toml_out
+from dsconform.results import records
 
 
 def test_stats_of_samples():

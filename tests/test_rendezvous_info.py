@@ -3,7 +3,7 @@ a torchrun or Slurm job (what `dsconform aggregate` groups rank folders by), and
 
 from __future__ import annotations
 
-from dsconform.session import rendezvous_info
+from dsconform.profile.select import rendezvous_info
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "16", "LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8",
             "MASTER_ADDR": "gpu-a01", "MASTER_PORT": "29400", "GROUP_RANK": "0"}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dsconform.records import Outcome
-from dsconform.summary import case_id, group, lines, reason_key, summarize
+from dsconform.results.records import Outcome
+from dsconform.results.summary import case_id, group, lines, reason_key, summarize
 
 ZERO = "suites/test_zero.py::test_zero_matches_ddp"
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from dsconform import versions
-from dsconform.gating import evaluate
-from dsconform.profile import from_data
+from dsconform.gate import versions
+from dsconform.gate.requires import evaluate
+from dsconform.profile.schema import from_data
 from tests.test_detect import fake_node
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 
-from dsconform.dist import run_ranks
-from dsconform.equivalence import compare_rank_results
-from dsconform.tolerances import tolerance
+from dsconform.checks.equivalence import compare_rank_results
+from dsconform.checks.tolerances import tolerance
+from dsconform.harness.api import run_ranks
 from suites.zero_ranks import ZeroCase, train_zero_and_ddp
 
 CASE = ZeroCase(stage=3, dtype="fp32", optimizer="sgd", grad_accum=1, world_size=2, steps=8)

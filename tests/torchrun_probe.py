@@ -15,7 +15,7 @@ sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repo root (dsconform) and te
 
 import rank_fns  # noqa: E402
 
-from dsconform import dist  # noqa: E402
+from dsconform.harness import api as dist  # noqa: E402
 
 
 def main(out_dir: str) -> None:

@@ -1,0 +1,340 @@
+"""Code that runs inside a rank: the spawned rank's main loop and the helpers tests call there.
+
+Nothing here imports torch or deepspeed at module level: a spawned rank imports this module
+first, and DS_ACCELERATOR, CUDA_VISIBLE_DEVICES and the rendezvous variables must be in its
+environment before deepspeed picks an accelerator.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import gc
+import importlib
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    import torch
+
+#: Variables the harness sets per rank; the parent's environment never overrides them.
+RANK_OWNED_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE",
+                            "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES"})
+#: The signal the parent sends to make a hung rank write its Python stacks.
+STACK_DUMP_SIGNAL = signal.SIGUSR1
+
+# Set once per process when it becomes a rank ("cuda" or "cpu").
+_accelerator: str | None = None
+# Whether this rank built a warm-up engine before its first call (warm_up).
+_warmed_up = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers for code running inside ranks
+# ---------------------------------------------------------------------------------------------
+
+def _require_dist() -> Any:
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialised here: call this inside a function run by "
+            "dsconform.harness.api.run_ranks"
+        )
+    return tdist
+
+
+def rank() -> int:
+    """This process's global rank."""
+    return _require_dist().get_rank()
+
+
+def world() -> int:
+    """Number of ranks in the job."""
+    return _require_dist().get_world_size()
+
+
+def device() -> torch.device:
+    """The device this rank computes on: cuda:<local rank> under nccl, else cpu."""
+    import torch
+
+    _require_dist()
+    if _accelerator == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def seed_everything(seed: int, per_rank: bool = False) -> int:
+    """Seed python, numpy (if installed), torch and CUDA; returns the seed used.
+
+    Identical on all ranks unless per_rank=True, which adds the rank so ranks draw different data.
+    """
+    import random
+
+    import torch
+
+    if per_rank:
+        seed += rank()
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        pass
+    else:
+        numpy.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    return seed
+
+
+def gather(obj: Any) -> list:
+    """Every rank's `obj`, indexed by rank, returned on every rank (all_gather_object)."""
+    tdist = _require_dist()
+    gathered: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def all_agree(ok: bool, message: str) -> None:
+    """Collective assertion: if any rank is not ok, every rank raises with the failing messages.
+
+    A plain `assert` on one rank would leave its peers blocked in their next collective until
+    the call times out; here all ranks learn the verdict together and fail together.
+    """
+    verdicts = gather((bool(ok), str(message)))
+    failing = [(index, text) for index, (good, text) in enumerate(verdicts) if not good]
+    if failing:
+        lines = "\n".join(f"  rank {index}: {text}" for index, text in failing)
+        raise AssertionError(f"{len(failing)} of {len(verdicts)} ranks failed:\n{lines}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Outcomes: what one rank reports about one call (shared by spawned and external ranks)
+# ---------------------------------------------------------------------------------------------
+
+def _skip_reason(exc: BaseException) -> str | None:
+    # pytest is never imported here: if fn called pytest.skip, pytest is already loaded.
+    outcomes = sys.modules.get("_pytest.outcomes")
+    if outcomes is not None and isinstance(exc, outcomes.Skipped):
+        return str(exc.msg) if getattr(exc, "msg", None) is not None else str(exc)
+    return None
+
+
+def _error_outcome(exc: BaseException) -> tuple:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return ("error", type(exc).__name__, str(exc), text)
+
+
+def call_outcome(fn: Any, args: tuple, kwargs: dict) -> tuple:
+    """Run fn and describe the result as a picklable tuple: ok / skip / error."""
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - SystemExit and pytest outcomes are reported too
+        reason = _skip_reason(exc)
+        if reason is not None:
+            return ("skip", reason)
+        return _error_outcome(exc)
+    return ("ok", value)
+
+
+def picklable_outcome(outcome: tuple) -> tuple:
+    """The outcome itself, or an error saying the return value cannot travel to the parent."""
+    try:
+        pickle.dumps(outcome)
+    except Exception as exc:  # noqa: BLE001 - any pickling failure means the same thing here
+        return ("error", type(exc).__name__,
+                f"the value returned by fn cannot be pickled ({exc}); return plain data", "")
+    return outcome
+
+
+# ---------------------------------------------------------------------------------------------
+# The spawned rank
+# ---------------------------------------------------------------------------------------------
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """If the pytest process is SIGKILLed its atexit cleanup never runs: the ranks must leave
+    by themselves instead of holding GPUs and ports forever."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) == 0:
+            if os.getppid() != parent_pid:  # the parent died before prctl took effect
+                os._exit(70)
+            # The kernel kills us, so no watcher thread clutters the stack dumps. The signal
+            # follows the parent *thread*: a pool started from a thread that then ends dies
+            # with it, and the next call sees a dead pool and respawns.
+            return
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(70)
+
+    threading.Thread(target=watch, daemon=True, name="dsconform-orphan-watch").start()
+
+
+def _reply(conn: Connection, obj: Any) -> None:
+    """Send obj to the parent as plain pickle bytes. Connection.send pickles with the
+    multiprocessing ForkingPickler, for which torch registers its tensor reductions: a CPU
+    tensor then travels as a shared-memory file descriptor, and every tensor the parent keeps
+    holds one open. A cell batch keeps every cell's results until its test reads them: the
+    nightly batch on 2xH200 (712 cells) ran out of descriptors ("received 0 items of
+    ancdata"). Plain pickle copies the bytes instead."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _flush_and_exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not block the exit
+            pass
+    # os._exit: interpreter teardown can block in gloo/NCCL destructors waiting on dead peers.
+    os._exit(code)
+
+
+def _restore(environ: dict, cwd: str, default_dtype: Any, grad_enabled: bool) -> None:
+    import torch
+
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    try:
+        os.chdir(cwd)
+    except OSError:
+        pass
+    torch.set_default_dtype(default_dtype)
+    torch.set_grad_enabled(grad_enabled)
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def warm_up() -> None:
+    """Build, step and destroy a tiny ZeRO-2 engine, so that the first engine a test builds in
+    this process does not pay for what DeepSpeed and torch set up lazily on first use (about 4 s
+    of a 6 s first ZeRO call on the 2-core CPU machine; the first call of a fresh pool took
+    12 s on 2xH200). Standby ranks do it while nobody waits for them (dsconform.harness.api)."""
+    import logging
+
+    import deepspeed
+    import torch
+    from deepspeed.utils import logger
+
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        dev = device()
+        model = torch.nn.Linear(4, 4).to(dev)
+        config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+                  "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config)
+        engine.backward(engine(torch.ones(1, 4, device=dev)).sum())
+        engine.step()
+        engine.destroy()
+        del engine, model
+    finally:
+        logger.setLevel(level)
+        gc.collect()
+
+
+def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, stack_path: str,
+              accelerator: str, pg_timeout_s: float, parent_pid: int,
+              warm: bool = False) -> None:
+    """Entry point of a spawned rank: initialise once (warm: and warm_up()), then run tasks until
+    told to stop."""
+    global _accelerator, _warmed_up
+    # Own process group: the parent kills the rank together with anything it started
+    # (compiler jobs of a JIT build, DataLoader workers).
+    os.setpgrp()
+    os.environ.update(env)
+    try:
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - a replaced stdout may not support it
+        pass
+    stack_file = open(stack_path, "w")  # noqa: SIM115 - must stay open for the signal handler
+    # Fatal signals (segfault) and the parent's timeout signal both write every thread's stack.
+    faulthandler.enable(file=stack_file, all_threads=True)
+    faulthandler.register(STACK_DUMP_SIGNAL, file=stack_file, all_threads=True, chain=False)
+    _exit_when_orphaned(parent_pid)
+
+    try:
+        import deepspeed  # imported once per rank process: ~1.2 s that pooled calls do not repay
+        import torch
+        from deepspeed.accelerator import get_accelerator
+
+        chosen = get_accelerator().device_name()
+        if chosen != accelerator:
+            raise RuntimeError(
+                f"deepspeed picked accelerator {chosen!r} in this rank, not {accelerator!r}: "
+                "it was "
+                "imported before DS_ACCELERATOR was set, most likely by the __main__ module that "
+                "spawn re-imports; import deepspeed inside functions or under "
+                "`if __name__ == '__main__':` there")
+        if accelerator == "cuda":
+            torch.cuda.set_device(rank_index)
+        deepspeed.init_distributed(dist_backend="nccl" if accelerator == "cuda" else "gloo",
+                                   timeout=timedelta(seconds=pg_timeout_s), verbose=False)
+        _accelerator = accelerator
+        if warm:
+            warm_up()
+            _warmed_up = True
+        # torch and deepspeed leave ~200k long-lived objects; freezing them keeps the full
+        # gc.collect() after each call at milliseconds instead of ~0.1 s.
+        gc.collect()
+        gc.freeze()
+        _reply(conn, ("ready", os.getpid()))
+    except BaseException as exc:  # noqa: BLE001 - the parent must hear why startup failed
+        try:
+            _reply(conn, _error_outcome(exc))
+        finally:
+            _flush_and_exit(1)
+
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            _flush_and_exit(0)
+        if not payload:  # the parent's stop message
+            _flush_and_exit(0)
+        environ, cwd = dict(os.environ), os.getcwd()
+        default_dtype, grad_enabled = torch.get_default_dtype(), torch.is_grad_enabled()
+        parent_path, (env_changed, env_removed), call = pickle.loads(payload)
+        # Modules collected after this rank started (new sys.path entries) must import too.
+        sys.path[:] = list(parent_path) + [p for p in sys.path if p not in parent_path]
+        for name in env_removed:
+            os.environ.pop(name, None)
+        os.environ.update(env_changed)
+        try:
+            try:
+                fn, args, kwargs = pickle.loads(call)
+            except ImportError:
+                importlib.invalidate_caches()  # a module file written after the rank started
+                fn, args, kwargs = pickle.loads(call)
+        except BaseException as exc:  # noqa: BLE001 - e.g. fn's module does not import here
+            outcome = _error_outcome(exc)
+        else:
+            outcome = call_outcome(fn, args, kwargs)
+            del fn, args, kwargs
+        try:
+            _reply(conn, outcome)
+        except Exception:  # noqa: BLE001 - e.g. an unpicklable return value
+            _reply(conn, picklable_outcome(outcome))
+        del outcome
+        # After the reply, so back-to-back calls overlap this with the parent's bookkeeping.
+        _restore(environ, cwd, default_dtype, grad_enabled)

@@ -1,0 +1,83 @@
+"""The state of one suite run, as the plugin sets it up and the suites read it.
+
+``run_state(config)`` is how a suite's ``pytest_generate_tests`` reaches the profile, the node,
+the scratch and results directories (fixtures cover everything else). The plugin owns the
+object; suites only read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsconform.node.detect import NodeFacts
+from dsconform.profile.schema import Profile
+from dsconform.profile.select import Selection
+from dsconform.results import records
+
+STATE = pytest.StashKey["RunState"]()
+
+
+@dataclass
+class RunState:
+    selection: Selection
+    scratch: Path
+    scratch_is_temp: bool
+    results: Path | None
+    started: str
+    outcomes: list[records.Outcome] = field(default_factory=list)
+    metrics: list[records.Metric] = field(default_factory=list)
+    op_cache: dict[str, bool | None] = field(default_factory=dict)
+    multinode: bool = False
+    notices: list[str] = field(default_factory=list)  # printed in the header and the summary
+    known_issue_cases: dict[str, str] = field(default_factory=dict)  # nodeid -> issue id
+    facts: list[records.Fact] = field(default_factory=list)  # `facts` fixture, for compare
+    # The promised ops' builds, started in parallel after collection (dsconform.ops.prebuild).
+    op_builds: Any = None
+    # With a background cell batch: the ops suite's checks (dsconform.ops.checks.OpChecks) and its
+    # ds_report (a concurrent.futures.Future of the text), started after collection too.
+    op_checks: Any = None
+    ds_report: Any = None
+
+    @property
+    def node(self) -> NodeFacts:
+        return self.selection.node
+
+    @property
+    def profile(self) -> Profile:
+        return self.selection.profile
+
+    @functools.cached_property
+    def gate_node(self) -> NodeFacts:
+        """The node as one xdist worker sees it: only its slice of the GPUs. Promises are
+        checked against the whole node; gates against what this worker can use."""
+        node = self.selection.node
+        if not node.gpus or "PYTEST_XDIST_WORKER" not in os.environ:
+            return node
+        from dsconform.harness.xdist import InsufficientGPUs, worker_gpus
+        try:
+            n = len(worker_gpus())
+        except InsufficientGPUs as e:
+            n = e.available
+        return dataclasses.replace(node, gpus=node.gpus[:n])
+
+
+def run_state(config: pytest.Config) -> RunState:
+    """This run's state; a clear error when the suite runs without the dsconform plugin."""
+    state = config.stash.get(STATE, None)
+    if state is None:
+        raise RuntimeError("the dsconform plugin is not active: run the suite from its checkout "
+                           "(its conftest.py loads fixtures/plugin.py)")
+    return state
+
+
+def describe(state: RunState) -> dict[str, Any]:
+    """JSON-friendly description of the profile in force and how it was chosen."""
+    return {"name": state.profile.name, "source": state.profile.source,
+            "how": state.selection.how}

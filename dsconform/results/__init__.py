@@ -1,0 +1,1 @@
+"""Results: records in one format, the summary, comparisons, cluster aggregation and their rendering."""

@@ -1,0 +1,502 @@
+"""Many nodes' results into one cluster answer: ``dsconform aggregate DIR...``.
+
+A nightly acceptance run leaves one ``--results`` folder per node under a shared directory
+(``$SHARED/nightly/$(hostname)``: summary.json, benchmarks.json, junit.xml, records.jsonl), and,
+for the multi-node tier, one folder per rank. This module reads them and answers:
+
+- **which nodes failed, and why** (the failure groups of each node's summary; a run that did
+  not finish, found by records.jsonl without summary.json; a pytest exit status that is not 0);
+- **a matrix of nodes by capabilities** (passed / failed / skipped per suite);
+- **outliers**: a node whose performance metric is below ``outlier_pct`` percent of the fleet
+  median, even when it is above the floor the profile enforces. Direction-aware: a rate (GB/s,
+  read from ``extra_info.rate``, dsconform/results/records.py) below the median, a time above it. Only
+  performance metrics (records.PERFORMANCE_UNITS and rates) take part; a ZeRO-vs-DDP difference
+  of 1e-7 against a median of 0 is not an outlier but a tolerance question;
+- **known upstream issues** (dsconform/gate/known_issues.py) once each, with the nodes they were hit
+  on and the number of cases, never once per node;
+- **jobs**: folders whose run was a rank of a torchrun/Slurm rendezvous (summary.json
+  ``rendezvous``) are grouped by job, never counted as nodes; a failing multi-node job names no
+  node, a failing job on one node names that node (by hostname);
+- the Slurm commands that would drain the failing nodes. They are printed, never run: draining
+  is a decision for a person.
+
+A node is named by its folder (the recipes name it after the node: ``$(hostname)``, Slurm's
+``$SLURMD_NODENAME``); that name is what the drain command uses. Bad input is an
+AggregateInputError naming the folder or file and what to do: an empty folder, a JSON file that
+is not this suite's, a node that appears twice.
+
+Outputs (dsconform/results/render/aggregate.py, dsconform/results/render/aggregate_chart.py): markdown, JSON, merged
+JUnit XML and a PNG heat map of nodes by metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsconform.results import compare
+from dsconform.results import records
+from dsconform.results import summary
+
+#: Files that make a folder a node's results folder (what the plugin writes under --results).
+RESULT_FILES = ("summary.json", "benchmarks.json", "records.jsonl")
+#: The marker of aggregate's own output folder, which may sit beside the node folders.
+FORMAT = "dsconform-cluster/1"
+REPORT_JSON = "cluster.json"
+#: How deep below a DIR argument node folders are looked for (nightly/node7,
+#: nightly/multinode/node7-rank3).
+MAX_DEPTH = 2
+DEFAULT_OUTLIER_PCT = 90.0
+#: pytest's exit statuses, for a node whose run ended badly without a failing test.
+EXIT_STATUS = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error",
+               5: "no tests ran"}
+_NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+DRAIN_REASON_CHARS = 100
+_RANK_SUFFIX = re.compile(r"-rank\d+$")
+
+
+class AggregateInputError(ValueError):
+    """Input aggregate cannot use; the message names the folder or file and what to do."""
+
+
+@dataclass
+class NodeResult:
+    """One node's (or one rank's) results folder, as read."""
+    name: str                      # the folder's name: the node, for the drain command
+    path: Path
+    hostname: str
+    finished: bool                 # False: records.jsonl without summary.json (a killed run)
+    exitstatus: int | None
+    capabilities: dict[str, dict[str, int]]
+    failures: list[dict[str, Any]]  # summary groups: {"reason", "count", "cases"}
+    notices: list[str]
+    known_issues: list[dict[str, Any]]
+    outcomes: list[dict[str, Any]]
+    measures: dict[str, compare.Measure]
+    environment: dict[str, str]
+    rendezvous: dict[str, Any] | None = None
+    run_id: str = ""               # the run's own identity: a copied folder has the same one
+    absent: bool = False           # expected (--expect) and no folder was found
+    has_benchmarks: bool = True    # False: summary.json without the benchmarks.json beside it
+
+    @classmethod
+    def missing(cls, name: str) -> NodeResult:
+        return cls(name=name, path=Path("-"), hostname=name, finished=False, exitstatus=None,
+                   capabilities={}, failures=[], notices=[], known_issues=[], outcomes=[],
+                   measures={}, environment={}, absent=True)
+
+    @property
+    def job(self) -> str | None:
+        """The torchrun/Slurm job this run was a rank of (None: a plain run). A job on one node
+        too: its folders are ranks (``<node>-rank<R>``), not nodes."""
+        r = self.rendezvous or {}
+        return str(r["job"]) if r.get("job") is not None else None
+
+    @property
+    def problems(self) -> list[str]:
+        """Why this node failed, one line each (empty: it passed)."""
+        if self.absent:
+            return ["no results folder: its run never started or wrote nothing (expected by "
+                    "--expect)"]
+        out = []
+        if not self.finished:
+            last = self.outcomes[-1]["nodeid"] if self.outcomes else "none"
+            out.append(f"the run did not finish: no summary.json ({len(self.outcomes)} test "
+                       f"outcomes in records.jsonl, the last {last})")
+        out += [f"{g['count']} x {g['reason']}" for g in self.failures]
+        status = self.exitstatus
+        if self.finished and status not in (None, 0) and (status != 1 or not self.failures):
+            why = EXIT_STATUS.get(status, "unknown")
+            notes = "; ".join(self.notices)
+            out.append(f"pytest exit status {status} ({why})" + (f": {notes}" if notes else ""))
+        if self.finished and status in (None, 0) and not self.outcomes and not any(
+                sum(c.values()) for c in self.capabilities.values() if isinstance(c, dict)):
+            out.append("the run recorded no test outcome: it proves nothing about the node (a "
+                       "selection that matched nothing, or a --collect-only run)")
+        if self.finished and not self.has_benchmarks:
+            out.append("no benchmarks.json beside summary.json: its outcomes and measurements "
+                       "cannot be read (an incomplete copy of the folder?)")
+        return out
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.problems)
+
+
+@dataclass(frozen=True)
+class Outlier:
+    node: str
+    metric: str          # the measure's key: "STABLE-ID[case]::metric"
+    value: float
+    unit: str
+    better: str
+    fleet_median: float
+    ratio: float         # performance relative to the median: 1.0 = the median, 0.8 = 20% worse
+    limit: float | None  # the floor (or ceiling) the suite enforced, which the node still met
+    fleet: int           # nodes that measured it
+
+
+@dataclass
+class Job:
+    """A multi-node job: the ranks of one rendezvous whose folders were given."""
+    job: str
+    world_size: int
+    nodes: int
+    members: list[NodeResult] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return any(m.failed for m in self.members)
+
+
+@dataclass
+class ClusterReport:
+    nodes: list[NodeResult]
+    jobs: list[Job]
+    capabilities: list[str]
+    outliers: list[Outlier]
+    known_issues: list[dict[str, Any]]
+    metrics: dict[str, dict[str, float]]  # key -> node -> ratio to the fleet median (heat map)
+    outlier_pct: float
+    sources: list[str]
+
+    @property
+    def failed_nodes(self) -> list[NodeResult]:
+        return [n for n in self.nodes if n.failed]
+
+    @property
+    def failed(self) -> bool:
+        return bool(self.failed_nodes)
+
+
+# ------------------------------------------------------------------ reading
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise AggregateInputError(f"{path}: cannot read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise AggregateInputError(f"{path}: not JSON ({e}); a node's results folder holds the "
+                                  "files a `pytest suites --results DIR` run writes") from None
+
+
+def _check_summary(doc: Any, path: Path) -> None:
+    def foreign(what: str) -> AggregateInputError:
+        return AggregateInputError(f"{path}: not a dsconform summary.json ({what}); expected the "
+                                   "summary a `pytest suites --results DIR` run writes")
+    if not isinstance(doc, dict):
+        raise foreign(f"a JSON {type(doc).__name__}, not an object")
+    caps = doc.get("capabilities")
+    if not isinstance(caps, dict) or not all(isinstance(c, dict) for c in caps.values()):
+        raise foreign("no 'capabilities' table")
+    for key in ("failures", "known_issues"):
+        if not isinstance(doc.get(key, []), list):
+            raise foreign(f"'{key}' is not a list")
+    for i, g in enumerate(doc.get("failures", [])):
+        if not isinstance(g, dict) or not {"reason", "count"} <= set(g):
+            raise foreign(f"failures[{i}] has no 'reason' and 'count'")
+    if not isinstance(doc.get("node", {}), dict):
+        raise foreign("'node' is not an object")
+
+
+def _journal(path: Path) -> list[dict[str, Any]]:
+    """Outcomes from records.jsonl; a line cut by the kill that ended the run is skipped."""
+    outcomes = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(entry, dict) and isinstance(entry.get("outcome"), dict):
+            outcomes.append(entry["outcome"])
+    return outcomes
+
+
+def _summarize(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+    fields = ("nodeid", "outcome", "capability", "reason")
+    try:
+        return summary.summarize([records.Outcome(**{k: o[k] for k in fields if k in o})
+                                  for o in outcomes])
+    except (TypeError, KeyError) as e:
+        raise AggregateInputError(f"outcomes without nodeid/outcome/capability: {e}") from None
+
+
+def load_node(path: Path) -> NodeResult:
+    """Read one node's results folder. Raises AggregateInputError."""
+    summary_path, bench_path, journal_path = (path / f for f in RESULT_FILES)
+    doc = None
+    if bench_path.exists():
+        try:
+            doc = compare.load(bench_path)
+        except compare.CompareInputError as e:
+            raise AggregateInputError(str(e)) from None
+    outcomes = list(((doc or {}).get("dsconform") or {}).get("outcomes") or [])
+    finished = True
+    if summary_path.exists():
+        summ = _read_json(summary_path)
+        _check_summary(summ, summary_path)
+    elif doc is not None:
+        summ = _summarize(outcomes)  # a folder that lost its summary.json: rebuild it
+    else:
+        finished = False
+        try:
+            outcomes = _journal(journal_path)
+        except OSError as e:
+            raise AggregateInputError(f"{journal_path}: cannot read: {e}") from None
+        try:
+            summ = _summarize(outcomes)
+        except AggregateInputError as e:
+            raise AggregateInputError(f"{journal_path}: {e}") from None
+    node = summ.get("node") or {}
+    machine = (doc or {}).get("machine_info") or {}
+    hostname = str(node.get("hostname") or machine.get("node") or path.name)
+    measures = compare.read_run(doc).measures if doc is not None else {}
+    rdzv = summ.get("rendezvous")
+    rank = rdzv.get("rank") if isinstance(rdzv, dict) else None
+    return NodeResult(
+        name=path.name, path=path, hostname=hostname, finished=finished,
+        exitstatus=summ.get("exitstatus"), capabilities=summ.get("capabilities") or {},
+        failures=summ.get("failures") or [], notices=list(summ.get("notices") or []),
+        known_issues=summ.get("known_issues") or [], outcomes=outcomes, measures=measures,
+        environment=compare.environment(doc) if doc is not None else {},
+        rendezvous=rdzv if isinstance(rdzv, dict) else None,
+        run_id=f"{hostname}|{(doc or {}).get('datetime', '')}|{rank}" if doc else "",
+        has_benchmarks=doc is not None or not finished)
+
+
+def _is_node_dir(path: Path) -> bool:
+    return any((path / f).is_file() for f in RESULT_FILES)
+
+
+def _is_own_output(path: Path) -> bool:
+    """aggregate's own output folder, written beside the node folders: not a node."""
+    report = path / REPORT_JSON
+    if not report.is_file():
+        return False
+    try:
+        return json.loads(report.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def find_node_dirs(root: Path, depth: int = 0) -> list[Path]:
+    """The node folders at or below ``root`` (MAX_DEPTH levels). Raises AggregateInputError for
+    an empty folder or one that holds no results."""
+    if _is_node_dir(root):
+        return [root]
+    if _is_own_output(root):
+        return []
+    entries = [p for p in root.iterdir() if not p.name.startswith(".")]
+    if not entries:
+        raise AggregateInputError(
+            f"{root}: empty folder: no node wrote results here (did its run start? is the shared "
+            "results directory mounted on that node?); rerun the node or remove the folder")
+    found: list[Path] = []
+    if depth < MAX_DEPTH:
+        for sub in sorted(p for p in entries if p.is_dir()):
+            found += find_node_dirs(sub, depth + 1)
+    if not found:
+        raise AggregateInputError(
+            f"{root}: no dsconform results in it (no {', '.join(RESULT_FILES)} here or in the "
+            f"folders below, {MAX_DEPTH} levels deep); give node folders written by `pytest "
+            "suites --results DIR`, or the folder that holds them")
+    return found
+
+
+def collect(dirs: list[str | Path]) -> list[NodeResult]:
+    """Every node folder under the given directories, each once. Raises AggregateInputError."""
+    if not dirs:
+        raise AggregateInputError("no folders given: dsconform aggregate DIR [DIR...]")
+    paths: list[Path] = []
+    for d in dirs:
+        p = Path(d)
+        if not p.exists():
+            raise AggregateInputError(f"{d}: no such directory")
+        if not p.is_dir():
+            raise AggregateInputError(f"{d}: not a directory; give a node's --results folder or "
+                                      "the folder that holds the nodes' folders")
+        found = find_node_dirs(p)
+        if not found:  # only aggregate's own output folder
+            raise AggregateInputError(f"{d}: an aggregate report, not node results")
+        paths += found
+    by_name: dict[str, Path] = {}
+    for p in paths:
+        other = by_name.get(p.name)
+        if other is not None:
+            same = other.resolve() == p.resolve()
+            raise AggregateInputError(
+                f"node {p.name} appears twice: {other} and {p}"
+                + (" (the same folder, given twice)" if same else "")
+                + "; aggregate each node's results once (keep one folder per node: "
+                  "--results $SHARED/$(hostname))")
+        by_name[p.name] = p
+    nodes = [load_node(p) for p in sorted(paths, key=lambda q: q.name)]
+    runs: dict[str, NodeResult] = {}
+    for n in nodes:
+        if n.run_id and n.run_id in runs:
+            raise AggregateInputError(
+                f"the same run appears twice, as {runs[n.run_id].path} and {n.path} (same host "
+                f"{n.hostname}, same finish time and rank): a copied folder? Keep one")
+        runs[n.run_id] = n
+    _check_jobs(nodes)
+    return nodes
+
+
+def _check_jobs(nodes: list[NodeResult]) -> None:
+    seen: dict[tuple[str, Any], NodeResult] = {}
+    for n in nodes:
+        if n.job is None:
+            continue
+        key = (n.job, (n.rendezvous or {}).get("rank"))
+        if key in seen:
+            raise AggregateInputError(
+                f"rank {key[1]} of job {key[0]} appears twice: {seen[key].path} and "
+                f"{n.path}; each rank writes its own folder (--results .../$(hostname)-rank$RANK)")
+        seen[key] = n
+
+
+# ------------------------------------------------------------------ analysis
+
+def is_performance(m: compare.Measure) -> bool:
+    """A speed (a rate, a time): what the fleet median makes sense for."""
+    return m.unit in records.PERFORMANCE_UNITS
+
+
+def relative(value: float, median: float, better: str) -> float | None:
+    """Performance relative to the fleet median, direction-aware (1.0 = the median, 0.5 = half
+    as fast). None where it has no meaning (a median of 0, a value that is not finite)."""
+    if not (math.isfinite(value) and math.isfinite(median)) or median <= 0:
+        return None
+    if better == "higher":
+        return value / median
+    return median / value if value > 0 else math.inf
+
+
+def fleet(nodes: list[NodeResult]) -> dict[str, dict[str, compare.Measure]]:
+    """Performance metric key -> node name -> measure, for metrics two or more nodes measured."""
+    by_key: dict[str, dict[str, compare.Measure]] = {}
+    for n in nodes:
+        for key, m in n.measures.items():
+            if is_performance(m):
+                by_key.setdefault(key, {})[n.name] = m
+    return {k: v for k, v in sorted(by_key.items()) if len(v) >= 2}
+
+
+def analyse(nodes: list[NodeResult], outlier_pct: float = DEFAULT_OUTLIER_PCT,
+            sources: list[str] | None = None, expect: list[str] | None = None) -> ClusterReport:
+    """The cluster report. ``expect``: the nodes that should have results (a job's node list);
+    one without a single-node folder is a failing node too."""
+    if not 0 < outlier_pct <= 100:
+        raise ValueError(f"--outlier-pct {outlier_pct}: must be a percentage in (0, 100]")
+    present = {n.name for n in nodes if n.job is None}
+    absent = [NodeResult.missing(name) for name in dict.fromkeys(expect or [])
+              if name not in present]
+    nodes = sorted([*nodes, *absent], key=lambda n: n.name)
+    outliers, ratios = [], {}
+    for key, per_node in fleet(nodes).items():
+        values = [m.value for m in per_node.values() if math.isfinite(m.value)]
+        if len(values) < 2:
+            continue
+        median = statistics.median(values)
+        ratios[key] = {}
+        for name, m in per_node.items():
+            r = relative(m.value, median, m.better)
+            if r is None:
+                continue
+            ratios[key][name] = r
+            if r < outlier_pct / 100:
+                outliers.append(Outlier(name, key, m.value, m.unit, m.better, median, r,
+                                        m.limit, len(per_node)))
+    outliers.sort(key=lambda o: (o.ratio, o.node))
+    caps = sorted({c for n in nodes for c in n.capabilities})
+    return ClusterReport(nodes, _jobs(nodes), caps, outliers, known_issues(nodes),
+                         {k: v for k, v in ratios.items() if v}, outlier_pct, sources or [])
+
+
+def _jobs(nodes: list[NodeResult]) -> list[Job]:
+    jobs: dict[str, Job] = {}
+    for n in nodes:
+        if n.job is None:
+            continue
+        r = n.rendezvous or {}
+        job = jobs.setdefault(n.job, Job(n.job, int(r.get("world_size") or 0),
+                                         int(r.get("nodes") or 0)))
+        job.members.append(n)
+    for job in jobs.values():
+        job.members.sort(key=lambda m: (m.rendezvous or {}).get("rank") or 0)
+    return [jobs[k] for k in sorted(jobs)]
+
+
+def known_issues(nodes: list[NodeResult]) -> list[dict[str, Any]]:
+    """Each known upstream issue once: where it was hit and how many cases it covered."""
+    merged: dict[str, dict[str, Any]] = {}
+    for n in nodes:
+        for ki in n.known_issues:
+            if not isinstance(ki, dict) or "id" not in ki:
+                continue
+            entry = merged.setdefault(ki["id"], {
+                "id": ki["id"], "title": ki.get("title", ""), "link": ki.get("link", ""),
+                "deepspeed": ki.get("deepspeed", ""), "nodes": [], "cases": 0})
+            entry["nodes"].append(n.name)
+            entry["cases"] += int(ki.get("count") or len(ki.get("cases") or ()))
+    return [merged[k] for k in sorted(merged)]
+
+
+def cell(counts: dict[str, int] | None) -> str:
+    """A capability's verdict on one node, for the matrix."""
+    if not counts:
+        return "-"
+    failed = sum(counts.get(k, 0) for k in summary.FAILED)
+    ran = sum(v for k, v in counts.items() if k != "skipped")
+    if failed:
+        return f"FAIL {failed}/{ran}"
+    if ran:
+        known = counts.get("xfailed", 0)
+        return f"ok {ran}" + (f" ({known} known)" if known else "")
+    return "skip"
+
+
+# ------------------------------------------------------------------ draining (printed only)
+
+def _drain_reason(problem: str) -> str:
+    text = re.sub(r'["`$\\\n\r\t]+', " ", problem)
+    text = re.sub(r"\s+", " ", text).strip()
+    reason = f"dsconform: {text}"
+    return reason if len(reason) <= DRAIN_REASON_CHARS else reason[:DRAIN_REASON_CHARS - 3] + "..."
+
+
+def drain_commands(report: ClusterReport) -> list[str]:
+    """The Slurm commands that would drain each failing node, for a person to run. A failing
+    rank of a multi-node job names no node by itself (the fault may be its peer or the
+    network): it gets a comment, not a command. A failing job on one node names that node."""
+    lines = []
+    drained: set[str] = set()  # one command per node, its first failure's reason
+    for n in sorted(report.failed_nodes, key=lambda n: n.job is not None):
+        one_node = n.job is not None and int((n.rendezvous or {}).get("nodes") or 1) == 1
+        if one_node:  # its ranks all ran there: drain that node, named as its folders are
+            name = _RANK_SUFFIX.sub("", n.name)  # <node>-rank<R> (examples/nightly-node.sh)
+            if name in drained:
+                continue
+            drained.add(name)
+            if _NODE_NAME.match(name):
+                why = _drain_reason(f"job {n.job} rank {n.name}: {n.problems[0]}")
+                lines.append(f'scontrol update nodename={name} state=drain reason="{why}"')
+            else:
+                lines.append(f"# {name!r} (job {n.job}): not a valid Slurm node name")
+        elif n.job is not None:
+            lines.append(f"# {n.name}: rank of multi-node job {n.job} failed; a multi-node "
+                         "failure names no single node: compare the nodes' single-node runs")
+        elif not _NODE_NAME.match(n.name):
+            lines.append(f"# {n.name!r}: not a valid Slurm node name (name the folder after the "
+                         "node: --results $SHARED/$(hostname))")
+        elif n.name not in drained:
+            drained.add(n.name)
+            lines.append(f'scontrol update nodename={n.name} state=drain '
+                         f'reason="{_drain_reason(n.problems[0])}"')
+    return lines

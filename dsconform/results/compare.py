@@ -1,0 +1,617 @@
+"""Compare two runs' benchmark JSON: before and after a DeepSpeed upgrade, or two nodes.
+
+What a user needs around an upgrade, at a glance: what stopped working, what got slower (or
+drifted), what silently changed, and what was fixed upstream. This module reads two results
+files and classifies every difference; ``compare_report`` prints it (terminal, markdown) and
+``compare_plot`` draws it.
+
+- **Matching.** Tests are matched by a stable id: the conformance id that leads the test's MUST
+  line (``ZERO-EQ-1: ...``, recorded as the outcome's ``must``) plus its parametrization id, e.g.
+  ``ZERO-EQ-1[cuda-z3-off_none-bf16-sgd-gas1-ws2]``. Renaming a test function or moving it to
+  another file does not break a comparison. A test without such an id, or whose id is not unique
+  in its run, is matched by its node id. Metrics and facts follow their test's id.
+- **Metrics** are direction-aware (``extra_info.better``: seconds up is worse) and noise-aware: a
+  change counts only beyond the relative ``threshold`` and beyond three times the samples'
+  relative spread (stddev / median) of BASE's rounds (NEW's only where BASE has one round), the
+  metric's *noise band*. A
+  metric with one round has unknown noise: only the threshold applies, and the report says so.
+  A value past the limit the suite enforced is a regression however small. Timed metrics
+  recorded with ``record_rate`` hold seconds in ``stats`` and the rate in ``extra_info.rate``:
+  they are compared as rates (higher is better, the floor on the median rate, noise from the
+  rate samples). Older files held GB/s directly in ``stats``; both are read, and an old GB/s
+  metric compares with a new rate of the same unit.
+- **Outcomes.** passed -> failed / error / skipped / xfailed / not run is a regression (it
+  stopped working); failed / skipped / xfailed -> passed an improvement (fixed, or runs now).
+  New and vanished tests are listed.
+- **Known upstream issues** (``dsconform/gate/known_issues.py``) that appeared or went away, and what
+  became of their cases.
+- **Facts** (``dsconform.facts``: DeepSpeed's effective defaults as the ZeRO suite finds them)
+  whose value changed: "what silently changed". Listed, never a regression by themselves.
+- **Environment**: DeepSpeed, torch, CUDA, NCCL, driver, GPU, profile. Runs of different profiles
+  or GPUs are compared with a loud warning (the difference may be the machine).
+
+Exit codes (CLI): 0 no regression, 1 regression found, 2 unreadable input (and, with --strict,
+runs of different profiles or GPUs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from dsconform.results.summary import case_id
+
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+FAILING = ("failed", "error", "xpassed")  # xpassed: a strict xfail that passed fails the run
+NOISE_SIGMAS = 3
+#: "ZERO-EQ-1: ZeRO MUST ..." -> "ZERO-EQ-1" (upper case words joined by dashes, then a colon)
+CONFORMANCE_ID = re.compile(r"^([A-Z][A-Z0-9]*(?:-[A-Z0-9]+)+):")
+#: Environment rows: label and machine_info key ("GPU" and "profile" are composed).
+ENVIRONMENT = (("DeepSpeed", "deepspeed"), ("torch", "torch"), ("CUDA", "cuda"),
+               ("NCCL", "nccl"), ("driver", "driver"), ("GPU", None), ("profile", None),
+               ("python", "python_version"), ("node", "node"))
+# What must match for two runs to be of the same hardware.
+HARDWARE = ("profile", "GPU")
+
+# Change kinds. Only REGRESSION makes the comparison fail.
+REGRESSION, IMPROVEMENT, CHANGED, UNCHANGED = "regression", "improvement", "changed", "unchanged"
+NOT_COMPARABLE, NEW, VANISHED, RENAMED = "not comparable", "new", "vanished", "renamed"
+# What a change is about.
+METRIC, OUTCOME, FACT, KNOWN_ISSUE = "metric", "outcome", "fact", "known issue"
+
+
+class CompareInputError(ValueError):
+    """A file that is not a benchmark JSON of this suite (or of pytest-benchmark)."""
+
+
+# ------------------------------------------------------------------ reading and checking
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read and check a results file (``benchmarks.json``, or a results directory holding one).
+    Raises CompareInputError with one line naming the file and the field."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "benchmarks.json"
+    try:
+        doc = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CompareInputError(f"{p}: no such file (give a benchmarks.json or the --results "
+                                "directory of a run)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CompareInputError(f"{p}: cannot read: {e}") from None
+    except json.JSONDecodeError as e:
+        hint = ""
+        if p.name in ("junit.xml", "records.jsonl") or p.suffix in (".xml", ".jsonl"):
+            hint = " (give the benchmarks.json beside it, or the results directory)"
+        raise CompareInputError(f"{p}: not JSON: {e}{hint}") from None
+    check(doc, str(p))
+    if not isinstance(doc.get("dsconform"), dict):
+        raise CompareInputError(f"{p}: a pytest-benchmark file without dsconform outcomes (no "
+                                "'dsconform' section): not a suite run")
+    return doc
+
+
+def ran_nothing(doc: dict[str, Any]) -> bool:
+    """A results document with no test outcome and no measurement: a --collect-only run, a
+    selection that matched nothing, or a run stopped before its first test ended. Comparing it
+    would compare nothing."""
+    return not doc["dsconform"].get("outcomes") and not doc["benchmarks"]
+
+
+def _is_number(v: Any) -> bool:
+    # Infinity and NaN are numbers here: Python's json writes them, and a diverged comparison
+    # records one (the void fp16 rows of results/reference/h200-x2/zero-full).
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+class _Checker:
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field_: str, msg: str) -> None:
+        raise CompareInputError(f"{self.where}: {field_}: {msg}")
+
+    def kind(self, value: Any, field_: str, types: type | tuple[type, ...], what: str,
+             optional: bool = True) -> None:
+        if value is None and optional:
+            return
+        if isinstance(value, bool) or not isinstance(value, types):  # JSON true is no int
+            self.fail(field_, f"expected {what}, found {_short(value)}")
+
+    def number(self, value: Any, field_: str, optional: bool = True) -> None:
+        if value is None and optional:
+            return
+        if not _is_number(value):
+            self.fail(field_, f"expected a number, found {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check(doc: Any, where: str) -> None:
+    """Every field compare reads, with the type it needs: a foreign or damaged file fails here
+    with one line, never later with a traceback."""
+    c = _Checker(where)
+    if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), list):
+        hint = ""
+        if isinstance(doc, dict) and "capabilities" in doc:
+            hint = " (this is a summary.json: give the benchmarks.json beside it)"
+        raise CompareInputError(f"{where}: not a benchmark JSON (no 'benchmarks' list){hint}")
+    c.kind(doc.get("machine_info"), "machine_info", dict, "an object")
+    for i, b in enumerate(doc["benchmarks"]):
+        at = f"benchmarks[{i}]"
+        c.kind(b, at, dict, "an object", optional=False)
+        c.kind(b.get("fullname"), f"{at}.fullname", str, "a string", optional=False)
+        c.kind(b.get("stats"), f"{at}.stats", dict, "an object", optional=False)
+        st = b["stats"]
+        c.number(st.get("median"), f"{at}.stats.median", optional=False)
+        c.number(st.get("stddev"), f"{at}.stats.stddev")
+        c.kind(st.get("rounds"), f"{at}.stats.rounds", int, "an integer")
+        info = b.get("extra_info")
+        c.kind(info, f"{at}.extra_info", dict, "an object")
+        info = info or {}
+        if info.get("better") is not None and info["better"] not in ("lower", "higher"):
+            c.fail(f"{at}.extra_info.better", f"expected 'lower' or 'higher', found "
+                                              f"{_short(info['better'])}")
+        for key in ("unit", "metric", "nodeid"):
+            c.kind(info.get(key), f"{at}.extra_info.{key}", str, "a string")
+        c.number(info.get("limit"), f"{at}.extra_info.limit")
+        c.kind(info.get("params"), f"{at}.extra_info.params", dict, "an object")
+        rate = info.get("rate")
+        if rate is not None:
+            ra = f"{at}.extra_info.rate"
+            c.kind(rate, ra, dict, "an object")
+            c.kind(rate.get("unit"), f"{ra}.unit", str, "a string", optional=False)
+            c.number(rate.get("median"), f"{ra}.median", optional=False)
+            c.number(rate.get("limit"), f"{ra}.limit")
+            c.number(rate.get("stddev"), f"{ra}.stddev")
+            c.kind(rate.get("samples"), f"{ra}.samples", list, "a list", optional=False)
+            if not rate["samples"] or not all(_is_number(x) for x in rate["samples"]):
+                c.fail(f"{ra}.samples", "expected a non-empty list of numbers")
+    ds = doc.get("dsconform")
+    c.kind(ds, "dsconform", dict, "an object")
+    ds = ds or {}
+    for key, required in (("outcomes", ("nodeid", "outcome")), ("facts", ("nodeid", "name")),
+                          ("known_issues", ("id",))):
+        c.kind(ds.get(key), f"dsconform.{key}", list, "a list")
+        for i, entry in enumerate(ds.get(key) or []):
+            at = f"dsconform.{key}[{i}]"
+            c.kind(entry, at, dict, "an object", optional=False)
+            for name in required:
+                c.kind(entry.get(name), f"{at}.{name}", str, "a string", optional=False)
+            if key == "outcomes":
+                if entry["outcome"] not in OUTCOMES:
+                    c.fail(f"{at}.outcome", f"expected one of {', '.join(OUTCOMES)}, found "
+                                            f"{_short(entry['outcome'])}")
+                for name in ("reason", "must", "known_issue"):
+                    c.kind(entry.get(name), f"{at}.{name}", str, "a string")
+
+
+# ------------------------------------------------------------------ one run, normalised
+
+def conformance_id(must: str) -> str | None:
+    """The stable conformance id leading a MUST line ("ZERO-EQ-1: ..."), else None."""
+    m = CONFORMANCE_ID.match(must or "")
+    return m.group(1) if m else None
+
+
+def stable_id(nodeid: str, must: str) -> str:
+    """``ZERO-EQ-1[cuda-z3-...]`` for a test whose MUST line carries a conformance id, else the
+    node id."""
+    cid = conformance_id(must)
+    if cid is None:
+        return nodeid
+    case = case_id(nodeid)
+    return f"{cid}[{case}]" if case else cid
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One metric of one run, as compared: a rate's value is the rate, not the seconds."""
+    nodeid: str
+    metric: str
+    value: float  # the median
+    rounds: int
+    spread: float | None  # stddev / |median| of the rounds; None: unknown (one round)
+    unit: str
+    better: str  # "lower" | "higher"
+    limit: float | None  # the floor (higher is better) or ceiling (lower) the suite enforced
+    params: dict[str, Any]
+
+
+def _spread(median: float, stddev: float | None, rounds: int) -> float | None:
+    if rounds < 2 or stddev is None or not math.isfinite(stddev) or not math.isfinite(median):
+        return None  # one round, or rounds that diverged: the noise is unknown
+    if median == 0:
+        return 0.0 if stddev == 0 else math.inf
+    return abs(stddev / median)
+
+
+def measure(entry: dict[str, Any]) -> Measure:
+    """A benchmark entry (checked by ``check``) as compared."""
+    info = entry.get("extra_info") or {}
+    nodeid = info.get("nodeid")
+    metric = info.get("metric")
+    if nodeid is None or metric is None:
+        # A plain pytest-benchmark entry: its full name is the test, it measured a time.
+        nodeid, metric = entry["fullname"], "time"
+    params = dict(info.get("params") or entry.get("params") or {})
+    rate = info.get("rate")
+    if rate is not None:
+        samples = rate["samples"]
+        stddev = rate.get("stddev")
+        if stddev is None and len(samples) > 1:
+            stddev = statistics.stdev(samples)
+        # The rate is normalised by the amount; what was measured is in the other parameters
+        # (bytes, world size), as in files written before rates existed.
+        params.pop("amount", None)
+        return Measure(nodeid, metric, float(rate["median"]), len(samples),
+                       _spread(rate["median"], stddev, len(samples)), rate["unit"], "higher",
+                       rate.get("limit"), params)
+    st = entry["stats"]
+    rounds = st.get("rounds") or len(st.get("data") or ()) or 1
+    return Measure(nodeid, metric, float(st["median"]), rounds,
+                   _spread(st["median"], st.get("stddev"), rounds), info.get("unit") or "s",
+                   info.get("better") or "lower", info.get("limit"), params)
+
+
+@dataclass
+class Run:
+    """One results file, keyed by stable ids."""
+    label: str
+    env: dict[str, str]
+    outcomes: dict[str, dict[str, Any]]  # stable id -> outcome
+    measures: dict[str, Measure]  # "stable id::metric" -> measure
+    facts: dict[str, Any]  # "stable id::fact" -> value
+    has_facts: bool
+    known_issues: dict[str, dict[str, Any]]  # issue id -> {title, link, deepspeed}
+
+
+def environment(doc: dict[str, Any]) -> dict[str, str]:
+    mi = doc.get("machine_info") or {}
+    ds = doc.get("dsconform") or {}
+    env = {}
+    for label, key in ENVIRONMENT:
+        if key is not None:
+            env[label] = str(mi.get(key) or "-")
+    model, count = mi.get("gpu_model"), mi.get("gpu_count")
+    env["GPU"] = f"{count}x {model}" if model and count else "none"
+    env["profile"] = str(mi.get("profile") or (ds.get("profile") or {}).get("name") or "-")
+    return {label: env[label] for label, _ in ENVIRONMENT}
+
+
+def read_run(doc: dict[str, Any], label: str = "") -> Run:
+    ds = doc.get("dsconform") or {}
+    outcomes = ds.get("outcomes") or []
+    keys = {o["nodeid"]: stable_id(o["nodeid"], o.get("must") or "") for o in outcomes}
+    # An id two tests share would match the wrong test: both fall back to their node ids.
+    taken = Counter(keys.values())
+    keys = {n: (k if taken[k] == 1 else n) for n, k in keys.items()}
+    run = Run(label, environment(doc), {keys[o["nodeid"]]: o for o in outcomes}, {}, {},
+              "facts" in ds, {ki["id"]: ki for ki in ds.get("known_issues") or []})
+    for entry in doc["benchmarks"]:
+        m = measure(entry)
+        key = _unique(run.measures, f"{keys.get(m.nodeid, m.nodeid)}::{m.metric}")
+        run.measures[key] = m
+    for f in ds.get("facts") or []:
+        key = _unique(run.facts, f"{keys.get(f['nodeid'], f['nodeid'])}::{f['name']}")
+        run.facts[key] = f.get("value")
+    return run
+
+
+def _unique(taken: dict[str, Any], key: str) -> str:
+    n, out = 1, key
+    while out in taken:
+        n += 1
+        out = f"{key} #{n}"
+    return out
+
+
+# ------------------------------------------------------------------ the comparison
+
+@dataclass(frozen=True)
+class Change:
+    kind: str  # REGRESSION, IMPROVEMENT, CHANGED, UNCHANGED, NOT_COMPARABLE, NEW, VANISHED, ...
+    name: str  # the stable id (and metric or fact name), or a known issue's id
+    detail: str
+    area: str = METRIC  # METRIC, OUTCOME, FACT, KNOWN_ISSUE
+    base: str = ""  # the base value or outcome as shown ("300 GB/s", "passed")
+    new: str = ""
+    # Metrics: relative change of the value, the noise band it was held to, and its direction.
+    rel: float | None = None
+    band: float | None = None
+    better: str = ""
+    noise_known: bool = True
+    change: str = ""  # the relative change as shown: "+12.3%", "from 0", "to inf"
+    beyond: str = ""  # "beyond its floor 299 GB/s": the enforced limit it crossed
+
+
+@dataclass
+class RunComparison:
+    base: Run
+    new: Run
+    threshold: float
+    changes: list[Change] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # different hardware
+    notes: list[str] = field(default_factory=list)  # what could not be compared, and why
+
+    def of(self, kind: str, area: str | None = None) -> list[Change]:
+        return [c for c in self.changes if c.kind == kind and (area is None or c.area == area)]
+
+    @property
+    def regressed(self) -> bool:
+        return bool(self.of(REGRESSION))
+
+    @property
+    def different_hardware(self) -> bool:
+        return bool(self.warnings)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:.4g}"
+
+
+def _value(v: float, unit: str) -> str:
+    # "1" is the unit of a dimensionless ratio: "3.4e-05", not "3.4e-05 1".
+    return _fmt(v) if unit in ("", "1") else f"{_fmt(v)} {unit}"
+
+
+def _params_diff(b: dict[str, Any], n: dict[str, Any]) -> str:
+    keys = sorted(set(b) | set(n))
+    return ", ".join(f"{k} {b.get(k, '-')} -> {n.get(k, '-')}" for k in keys
+                     if b.get(k, "-") != n.get(k, "-"))
+
+
+# Parameters that say how a value was judged, not what was measured: a tolerance override in
+# one run's profile (or a table entry that moved) must not make a measured difference
+# incomparable. They are named in the change's detail when they differ.
+JUDGING_PARAMS = ("rtol", "atol")
+
+
+def _measured(params: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in params.items() if k not in JUDGING_PARAMS}
+
+
+def compare_measure(name: str, base: Measure, new: Measure, threshold: float) -> Change:
+    """One metric of both runs: regression, improvement, unchanged or not comparable."""
+    if _measured(base.params) != _measured(new.params):
+        return Change(NOT_COMPARABLE, name, f"parameters differ: "
+                                            f"{_params_diff(base.params, new.params)}")
+    judged = ("" if base.params == new.params else
+              f"; judged under other bounds: {_params_diff(base.params, new.params)}")
+    change = _compare_values(name, base, new, threshold)
+    if judged:
+        change = replace(change, detail=change.detail + judged)
+    return change
+
+
+def _compare_values(name: str, base: Measure, new: Measure, threshold: float) -> Change:
+    if (base.unit, base.better) != (new.unit, new.better):
+        return Change(NOT_COMPARABLE, name, f"measured differently: {base.unit} ({base.better} "
+                                            f"is better) -> {new.unit} ({new.better} is better)")
+    b, n, unit, better = base.value, new.value, new.unit, new.better
+    if math.isnan(b) or math.isnan(n):
+        return Change(NOT_COMPARABLE, name, f"not a number: {_fmt(b)} -> {_value(n, unit)}")
+    noise_known = base.spread is not None and new.spread is not None
+    # The band is BASE's noise (the reference run): NEW's own spread must not widen the band
+    # it is held to, or a slower and noisier NEW ([300, 301, 299] -> [180, 185, 300]) would
+    # pass as "within noise". Only where BASE's noise is unknown does NEW's stand in.
+    reference = base.spread if base.spread is not None else new.spread
+    band = max(threshold, NOISE_SIGMAS * reference if reference is not None else 0.0)
+    if n == b:
+        rel, pct = 0.0, "+0.0%"
+    elif b == 0 or math.isinf(b) or math.isinf(n):
+        # No relative size: bit-exact drifting to 1e-7, or a comparison that diverged (inf).
+        rel = math.copysign(math.inf, n - b)
+        pct = "from 0" if b == 0 else (f"to {n:g}" if math.isinf(n) else f"from {b:g}")
+    else:
+        rel = (n - b) / abs(b)
+        pct = f"{rel:+.1%}"
+    shown = dict(base=_value(b, unit), new=_value(n, unit), rel=rel, band=band,
+                 better=better, noise_known=noise_known, change=pct)
+    noise = (f"noise band ±{band:.1%}" if noise_known else
+             f"noise unknown: {min(base.rounds, new.rounds)} round; threshold ±{band:.1%}")
+    where = f"{_fmt(b)} -> {_value(n, unit)}"
+    limit = new.limit
+    if limit is not None and (n < limit if better == "higher" else n > limit):
+        beyond = f"beyond its {'floor' if better == 'higher' else 'ceiling'} {_value(limit, unit)}"
+        return Change(REGRESSION, name, f"{where}: {beyond} ({pct}, {noise})", beyond=beyond,
+                      **shown)
+    if abs(rel) <= band:
+        return Change(UNCHANGED, name, f"{where} ({pct}, within {noise})", **shown)
+    if b == 0 and new.spread is not None and abs(n) <= NOISE_SIGMAS * new.spread * abs(n):
+        # From 0 there is no relative change, but rounds whose own spread reaches down to 0
+        # (a per-rank wait of 0 %, 5 %, 9 %) are noise, not drift. Seen on 2xH200: small-message
+        # waits moved "from 0" between two runs of the same node.
+        return Change(UNCHANGED, name, f"{where} ({pct}, within the new rounds' own spread)",
+                      **shown)
+    worse = rel > 0 if better == "lower" else rel < 0
+    return Change(REGRESSION if worse else IMPROVEMENT, name,
+                  f"{where} ({pct}, {better} is better; {noise})", **shown)
+
+
+def _with_reason(o: dict[str, Any]) -> str:
+    issue = f" [known issue {o['known_issue']}]" if o.get("known_issue") else ""
+    reason = o.get("reason") or ""
+    return f"{o['outcome']}{issue}" + (f": {reason}" if reason else "")
+
+
+FAILING = ("failed", "error")
+
+
+def classify_outcome(b: str, n: str) -> str:
+    """What a change of outcome means for the run under test (NEW)."""
+    if b == n:
+        return UNCHANGED
+    if b == "passed":
+        return REGRESSION  # failed, error, skipped, xfailed (broken upstream), xpassed
+    if n in FAILING and b not in FAILING:
+        # skipped -> failed (a promise now broken), xfailed -> failed (a known issue's range
+        # ended, or it fails another way now): NEW fails where BASE did not.
+        return REGRESSION
+    if n == "passed":
+        return IMPROVEMENT  # fixed, fixed upstream, or runs now
+    if b == "xfailed" and n == "xpassed":
+        return IMPROVEMENT  # the known bug is gone; the registry still claims it
+    return CHANGED
+
+
+def _why_improved(bo: dict[str, Any], no: dict[str, Any]) -> str:
+    if bo["outcome"] == "xfailed":
+        issue = bo.get("known_issue") or "a known issue"
+        if no["outcome"] == "xpassed":
+            return (f"fixed upstream: {issue} no longer fails (narrow its entry in "
+                    "dsconform/gate/known_issues.py)")
+        return f"fixed upstream: {issue} no longer fails"
+    return "runs now" if bo["outcome"] == "skipped" else "fixed"
+
+
+def compare_outcomes(base: Run, new: Run) -> list[Change]:
+    out = []
+    for key in sorted(set(base.outcomes) | set(new.outcomes)):
+        bo, no = base.outcomes.get(key), new.outcomes.get(key)
+        if bo is None:
+            # A test only NEW has is new; one that fails there is a failure of NEW all the same.
+            kind = REGRESSION if no["outcome"] in FAILING else NEW
+            detail = _with_reason(no) + (" (a test BASE did not run)" if kind == REGRESSION
+                                         else "")
+            out.append(Change(kind, key, detail, OUTCOME, new=no["outcome"]))
+            continue
+        if no is None:
+            kind = REGRESSION if bo["outcome"] == "passed" else VANISHED
+            out.append(Change(kind, key, f"{bo['outcome']} -> not run: not in NEW's results",
+                              OUTCOME, base=bo["outcome"], new="not run"))
+            continue
+        if bo["nodeid"] != no["nodeid"]:
+            out.append(Change(RENAMED, key, f"{bo['nodeid']} -> {no['nodeid']}", OUTCOME))
+        b, n = bo["outcome"], no["outcome"]
+        kind = classify_outcome(b, n)
+        if kind == UNCHANGED and (bo.get("known_issue") or "") != (no.get("known_issue") or ""):
+            kind = CHANGED  # xfailed for another known issue
+        detail = f"{b} -> {_with_reason(no)}"
+        if kind == IMPROVEMENT:
+            detail += ": " + _why_improved(bo, no)
+        out.append(Change(kind, key, detail, OUTCOME, base=b, new=n))
+    return out
+
+
+def compare_facts(base: Run, new: Run) -> tuple[list[Change], list[str]]:
+    if not (base.has_facts and new.has_facts):
+        missing = " and ".join(lbl for lbl, r in (("BASE", base), ("NEW", new))
+                               if not r.has_facts)
+        return [], [f"{missing} recorded no facts (written by an older dsconform): DeepSpeed's "
+                    "effective defaults were not compared"]
+    empty = [lbl for lbl, r in (("BASE", base), ("NEW", new)) if not r.facts]
+    if empty:  # the defaults test (ZERO-DEF-1) was not selected, or did not get that far
+        return [], [f"{' and '.join(empty)} recorded no facts (the defaults test ZERO-DEF-1 did "
+                    "not run, or ended before recording): DeepSpeed's effective defaults were "
+                    "not compared"]
+    out = []
+    for key in sorted(set(base.facts) | set(new.facts)):
+        if key not in new.facts:
+            out.append(Change(VANISHED, key, "not recorded in NEW", FACT,
+                              base=_fact(base.facts[key])))
+        elif key not in base.facts:
+            out.append(Change(NEW, key, "not recorded in BASE", FACT, new=_fact(new.facts[key])))
+        elif base.facts[key] != new.facts[key]:
+            b, n = _fact(base.facts[key]), _fact(new.facts[key])
+            out.append(Change(CHANGED, key, f"{b} -> {n}", FACT, base=b, new=n))
+        else:
+            out.append(Change(UNCHANGED, key, _fact(new.facts[key]), FACT))
+    return out, []
+
+
+def _fact(value: Any) -> str:
+    return json.dumps(value, sort_keys=True)
+
+
+def _issue_cases(run: Run) -> dict[str, list[str]]:
+    hit: dict[str, list[str]] = {}
+    for key, o in run.outcomes.items():
+        if o.get("known_issue"):
+            hit.setdefault(o["known_issue"], []).append(key)
+    for issue_id in run.known_issues:
+        hit.setdefault(issue_id, [])
+    return hit
+
+
+def _issue_title(issue_id: str, *runs: Run) -> str:
+    for r in runs:
+        info = r.known_issues.get(issue_id)
+        if info:
+            return f"{info.get('title', '')} ({info.get('link', '')})".strip()
+    return ""
+
+
+def compare_known_issues(base: Run, new: Run) -> list[Change]:
+    """Known upstream issues that appeared, went away, or cover a different number of cases."""
+    out = []
+    b_hit, n_hit = _issue_cases(base), _issue_cases(new)
+    new_ds, base_ds = new.env["DeepSpeed"], base.env["DeepSpeed"]
+    for issue_id in sorted(set(b_hit) | set(n_hit)):
+        title = _issue_title(issue_id, new, base)
+        bc, nc = b_hit.get(issue_id), n_hit.get(issue_id)
+        if bc is None:
+            out.append(Change(NEW, issue_id, f"appeared on DeepSpeed {new_ds}: {len(nc)} cases. "
+                                             f"{title}", KNOWN_ISSUE, base="-",
+                              new=f"{len(nc)} cases"))
+        elif nc is None:
+            became = Counter(new.outcomes[k]["outcome"] if k in new.outcomes else "not run"
+                             for k in bc)
+            counts = ", ".join(f"{v} {k}" for k, v in sorted(became.items()))
+            if became and set(became) == {"passed"}:
+                why = f"fixed upstream: its cases pass on DeepSpeed {new_ds}"
+            elif any(k in FAILING for k in became):
+                why = (f"no longer registered for DeepSpeed {new_ds} and its cases still fail "
+                       "there: verify, then widen the entry in dsconform/gate/known_issues.py")
+            else:
+                why = f"its cases did not run on DeepSpeed {new_ds}"
+            out.append(Change(VANISHED, issue_id, f"went away ({why}; NEW: {counts or 'none'}). "
+                                                  f"{title}", KNOWN_ISSUE,
+                              base=f"{len(bc)} cases", new="-"))
+        elif len(bc) != len(nc):
+            out.append(Change(CHANGED, issue_id, f"{len(bc)} cases on DeepSpeed {base_ds} -> "
+                                                 f"{len(nc)} on {new_ds}. {title}", KNOWN_ISSUE,
+                              base=f"{len(bc)} cases", new=f"{len(nc)} cases"))
+    return out
+
+
+def hardware_warnings(base: Run, new: Run) -> list[str]:
+    """One line per hardware fact that differs between the runs (profile, GPU model/count)."""
+    return [f"different {label}: BASE {base.env[label]!r}, NEW {new.env[label]!r}"
+            for label in HARDWARE if base.env[label] != new.env[label]]
+
+
+def compare(base: dict[str, Any], new: dict[str, Any], threshold: float = 0.10, *,
+            base_label: str = "BASE", new_label: str = "NEW") -> RunComparison:
+    """Compare two checked results documents (``load``)."""
+    if not (_is_number(threshold) and math.isfinite(threshold) and threshold >= 0):
+        raise ValueError(f"threshold must be a number >= 0, not {threshold!r}")
+    b, n = read_run(base, base_label), read_run(new, new_label)
+    result = RunComparison(b, n, threshold, warnings=hardware_warnings(b, n))
+    for key in sorted(set(b.measures) | set(n.measures)):
+        if key not in b.measures:
+            m = n.measures[key]
+            result.changes.append(Change(NEW, key, "not measured in BASE", METRIC,
+                                         new=_value(m.value, m.unit)))
+        elif key not in n.measures:
+            m = b.measures[key]
+            result.changes.append(Change(VANISHED, key, "not measured in NEW", METRIC,
+                                         base=_value(m.value, m.unit)))
+        else:
+            result.changes.append(compare_measure(key, b.measures[key], n.measures[key],
+                                                  threshold))
+    result.changes.extend(compare_outcomes(b, n))
+    facts, notes = compare_facts(b, n)
+    result.changes.extend(facts)
+    result.notes.extend(notes)
+    result.changes.extend(compare_known_issues(b, n))
+    return result

@@ -1,0 +1,1 @@
+"""Rendering of results: terminal text, markdown, JUnit and charts."""

@@ -1,0 +1,135 @@
+"""The conformance summary: outcomes per capability, failures and skips grouped by their cause,
+and the known upstream issues a run hit.
+
+Twelve failures with one cause are one line: a reason is grouped with its case id taken out
+(the parametrization id, e.g. ``cuda-z0-off_none-fp16-sgd-gas1-ws2``) and its measured numbers
+masked, so cells of a matrix that fail alike collapse into one line with their count, followed
+by the case ids. The first case's full reason is what the line shows.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from dsconform.results.records import Outcome
+
+#: Failures, as the summary counts them (xpassed: a strict xfail that passed).
+FAILED = ("failed", "error", "xpassed")
+# Measured values differ from case to case: 0.0123, 1.9e-07, 3e-4. Integers (step 5, 2 GPUs)
+# stay: a different count is a different story.
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+(?=[eE]))(?:[eE][-+]?\d+)?(?![\w.])")
+CASES_SHOWN = 8
+
+
+def _case_labels(nodeids: list[str]) -> list[str]:
+    """Short labels of a group's cases: the bare case ids when they are cells of one test
+    (``cuda-z0-...``), else each test with its case (``test_half_precision_matmul[bf16]``),
+    with its file where two files have a test of that name (``test_zero.py::test_x[a]``)."""
+    tests = {n.split("[", 1)[0] for n in nodeids}
+    if len(tests) == 1:
+        return [case_id(n) or n.rsplit("::", 1)[-1] for n in nodeids]
+    files_of: dict[str, set[str]] = {}
+    for n in nodeids:
+        path, _, test = n.split("[", 1)[0].rpartition("::")
+        files_of.setdefault(test, set()).add(path)
+    labels = []
+    for n in nodeids:
+        path, _, test = n.split("[", 1)[0].rpartition("::")
+        label = n.rsplit("::", 1)[-1]
+        labels.append(label if len(files_of[test]) == 1
+                      else f"{path.rsplit('/', 1)[-1]}::{label}")
+    return labels
+
+
+def case_id(nodeid: str) -> str:
+    """The parametrization id of a node id ("" when the test is not parametrized)."""
+    m = re.search(r"\[(.*)\]$", nodeid)
+    return m.group(1) if m else ""
+
+
+def _without_case_id(reason: str, nodeid: str) -> str:
+    """The reason with its case id taken out: as a leading label ("cuda-z0-...: first ..."),
+    and anywhere when the id is a compound one (has a dash). A short id such as "fp16" is a word
+    the reason may need ("expected fp16 support"): it is only removed as a label."""
+    cid = case_id(nodeid)
+    if not cid:
+        return reason
+    text = reason
+    if text.startswith(cid):
+        text = text[len(cid):]
+    if "-" in cid:
+        text = text.replace(cid, "")
+    return re.sub(r"^[\s:,-]+", "", text) or reason
+
+
+def reason_key(reason: str, nodeid: str) -> str:
+    """What groups a reason: the case id taken out, measured numbers masked."""
+    return _NUMBER.sub("#", _without_case_id(reason, nodeid))
+
+
+def _shown(reason: str, nodeid: str) -> str:
+    return _without_case_id(reason, nodeid)
+
+
+def group(entries: Iterable[tuple[str, str]]) -> list[dict[str, Any]]:
+    """[(nodeid, reason)] -> [{"reason", "count", "cases"}], largest group first."""
+    groups: dict[str, dict[str, Any]] = {}
+    for nodeid, reason in entries:
+        key = reason_key(reason, nodeid)
+        g = groups.setdefault(key, {"reason": _shown(reason, nodeid), "count": 0, "cases": []})
+        g["count"] += 1
+        g["cases"].append(nodeid)
+    return sorted(groups.values(), key=lambda g: -g["count"])
+
+
+def summarize(outcomes: Sequence[Outcome],
+              known_issues: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, Any]:
+    """Counts per capability, grouped failures and skips, and the known issues hit (each once,
+    with the cases it covered). ``known_issues``: id -> {"title", "link", "deepspeed"}."""
+    per_cap: dict[str, Counter] = defaultdict(Counter)
+    skips, failures = [], []
+    hit: dict[str, list[str]] = defaultdict(list)
+    for o in outcomes:
+        per_cap[o.capability][o.outcome] += 1
+        if o.outcome == "skipped":
+            skips.append((o.nodeid, o.reason))
+        elif o.outcome in FAILED:
+            failures.append((o.nodeid, o.reason))
+        if o.known_issue:
+            hit[o.known_issue].append(f"{o.nodeid} ({o.outcome})")
+    known = []
+    for issue_id, cases in sorted(hit.items()):
+        info = dict((known_issues or {}).get(issue_id, {}))
+        known.append({"id": issue_id, **info, "count": len(cases), "cases": cases})
+    return {"capabilities": {k: dict(v) for k, v in sorted(per_cap.items())},
+            "failures": group(failures), "skips": group(skips), "known_issues": known}
+
+
+def lines(summary: Mapping[str, Any], *, profile: str, host: str,
+          notices: Sequence[str] = ()) -> list[str]:
+    out = [f"profile {profile} on {host}"]
+    out += [f"NOTE: {n}" for n in notices]
+    out.append(f"{'capability':<22}{'passed':>8}{'failed':>8}{'skipped':>9}{'known':>7}")
+    for cap, c in summary["capabilities"].items():
+        failed = sum(c.get(k, 0) for k in FAILED)
+        out.append(f"{cap:<22}{c.get('passed', 0):>8}{failed:>8}{c.get('skipped', 0):>9}"
+                   f"{c.get('xfailed', 0):>7}")
+    for title, key in (("failures by reason", "failures"), ("skips by reason", "skips")):
+        if summary[key]:
+            out.append(f"{title}:")
+            for g in summary[key]:
+                out.append(f"  {g['count']:>4} x {g['reason']}")
+                # Failures list their cases (skips do too, in summary.json).
+                if g["count"] > 1 and key == "failures":
+                    ids = _case_labels(g["cases"])
+                    more = f", ... {len(ids) - CASES_SHOWN} more" if len(ids) > CASES_SHOWN else ""
+                    out.append(f"         cases: {', '.join(ids[:CASES_SHOWN])}{more}")
+    if summary.get("known_issues"):
+        out.append("known upstream issues hit (strict xfails; not node failures):")
+        for k in summary["known_issues"]:
+            out.append(f"  {k['count']:>4} x {k['id']}: {k.get('title', '')} "
+                       f"{k.get('link', '')} (DeepSpeed {k.get('deepspeed', '?')})")
+    return out

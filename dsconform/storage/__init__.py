@@ -1,0 +1,2 @@
+"""Where the suite writes: NVMe paths, DeepNVMe I/O and tuning, cross-checks, the checkpoint
+disk."""

@@ -1,0 +1,1 @@
+"""Tools around the suite: the air-gapped bundle."""

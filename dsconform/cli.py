@@ -64,6 +64,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from dsconform.results import compare
+    from dsconform.results import format as results_format
     from dsconform.results.render import compare as compare_report
     from dsconform.results.render import compare_chart as compare_plot
 
@@ -83,11 +84,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
             print(e, file=sys.stderr)
             return 2
     try:
-        base, new = compare.load(args.base), compare.load(args.new)
-    except compare.CompareInputError as e:
+        base = results_format.load_benchmarks(args.base)
+        new = results_format.load_benchmarks(args.new)
+    except results_format.ResultsFormatError as e:
         return unusable(e)
     for label, doc in ((args.base, base), (args.new, new)):
-        if compare.ran_nothing(doc):
+        if results_format.ran_nothing(doc):
             return unusable(f"{label}: the run recorded no test outcome and no measurement: "
                             "nothing to compare (a --collect-only run, a selection that matched "
                             "nothing, or a run stopped before its first test ended)")

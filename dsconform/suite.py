@@ -1,5 +1,6 @@
-"""The ONE module suites import: gates, the rank harness, configs, comparisons, tolerances,
-records, known issues and this run's state.
+"""The ONE module suites import: gates and the accelerator x cell parameters, the rank harness,
+configs, comparisons, tolerances, the checks several suites share (ZeRO against DDP, the
+collective calls), records, known issues and this run's state.
 
 Suites read like specifications (build a config, run ranks, compare, record) and depend on this
 surface only, never on the plugin's internals; what a suite needs that is not here belongs here.
@@ -11,7 +12,7 @@ Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` 
 
 from __future__ import annotations
 
-from dsconform.checks import checkpoint_state, collectives
+from dsconform.checks import checkpoint_state, collective_calls, collectives
 from dsconform.checks import onebit as onebit_reference
 from dsconform.checks.dsconfig import (
     ASSUMED_DEFAULTS,
@@ -25,6 +26,7 @@ from dsconform.checks.equivalence import (
     compare_rank_results,
     compare_states,
     compare_traces,
+    compare_update,
     non_finite,
     tensor_difference,
 )
@@ -36,10 +38,21 @@ from dsconform.checks.lossscale import (
     read_scaler,
 )
 from dsconform.checks.tolerances import Tol, tolerance
+from dsconform.checks.zero_vs_ddp import (
+    MLP,
+    TORCH_DTYPES,
+    ZERO_OFFLOADS,
+    ZeroCase,
+    cpu_fp32,
+    rank_batches,
+    record_zero_comparison,
+    train_zero_and_ddp,
+    zero_check_name,
+)
 from dsconform.gate import versions
 from dsconform.gate.known_issues import KNOWN_ISSUES, KnownIssue
 from dsconform.gate.removed import ONEBIT_OPTIMIZERS
-from dsconform.gate.requires import accel_params, requires
+from dsconform.gate.requires import ACCELERATORS, accel_cell, accel_params, requires
 from dsconform.gate.tiers import pairwise, uncovered_pairs
 from dsconform.harness.api import (
     InsufficientGPUs,
@@ -47,16 +60,22 @@ from dsconform.harness.api import (
     RankTimeout,
     all_agree,
     device,
+    external_rendezvous,
     gather,
     rank,
     run_ranks,
     seed_everything,
     worker_gpus,
     world,
+    xdist_worker,
 )
-from dsconform.harness.batch import RankCall, batched, cell_results
 from dsconform.node import gpu_health, nccl_tests
-from dsconform.node.detect import GIB, NodeFacts
+from dsconform.node.detect import (
+    NodeFacts,
+    nvml_devices,
+    usable_cpu_cores,
+    usable_memory_bytes,
+)
 from dsconform.ops.checks import (
     OpChecks,
     OpCrashed,
@@ -65,6 +84,7 @@ from dsconform.ops.checks import (
     checks_for_run,
 )
 from dsconform.ops.dsreport import parse_ds_report, run_ds_report
+from dsconform.plugin.batch import RankCall, batched, cell_results
 from dsconform.plugin.runstate import RunState, run_state
 from dsconform.profile.schema import NcclFloor, NvmePath, Profile
 from dsconform.profile.select import Rendezvous, rendezvous_info
@@ -74,11 +94,10 @@ from dsconform.storage import io as nvme_io
 from dsconform.storage import nvme
 from dsconform.storage import tune as nvme_tune
 from dsconform.storage import xcheck as nvme_xcheck
-
-GB = 1e9  # GB/s means 1e9 bytes per second, everywhere
+from dsconform.units import GB, GIB, TFLOPS
 
 __all__ = [
-    "ASSUMED_DEFAULTS", "GB", "GIB", "KNOWN_ISSUES", "OPTIMIZER_OPS", "Comparison",
+    "ASSUMED_DEFAULTS", "GB", "GIB", "TFLOPS", "KNOWN_ISSUES", "OPTIMIZER_OPS", "Comparison",
     "FactsRecorder", "Rendezvous", "rendezvous_info",
     "InsufficientGPUs", "KnownIssue", "MetricsRecorder", "NcclFloor", "NodeFacts", "NvmePath",
     "OpChecks", "OpCrashed", "RankCall", "batched", "cell_results", "checks_for_run",
@@ -93,4 +112,8 @@ __all__ = [
     "ONEBIT_OPTIMIZERS", "ONEBIT_TYPES", "onebit_reference",
     "nvme", "nvme_io", "nvme_tune", "nvme_xcheck",
     "checkpoint_state", "checkpoint_storage", "compare_states",
+    "ACCELERATORS", "accel_cell", "collective_calls", "compare_update", "external_rendezvous",
+    "xdist_worker", "nvml_devices", "usable_cpu_cores", "usable_memory_bytes",
+    "MLP", "TORCH_DTYPES", "ZERO_OFFLOADS", "ZeroCase", "cpu_fp32", "rank_batches",
+    "record_zero_comparison", "train_zero_and_ddp", "zero_check_name",
 ]

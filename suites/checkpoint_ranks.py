@@ -1,12 +1,12 @@
 """Code that runs inside the ranks of suites/test_checkpoint.py.
 
-The model, the data and the ZeRO cell come from the ZeRO suite (suites/zero_ranks.py): the same
-MLP with awkward widths, the same per-rank data seeded by (seed, rank). Every entry point trains
-an engine for ``steps`` steps, saves, and builds a second engine from ANOTHER seed (so a value the
-load forgets cannot be right by accident) that loads. What comes back to the parent is plain: flat
-snapshots (``dsconform.checks.checkpoint_state``: module weights, fp32 master weights, optimizer and
-scheduler state, counters, loss scaler) and training traces (losses, boundary gradients, final
-parameters) as CPU tensors.
+The model, the data and the ZeRO cell are the ZeRO suite's (dsconform/checks/zero_vs_ddp.py):
+the same MLP with awkward widths, the same per-rank data seeded by (seed, rank). Every entry point
+trains an engine for ``steps`` steps, saves, and builds a second engine from ANOTHER seed (so a
+value the load forgets cannot be right by accident) that loads. What comes back to the parent is
+plain: flat snapshots (``dsconform.checks.checkpoint_state``: module weights, fp32 master weights,
+optimizer and scheduler state, counters, loss scaler) and training traces (losses, boundary
+gradients, final parameters) as CPU tensors.
 
 Checkpoint directories are given by the parent, under the run's scratch directory; ranks write
 nowhere else. Ranks are pooled: every call re-seeds and destroys its engines before returning.
@@ -27,15 +27,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsconform.checks.checkpoint_state import LOAD_MODES, flatten_state
-from dsconform.storage.checkpoint import (
-    checkpoint_files,
-    drop_cached_pages,
-    fsync_file,
-    total_bytes,
+from dsconform.suite import (
+    MLP,
+    TORCH_DTYPES,
+    ZeroCase,
+    checkpoint_state,
+    checkpoint_storage,
+    cpu_fp32,
+    ds_config,
+    rank_batches,
 )
-from dsconform.suite import ds_config
-from suites.zero_ranks import _TORCH_DTYPES, MLP, ZeroCase, _cpu, _data
 
 # WarmupLR over more steps than any case trains: the learning rate still rises at every saved
 # step, so a load that drops the scheduler restarts the warmup and shows.
@@ -175,7 +176,7 @@ def build(case: CkptCase, seed: int, *, config: dict[str, Any] | None = None) ->
 def _batches(case: CkptCase) -> tuple[list, list]:
     from dsconform.suite import rank
 
-    data = _data(case.zero_case(), rank())
+    data = rank_batches(case.zero_case(), rank())
     return data[:case.steps], data[case.steps:]
 
 
@@ -188,7 +189,7 @@ def train(engine: Any, batches: list, dtype: str, overflow_at: tuple[int, ...] =
 
     from dsconform.suite import device
 
-    dev, dt = device(), _TORCH_DTYPES[dtype]
+    dev, dt = device(), TORCH_DTYPES[dtype]
     named = list(engine.module.named_parameters())
     losses, grads = [], []
     for i, micro_batches in enumerate(batches):
@@ -196,7 +197,7 @@ def train(engine: Any, batches: list, dtype: str, overflow_at: tuple[int, ...] =
         loss = F.mse_loss(engine(x.to(dev, dt)).float(), y.to(dev))
         engine.backward(loss * float("inf") if i in overflow_at else loss)
         # A collective on stage 3: every rank gathers every parameter, in the same order.
-        grads.append({n: _cpu(safe_get_full_grad(p)) for n, p in named})
+        grads.append({n: cpu_fp32(safe_get_full_grad(p)) for n, p in named})
         engine.step()
         losses.append(loss.item())
     return {"losses": losses, "grads": grads, "params": final_params(engine)}
@@ -213,7 +214,7 @@ def final_params(engine: Any) -> dict[str, torch.Tensor]:
         if full is None:
             with deepspeed.zero.GatheredParameters([p]):
                 full = p.data
-        out[n] = _cpu(full)
+        out[n] = cpu_fp32(full)
     return out
 
 
@@ -236,16 +237,16 @@ def snapshot(engine: Any, *, layout: bool = True) -> dict[str, Any]:
             snap[f"module/{n}"] = p.detach().to("cpu").clone()
         master = safe_get_full_fp32_param(p)
         if master is not None:
-            snap[f"fp32/{n}"] = _cpu(master)
+            snap[f"fp32/{n}"] = cpu_fp32(master)
     if layout:
-        snap.update(_without_padding(engine.optimizer,
-                                     flatten_state(engine.optimizer.state_dict(), "optimizer")))
+        optimizer = checkpoint_state.flatten_state(engine.optimizer.state_dict(), "optimizer")
+        snap.update(_without_padding(engine.optimizer, optimizer))
     if engine.lr_scheduler is not None:
-        snap.update(flatten_state(engine.lr_scheduler.state_dict(), "scheduler"))
+        snap.update(checkpoint_state.flatten_state(engine.lr_scheduler.state_dict(), "scheduler"))
     snap["engine/global_steps"] = engine.global_steps
     snap["engine/global_samples"] = engine.global_samples
     snap["engine/skipped_steps"] = engine.skipped_steps
-    snap.update(flatten_state([float(lr) for lr in engine.get_lr()], "engine/lr"))
+    snap.update(checkpoint_state.flatten_state([float(lr) for lr in engine.get_lr()], "engine/lr"))
     # ZeRO 1-3 keep a LossScaler/DynamicLossScaler; stage 0's fp16 wrappers a LossScaleConfig
     # (dynamic_loss_scale for dynamic, no hysteresis); bf16/fp32 wrappers a static scaler.
     opt = engine.optimizer
@@ -311,18 +312,18 @@ def full_state(engine: Any) -> dict[str, Any]:
     for n, p in engine.module.named_parameters():
         with deepspeed.zero.GatheredParameters([p]):
             state[f"module/{n}"] = p.detach().to("cpu").clone()
-        state[f"fp32/{n}"] = _cpu(safe_get_full_fp32_param(p))
+        state[f"fp32/{n}"] = cpu_fp32(safe_get_full_fp32_param(p))
         for key in ("exp_avg", "exp_avg_sq"):
-            state[f"{key}/{n}"] = _cpu(safe_get_full_optimizer_state(p, key))
+            state[f"{key}/{n}"] = cpu_fp32(safe_get_full_optimizer_state(p, key))
     state["engine/global_steps"] = engine.global_steps
-    state.update(flatten_state([float(lr) for lr in engine.get_lr()], "engine/lr"))
+    state.update(checkpoint_state.flatten_state([float(lr) for lr in engine.get_lr()], "engine/lr"))
     # Adam's step count (its bias correction), however the partitions lay it out: the set of
     # the inner optimizer's per-state steps; and the lr scheduler, whose next lr it decides.
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     state["optimizer/steps"] = tuple(sorted({float(st["step"]) for st in inner.state.values()
                                              if "step" in st}))
     if engine.lr_scheduler is not None:
-        state.update(flatten_state(engine.lr_scheduler.state_dict(), "scheduler"))
+        state.update(checkpoint_state.flatten_state(engine.lr_scheduler.state_dict(), "scheduler"))
     return state
 
 
@@ -365,8 +366,8 @@ def round_trip(case: CkptCase, ckpt_dir: str, target: CkptCase | None = None,
 
 
 def partial_load(case: CkptCase, ckpt_dir: str, mode: str) -> dict[str, Any]:
-    """round_trip with ``load_checkpoint(**LOAD_MODES[mode])``."""
-    return round_trip(case, ckpt_dir, load_kwargs=LOAD_MODES[mode])
+    """round_trip with ``load_checkpoint(**checkpoint_state.LOAD_MODES[mode])``."""
+    return round_trip(case, ckpt_dir, load_kwargs=checkpoint_state.LOAD_MODES[mode])
 
 
 def resume_save(case: CkptCase, ckpt_dir: str) -> dict[str, Any]:
@@ -540,11 +541,11 @@ def measure_saves(case: CkptCase, ckpt_dir: str, rounds: int) -> dict[str, Any]:
             dist.barrier()
             t0 = time.perf_counter()
             a.save_checkpoint(ckpt_dir, tag=f"r{r}")
-            for path in checkpoint_files(Path(ckpt_dir) / f"r{r}"):
-                fsync_file(path)
+            for path in checkpoint_storage.checkpoint_files(Path(ckpt_dir) / f"r{r}"):
+                checkpoint_storage.fsync_file(path)
             dist.barrier()
             seconds.append(time.perf_counter() - t0)
-            sizes.append(total_bytes(Path(ckpt_dir) / f"r{r}"))
+            sizes.append(checkpoint_storage.total_bytes(Path(ckpt_dir) / f"r{r}"))
         return {"rank": rank(), "seconds": seconds, "bytes": sizes, "engine": engine_class}
     finally:
         _destroy(a)
@@ -564,7 +565,7 @@ def measure_loads(case: CkptCase, ckpt_dir: str, rounds: int) -> dict[str, Any]:
         seconds, sizes = [], []
         for r in range(rounds):
             tag_dir = Path(ckpt_dir) / f"r{r}"
-            drop_cached_pages(checkpoint_files(tag_dir))
+            checkpoint_storage.drop_cached_pages(checkpoint_storage.checkpoint_files(tag_dir))
             dist.barrier()
             t0 = time.perf_counter()
             load_path, _ = b.load_checkpoint(ckpt_dir, tag=f"r{r}")
@@ -572,7 +573,7 @@ def measure_loads(case: CkptCase, ckpt_dir: str, rounds: int) -> dict[str, Any]:
             seconds.append(time.perf_counter() - t0)
             if load_path is None:
                 raise CheckpointRefused(f"load_checkpoint(tag='r{r}') returned no path")
-            sizes.append(total_bytes(tag_dir))
+            sizes.append(checkpoint_storage.total_bytes(tag_dir))
         return {"rank": rank(), "seconds": seconds, "bytes": sizes, "engine": engine_class}
     finally:
         _destroy(b)

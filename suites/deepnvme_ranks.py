@@ -17,8 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dsconform.suite import nvme, nvme_io
-from suites import zero_ranks
+from dsconform.suite import ZeroCase, nvme, nvme_io, train_zero_and_ddp
 
 
 @contextlib.contextmanager
@@ -118,9 +117,9 @@ def _proc_io() -> dict[str, int] | None:
 
 
 def swap_evidence(engine: Any) -> dict[str, Any]:
-    """What ZeRO-Infinity put on NVMe, read from the live engine (zero_ranks' inspect hook):
-    the swap files under each offload section's nvme_path and how many parameter partitions
-    live on NVMe."""
+    """What ZeRO-Infinity put on NVMe, read from the live engine (train_zero_and_ddp's inspect
+    hook): the swap files under each offload section's nvme_path and how many parameter
+    partitions live on NVMe."""
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 
     folders = {str(c.nvme_path) for c in (engine.zero_offload_optimizer(),
@@ -140,12 +139,12 @@ def swap_evidence(engine: Any) -> dict[str, Any]:
     return {"swap_files": files, "params": len(params), "params_on_nvme": on_nvme}
 
 
-def train_zero_infinity(case: zero_ranks.ZeroCase) -> dict[str, Any]:
-    """The ZeRO suite's ZeRO-vs-DDP run (zero_ranks.train_zero_and_ddp) with the case's nvme
+def train_zero_infinity(case: ZeroCase) -> dict[str, Any]:
+    """The ZeRO suite's ZeRO-vs-DDP run (train_zero_and_ddp) with the case's nvme
     offload, plus the evidence that NVMe was used: swap files and parameter placement from the
     engine, bytes this process read and wrote to storage while training."""
     before = _proc_io()
-    result = zero_ranks.train_zero_and_ddp(case, inspect=swap_evidence)
+    result = train_zero_and_ddp(case, inspect=swap_evidence)
     after = _proc_io()
     io = None if before is None or after is None else {
         k: after[k] - before[k] for k in ("read_bytes", "write_bytes")}
@@ -153,7 +152,7 @@ def train_zero_infinity(case: zero_ranks.ZeroCase) -> dict[str, Any]:
     return result
 
 
-def nvme_usage_problems(results: list[dict[str, Any]], case: zero_ranks.ZeroCase,
+def nvme_usage_problems(results: list[dict[str, Any]], case: ZeroCase,
                         where: str) -> list[str]:
     """Why the ranks' train_zero_infinity results do not show ZeRO-Infinity on NVMe (run in
     the parent): every rank needs optimizer swap files, parameter partitions on NVMe with their

@@ -29,10 +29,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dsconform.suite import ScalerSettings, ds_config, read_scaler
-from suites.zero_ranks import MLP  # the ZeRO suite's model: one definition
-
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# MLP: the ZeRO suite's model, one definition
+from dsconform.suite import MLP, TORCH_DTYPES, ScalerSettings, ds_config, read_scaler
 
 # Named scaler configurations of the engine matrix, each with the overflow pattern (one flag per
 # optimizer step) that exercises it. Initial scales are small enough (2**8) that the tiny model
@@ -41,7 +39,8 @@ SCALERS: dict[str, tuple[ScalerSettings, tuple[int, ...]]] = {
     # Every overflow lowers the scale; the window raises it again after three clean steps.
     "h1": (ScalerSettings(initial_scale_power=8, loss_scale_window=2, hysteresis=1),
            (0, 0, 1, 0, 0, 0, 1, 1, 0, 0)),
-    # DeepSpeed's default hysteresis: the sequence measured on ZeRO 1-3 (FINDINGS).
+    # DeepSpeed's default hysteresis: the sequence measured on ZeRO 1-3
+    # (docs/findings.md#loss-scaling).
     "h2": (ScalerSettings(initial_scale_power=8, loss_scale_window=2, hysteresis=2),
            (0, 1, 1, 0, 0, 0, 1, 1, 1)),
     # Every clean step refills the budget: isolated overflows never lower the scale, two in a
@@ -498,7 +497,7 @@ def _train_one_curve(case: CurveCase, dtype: str, weights: dict, data, dev) -> d
     try:
         losses, scales = [], []
         for x, y in data:
-            out = engine(x.to(dev, _TORCH_DTYPES[dtype]))
+            out = engine(x.to(dev, TORCH_DTYPES[dtype]))
             loss = F.mse_loss(out.float(), y.to(dev))
             losses.append(loss.item())
             engine.backward(loss)

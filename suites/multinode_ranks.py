@@ -1,8 +1,9 @@
 """Code run inside the ranks of suites/test_multinode.py.
 
-The ZeRO suite's rank code (suites/zero_ranks.py), run with the world size of the job the
-launcher started; the collectives run suites/collective_ranks.py's functions as they are. Under
-torchrun or Slurm every pytest process is one rank, so these run in-process, once per rank.
+The ZeRO suite's ZeRO-vs-DDP run (dsconform/checks/zero_vs_ddp.py), with the world size of the
+job the launcher started; the collectives run dsconform/checks/collective_calls.py's functions as
+they are. Under torchrun or Slurm every pytest process is one rank, so these run in-process, once
+per rank.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ import os
 import socket
 from typing import Any
 
-from dsconform.suite import device, rank, world
-from suites.zero_ranks import ZeroCase, train_zero_and_ddp
+from dsconform.suite import ZeroCase, device, rank, train_zero_and_ddp, world
 
 
 def zero_across_nodes(case: ZeroCase, perturb: float = 1.0,

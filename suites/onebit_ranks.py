@@ -60,8 +60,8 @@ class OnebitRun:
         if self.dtype == "fp16":
             # Dynamic (1-bit LAMB asserts it), starting at scale 1 and never growing within a run
             # (window 1000 > steps): DeepSpeed 0.19.6 never scales the loss on stage 0 yet divides
-            # the gradients by the scale (FINDINGS, upstream #8393); at 1 that cannot change the
-            # maths, so this suite measures compression, not that bug.
+            # the gradients by the scale (docs/findings.md#loss-scaling, upstream #8393); at 1
+            # that cannot change the maths, so this suite measures compression, not that bug.
             fp16 = {"loss_scale": 0.0, "initial_scale_power": 0, "loss_scale_window": 1000}
         onebit: dict[str, Any] = {}
         if self.optimizer in ("onebit_adam", "onebit_lamb"):

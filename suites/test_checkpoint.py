@@ -54,10 +54,13 @@ import pytest
 import torch
 
 from dsconform.suite import (
+    ACCELERATORS,
     GB,
+    ZERO_OFFLOADS,
     Comparison,
     RankCall,
     RankError,
+    accel_cell,
     accel_params,
     batched,
     cell_results,
@@ -74,7 +77,6 @@ from dsconform.suite import (
 )
 from suites import checkpoint_ranks as ranks
 from suites.checkpoint_ranks import CkptCase
-from suites.zero_ranks import OFFLOADS
 
 CAPABILITY = "checkpoint"
 # Per call; a cell with CPU Adam may JIT-build it inside its first call (42 s idle on 2 cores).
@@ -97,7 +99,7 @@ def _case(stage: int, offload: str, dtype: str, **kw) -> CkptCase:
 
 
 def _valid(cell: dict) -> bool:
-    return cell["offload"] in {_OFFLOAD_NAMES[o] for o in OFFLOADS[cell["stage"]]}
+    return cell["offload"] in {_OFFLOAD_NAMES[o] for o in ZERO_OFFLOADS[cell["stage"]]}
 
 
 def _needs(case: CkptCase) -> list:
@@ -115,15 +117,13 @@ def _params(cells: list[dict], *, cpu_tier: set[tuple], gpu_tier: list[dict], bu
     cells outside ``cpu_tier`` and cuda cells outside ``gpu_tier`` (the pairwise acceptance
     tier) are marked ``slow``."""
     out = []
-    for accel in ("cpu", "cuda"):
-        base = next(p for p in accel_params(world_size) if p.id == accel)
+    for accel in ACCELERATORS:
         for cell in cells:
             case = build(cell)
             key = tuple(cell.values())
             tier = key in cpu_tier if accel == "cpu" else cell in gpu_tier
-            marks = list(base.marks) + _needs(case) + ([] if tier else [pytest.mark.slow])
-            out.append(pytest.param(accel, *prefix(cell), case, marks=marks,
-                                    id=f"{accel}-{'-'.join(map(str, key))}"))
+            out.append(accel_cell(accel, *prefix(cell), case, id="-".join(map(str, key)),
+                                  world_size=world_size, marks=_needs(case), slow=not tier))
     return out
 
 
@@ -149,7 +149,7 @@ def _label(accelerator: str, case: CkptCase) -> str:
 # ---------------------------------------------------------------------------- CKPT-RT-1
 
 RT_CELLS = [{"stage": s, "offload": _OFFLOAD_NAMES[o], "dtype": d}
-            for s in OFFLOADS for o in OFFLOADS[s] for d in DTYPES]
+            for s in ZERO_OFFLOADS for o in ZERO_OFFLOADS[s] for d in DTYPES]
 # Every stage, both offloads and both CPU dtypes at least once: 8 cells, about 1 s each.
 RT_CPU_TIER = {(0, "none", "fp32"), (0, "none", "bf16"), (1, "none", "bf16"), (2, "none", "fp32"),
                (2, "opt", "fp32"), (3, "none", "fp32"), (3, "none", "bf16"),
@@ -201,7 +201,7 @@ def check_round_trip(results: list[dict], tol, *, label: str,
 def test_round_trip_is_exact(accelerator, case, scratch, profile, request):
     """CKPT-RT-1: save then load MUST give back every saved value bit for bit and the same next
     steps."""
-    # run at once with other cells (dsconform.harness.batch)
+    # run at once with other cells (dsconform.plugin.batch)
     results = cell_results(request, scratch)
     tol = tolerance("checkpoint", case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
@@ -402,17 +402,15 @@ UCP_GPU_TIER = {(3, "fp32", 1, 2)}
 
 def _ucp_params() -> list:
     out = []
-    for accel in ("cpu", "cuda"):
-        base = next(p for p in accel_params(2) if p.id == accel)
+    for accel in ACCELERATORS:
         for stage in (1, 2, 3):
             for dtype in DTYPES:
                 for src, dst in ((2, 1), (1, 2)):
                     case = CkptCase(stage=stage, dtype=dtype, world_size=src)
                     key = (stage, dtype, src, dst)
                     tier = key in (UCP_CPU_TIER if accel == "cpu" else UCP_GPU_TIER)
-                    marks = list(base.marks) + _needs(case) + ([] if tier else [pytest.mark.slow])
-                    out.append(pytest.param(accel, case, dst, marks=marks,
-                                            id=f"{accel}-z{stage}-{dtype}-ws{src}to{dst}"))
+                    out.append(accel_cell(accel, case, dst, id=f"z{stage}-{dtype}-ws{src}to{dst}",
+                                          world_size=2, marks=_needs(case), slow=not tier))
     return out
 
 
@@ -484,15 +482,12 @@ def _stage_params() -> list:
 
     affected = versions.parse(deepspeed.__version__) in versions.specifier(STAGE_VERIFIED)
     out = []
-    for accel in ("cpu", "cuda"):
-        base = next(p for p in accel_params(2) if p.id == accel)
+    for accel in ACCELERATORS:
         for a in range(4):
             for b in range(4):
                 if a == b:
                     continue
-                marks = list(base.marks)
-                if (a, b) not in (STAGE_CPU_TIER if accel == "cpu" else STAGE_GPU_TIER):
-                    marks.append(pytest.mark.slow)
+                marks = []
                 if (a, b) not in SUPPORTED_STAGE_CHANGES and affected:
                     why = _STAGE0 if 0 in (a, b) else _STAGE3
                     marks.append(pytest.mark.xfail(
@@ -500,7 +495,9 @@ def _stage_params() -> list:
                         reason=f"DeepSpeed {STAGE_VERIFIED} does not support loading a stage-{a} "
                                f"checkpoint into stage {b}: {why}. If this passes, it does now: "
                                f"add the pair to SUPPORTED_STAGE_CHANGES"))
-                out.append(pytest.param(accel, a, b, id=f"{accel}-z{a}-to-z{b}", marks=marks))
+                tier = (a, b) in (STAGE_CPU_TIER if accel == "cpu" else STAGE_GPU_TIER)
+                out.append(accel_cell(accel, a, b, id=f"z{a}-to-z{b}", world_size=2, marks=marks,
+                                      slow=not tier))
     return out
 
 
@@ -560,8 +557,7 @@ def damage(ckpt: Path, kind: str) -> tuple[str, str]:
 
 def _corrupt_params() -> list:
     out = []
-    for accel in ("cpu", "cuda"):
-        base = next(p for p in accel_params(2) if p.id == accel)
+    for accel in ACCELERATORS:
         for stage in (1, 2, 3):
             for kind in DAMAGE:
                 # Each refusal stops the ranks (a rank may wait for the one that raised), and
@@ -571,9 +567,8 @@ def _corrupt_params() -> list:
                 # wrong tag and the missing rank file is nightly there.
                 tier = (stage, kind) == ((2, "missing_rank_file") if accel == "cpu"
                                          else (3, "wrong_tag"))
-                out.append(pytest.param(accel, stage, kind, id=f"{accel}-z{stage}-{kind}",
-                                        marks=list(base.marks) + ([] if tier
-                                                                  else [pytest.mark.slow])))
+                out.append(accel_cell(accel, stage, kind, id=f"z{stage}-{kind}", world_size=2,
+                                      slow=not tier))
     return out
 
 
@@ -689,20 +684,19 @@ def test_storage_returns_written_bytes(accelerator, scratch, metrics):
 ROUNDS = 3
 # Stage 3: FastPersist writes whole files only there (see dsconfig._validate_checkpoint).
 PERF_WIDTH = {"cpu": 1536, "cuda": 4096}  # about 29 MB / 200 MB of checkpoint per round
-ENGINES = ("torch", "fast", "nebula")
+ENGINES = ("torch", "fast")
 _ENGINE_CLASS = {"torch": "TorchCheckpointEngine", "fast": "FastCheckpointEngine"}
 
 
 def _engine_params() -> list:
     out = []
-    for accel in accel_params(2):
+    for accel in ACCELERATORS:
         for engine in ENGINES:
-            marks = list(accel.marks) + [pytest.mark.benchmark]
+            marks = [pytest.mark.benchmark]
             if engine == "fast":  # FastPersist's writer: DeepNVMe, and on GPUs the utils op
-                marks.append(requires(op=["async_io", "utils"] if accel.id == "cuda"
+                marks.append(requires(op=["async_io", "utils"] if accel == "cuda"
                                       else "async_io"))
-            out.append(pytest.param(accel.values[0], engine, id=f"{accel.id}-{engine}",
-                                    marks=marks))
+            out.append(accel_cell(accel, engine, id=engine, world_size=2, marks=marks))
     return out
 
 
@@ -713,18 +707,10 @@ def _floor(profile, engine: str, kind: str):
 
 
 def _engine_case(accelerator: str, engine: str, profile, node) -> CkptCase:
-    import deepspeed
-
     promised, _ = _floor(profile, engine, "save")
     if promised is not None and engine == "fast" and not node.is_gpu_node:
         pytest.fail(f"profile {profile.name} promises checkpoint.floors engine {engine!r}, "
                     f"which needs a GPU (FastPersist pins its I/O buffer): found none")
-    if engine == "nebula":
-        removed = versions.at_least(deepspeed.__version__, "0.19.7")
-        pytest.skip(f"Nebula is not measured: removed in DeepSpeed 0.19.7 (PR #8490; found "
-                    f"{deepspeed.__version__})" if removed else
-                    "Nebula is not measured: it needs Azure's torch_nebula service, and without "
-                    "it DeepSpeed falls back to torch.save silently")
     if engine == "fast" and accelerator == "cpu":
         pytest.skip("FastPersist needs a GPU: its writer pins its I/O buffer with "
                     "Tensor.pin_memory() (RuntimeError 'Cannot access accelerator device when "

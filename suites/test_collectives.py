@@ -18,8 +18,8 @@ GPU, link or rank of the node MUST lag its peers.
   the CPU accelerator), a few sizes in the acceptance tier and every 4x step in the ``slow``
   tier; and one test per ``[[nccl.floors]]`` entry, where the recorder holds the median of the
   rounds to the floor at the floor's own size. Floors are measured the way they are checked
-  (FINDINGS: at 1 MiB torch.distributed reaches less than half of nccl-tests, so a floor from
-  one tool does not transfer to the other at small sizes).
+  (docs/findings.md#collectives: at 1 MiB torch.distributed reaches less than half of
+  nccl-tests, so a floor from one tool does not transfer to the other at small sizes).
 - Stragglers (COLL-STRAG-1, checked inside every COLL-BW point; COLL-P2P-1; GPU-MATMUL-1).
   Every rank's own time inside every collective is recorded; the time its peers wait for it
   MUST stay within ``[gpus] straggler_pct`` percent of the collective's time (held where a
@@ -56,8 +56,12 @@ from typing import Any
 import pytest
 
 from dsconform.suite import (
+    ACCELERATORS,
     GB,
+    TFLOPS,
+    accel_cell,
     accel_params,
+    collective_calls,
     collectives,
     gpu_health,
     nccl_tests,
@@ -74,9 +78,8 @@ CAPABILITY = "collectives"
 EXACT_SIZES = {"cpu": (1, 53, 65537, (1 << 20) + 3), "cuda": (1, 53, 65537, (1 << 24) + 3)}
 P2P_BYTES, P2P_ITERS = 256 << 20, 20  # ~0.7 ms per transfer over NVLink
 MATMUL_SIZE, MATMUL_ITERS = 8192, 50
-TFLOPS = 1e12
-#: COLL-XCHECK-1: torch.distributed may lose at most 10% to raw NCCL at a floor size (FINDINGS:
-#: within 0.5% at 1 and 4 GiB on 2xH200, 0.1% at 64 MiB).
+#: COLL-XCHECK-1: torch.distributed may lose at most 10% to raw NCCL at a floor size (on 2xH200
+#: within 0.5% at 1 and 4 GiB, 0.1% at 64 MiB: docs/findings.md#collectives).
 MIN_RATIO_TO_NCCL_TESTS = 0.9
 NCCL_TESTS_ITERS = 20  # all_reduce_perf's own default (-n)
 TIMEOUT_S = 600  # per call: a full cuda sweep moves ~100 GB per collective
@@ -109,28 +112,23 @@ def _exact_params() -> list:
     """accel x collective x dtype; on GPUs bf16/fp16 cells are gated on the GPUs having them
     (the CPU accelerator's gloo moves and sums bf16/fp16 itself)."""
     out = []
-    for accel in accel_params(2):
+    for accel in ACCELERATORS:
         for collective in collectives.COLLECTIVES:
             for dtype in collectives.DTYPES:
-                marks = list(accel.marks)
-                if accel.id == "cuda" and dtype != "fp32":
-                    marks.append(requires(**{dtype: True}))
-                out.append(pytest.param(accel.id, collective, dtype, marks=marks,
-                                        id=f"{accel.id}-{collective}-{dtype}"))
+                gated = accel == "cuda" and dtype != "fp32"
+                out.append(accel_cell(accel, collective, dtype, id=f"{collective}-{dtype}",
+                                      world_size=2,
+                                      marks=[requires(**{dtype: True})] if gated else []))
     return out
 
 
 def _sweep_params() -> list:
     """accel x collective, each in the acceptance tier and in full (marked ``slow``)."""
-    out = []
-    for accel in accel_params(2):
-        for collective in collectives.COLLECTIVES:
-            out.append(pytest.param(accel.id, collective, False, marks=accel.marks,
-                                    id=f"{accel.id}-{collective}"))
-            out.append(pytest.param(accel.id, collective, True,
-                                    marks=[*accel.marks, pytest.mark.slow],
-                                    id=f"{accel.id}-{collective}-full"))
-    return out
+    return [accel_cell(accel, collective, full, world_size=2, slow=full,
+                       id=f"{collective}-full" if full else collective)
+            for accel in ACCELERATORS
+            for collective in collectives.COLLECTIVES
+            for full in (False, True)]
 
 
 # ------------------------------------------------------------------ exactness
@@ -148,7 +146,7 @@ def test_all_reduce_is_exact(accel):
 def check_exact(collective: str, dtype: str, accel: str, world_size: int, node,
                 perturb: dict[str, int] | None = None) -> list[collectives.Mismatch]:
     """Run the exactness check on the ranks; the mismatches, each naming its rank's device."""
-    results = run_ranks(collective_ranks.check_exact, world_size, timeout_s=TIMEOUT_S,
+    results = run_ranks(collective_calls.check_exact, world_size, timeout_s=TIMEOUT_S,
                         args=(collective, dtype, EXACT_SIZES[accel]),
                         kwargs={"perturb": perturb}, accelerator=accel)
     ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
@@ -205,7 +203,7 @@ def test_bandwidth_sweep(accel: str, collective: str, full: bool, node, profile,
     top = collectives.sweep_top(profile.nccl_floors, accel)
     sizes = collectives.sweep_sizes(collective, top, accelerator=accel, full=full)
     points = [(s, collectives.iterations(s, accel)) for s in sizes]
-    result = run_ranks(collective_ranks.measure, n, timeout_s=TIMEOUT_S,
+    result = run_ranks(collective_calls.measure, n, timeout_s=TIMEOUT_S,
                        args=(collective, points), accelerator=accel)[0]
     ids = gpu_health.identify(result["identities"], node.hardware.bus_ids)
     pct = gpu_health.straggler_pct(profile.straggler_pct)
@@ -218,7 +216,7 @@ def test_busbw_floor(floor, node, profile, metrics):
     """COLL-BW-2: bus bandwidth MUST reach the profile's floor for that collective and size."""
     ws = floor.world_size or profile.gpus_promised
     iters = collectives.iterations(floor.bytes, "cuda")
-    result = run_ranks(collective_ranks.measure, ws, timeout_s=TIMEOUT_S,
+    result = run_ranks(collective_calls.measure, ws, timeout_s=TIMEOUT_S,
                        args=(floor.collective, [(floor.bytes, iters)]), accelerator="cuda")[0]
     ids = gpu_health.identify(result["identities"], node.hardware.bus_ids)
     # busbw = bytes * bus factor / time (nccl-tests); the recorder holds the median of 3 rounds
@@ -390,7 +388,7 @@ def test_nccl_tests_cross_check(node, profile, run, metrics):
     wrong = []
     for nbytes in sizes:
         iters = collectives.iterations(nbytes, "cuda")
-        ours = run_ranks(collective_ranks.measure, n, timeout_s=TIMEOUT_S,
+        ours = run_ranks(collective_calls.measure, n, timeout_s=TIMEOUT_S,
                          args=("all_reduce", [(nbytes, iters)]), accelerator="cuda")[0]
         rows = theirs[nbytes]
         params = {"bytes": nbytes, "world_size": n}

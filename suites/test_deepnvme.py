@@ -62,8 +62,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsconform.suite import (
+    ACCELERATORS,
     RankCall,
     RankError,
+    ZeroCase,
+    accel_cell,
     batched,
     cell_results,
     compare_rank_results,
@@ -87,11 +90,10 @@ from suites.deepnvme_ranks import (
     nvme_usage_problems,
     train_zero_infinity,
 )
-from suites.zero_ranks import ZeroCase
 
 CAPABILITY = "deepnvme"
-# Per call. The first call of a fresh pool may build async_io (150-240 s on 2 cores, FINDINGS)
-# or cpu_adam (42 s); warm calls take milliseconds to seconds.
+# Per call. The first call of a fresh pool may build async_io (150-158 s on 2 cores,
+# docs/findings.md#op-builds) or cpu_adam (42 s); warm calls take milliseconds to seconds.
 TIMEOUT_S = 900
 ROUNDS = 3  # the recorder holds a floor to the median of at least 3 rounds
 KiB, MiB = 1 << 10, 1 << 20
@@ -99,8 +101,9 @@ KiB, MiB = 1 << 10, 1 << 20
 # blocks and several submission windows per thread.
 MATRIX_SETTINGS = dict(block_size=256 * KiB, queue_depth=4, single_submit=False,
                        overlap_events=True)
-# Throughput and cross-check: what the ops suite and FINDINGS measured with (1 MiB blocks,
-# queue depth 32, one thread), so the profiles' floors compare with those numbers.
+# Throughput and cross-check: what the ops suite and docs/findings.md#deepnvme measured with
+# (1 MiB blocks, queue depth 32, one thread), so the profiles' floors compare with those
+# numbers.
 THROUGHPUT_SETTINGS = nvme.AioSettings(block_size=1 * MiB, queue_depth=32, intra_op_parallelism=1,
                                        single_submit=False, overlap_events=True)
 # The cross-check compares two tools at one size; 256 MiB keeps it to seconds on a GPU node
@@ -220,7 +223,7 @@ def _roundtrip_plan(params: dict, workdir: Path, run) -> tuple:
 @NEEDS_AIO
 @pytest.mark.anynode
 @pytest.mark.parametrize("memory, mode, iop", _matrix_params())
-# the cells run at once where lanes are on (dsconform.harness.batch)
+# the cells run at once where lanes are on (dsconform.plugin.batch)
 @batched(_roundtrip_plan, cost=0.3)
 def test_aio_api_roundtrip(memory, mode, iop, scratch, request):
     """NVME-IO-1: every aio_handle API family MUST write and read back every byte exactly."""
@@ -277,7 +280,7 @@ def _outstanding_plan(params: dict, workdir: Path, run) -> tuple:
 @pytest.mark.parametrize("memory", [pytest.param(m, marks=_memory_marks(m))
                                     for m in CPU_MEMORY + GPU_MEMORY])
 @pytest.mark.parametrize("iop", [1, 4], ids=lambda n: f"iop{n}")
-@batched(_outstanding_plan, cost=0.3)  # at once where lanes are on (dsconform.harness.batch)
+@batched(_outstanding_plan, cost=0.3)  # at once where lanes are on (dsconform.plugin.batch)
 def test_outstanding_then_one_wait(memory, iop, scratch, request):
     """NVME-IO-3: eight operations outstanding MUST all complete at one wait(), byte-exact."""
     out = cell_results(request, scratch)
@@ -537,23 +540,17 @@ ZINF_WIDTH = 1024
 def _zinf_params() -> list:
     tier = pairwise(ZINF_AXES, must=[ZINF_MUST])
     params = []
-    for accel in ("cpu", "cuda"):
+    for accel in ACCELERATORS:
         for values in itertools.product(*ZINF_AXES.values()):
             cell = dict(zip(ZINF_AXES, values))
             marks = [NEEDS_AIO]
-            if accel == "cuda":
-                marks += [pytest.mark.gpu, pytest.mark.multigpu, requires(min_gpus=2)]
-                if cell not in tier:
-                    marks.append(pytest.mark.slow)
-            elif cell not in ZINF_CPU_TIER:
-                marks.append(pytest.mark.slow)
             if cell["dtype"] == "bf16":
                 marks.append(requires(bf16=True))
             if cell["optimizer"] == "cpu_adam":
                 marks.append(requires(op="cpu_adam"))
-            params.append(pytest.param(accel, cell, marks=marks,
-                                       id=f"{accel}-{cell['offload']}-{cell['dtype']}-"
-                                          f"{cell['optimizer']}"))
+            in_tier = cell in (tier if accel == "cuda" else ZINF_CPU_TIER)
+            params.append(accel_cell(accel, cell, world_size=2, marks=marks, slow=not in_tier,
+                                     id=f"{cell['offload']}-{cell['dtype']}-{cell['optimizer']}"))
     return params
 
 
@@ -581,7 +578,7 @@ def _zinf_plan(params: dict, workdir: Path, run) -> tuple:
 
 @pytest.mark.nvme
 @pytest.mark.parametrize("accelerator, cell", _zinf_params())
-@batched(_zinf_plan, cost=4)  # the cells run at once where lanes are on (dsconform.harness.batch)
+@batched(_zinf_plan, cost=4)  # the cells run at once where lanes are on (dsconform.plugin.batch)
 def test_zero_infinity_matches_ddp(accelerator, cell, nvme_entry, profile, run, node, scratch,
                                    metrics, request):
     """NVME-ZINF-1: ZeRO-3 offloading to NVMe MUST give DDP's losses, gradients, parameters."""

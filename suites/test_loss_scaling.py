@@ -60,12 +60,14 @@ from hypothesis.stateful import (
 )
 
 from dsconform.suite import (
+    ACCELERATORS,
     RankCall,
     ScalerModel,
     ScalerSettings,
-    accel_params,
+    accel_cell,
     batched,
     cell_results,
+    compare_update,
     pairwise,
     requires,
     run_ranks,
@@ -210,7 +212,8 @@ def test_scaler_follows_model():
     run_scaler_machine()
 
 
-# FINDINGS: measured on ZeRO stages 1, 2 and 3 alike (initial 2**8, window 2, hysteresis 2).
+# docs/findings.md#loss-scaling: measured on ZeRO stages 1, 2 and 3 alike (initial 2**8, window
+# 2, hysteresis 2).
 MEASURED_PATTERN = (0, 1, 1, 0, 0, 0, 1, 1, 1)
 MEASURED_SCALES = (256, 256, 128, 128, 128, 256, 256, 128, 64)
 MEASURED_SKIPPED = (0, 1, 2, 2, 2, 2, 3, 4, 5)
@@ -225,7 +228,7 @@ def test_measured_sequence():
     skipped = [sum(e.skipped for e in expected[:i + 1]) for i in range(len(expected))]
     assert ([e.scale_after for e in expected], skipped) == (list(MEASURED_SCALES),
                                                             list(MEASURED_SKIPPED)), \
-        "the model no longer reproduces the measured sequence (FINDINGS, Loss scaling)"
+        "the model no longer reproduces the measured sequence (docs/findings.md#loss-scaling)"
     trace = run_ranks(scaler_trace, 1, args=(asdict(s), flags), timeout_s=TIMEOUT_S)[0]
     found = [t["state"]["scale"] for t in trace]
     assert found == list(MEASURED_SCALES), (
@@ -288,15 +291,13 @@ def _scaling_params(matrix: list[ScalingCase], tier: set[str]) -> list:
     """A ScalingCase matrix as pytest params on each accelerator: fp16 (and FusedAdam's op)
     required, the cells outside ``tier`` marked slow (nightly)."""
     params = []
-    for accel in ("cpu", "cuda"):
+    for accel in ACCELERATORS:
         for case in matrix:
-            base = next(p for p in accel_params(case.world_size) if p.id == accel)
-            marks = list(base.marks) + [requires(fp16=True)]
+            marks = [requires(fp16=True)]
             if case.optimizer == "fused_adam":
                 marks.append(requires(op="fused_adam"))
-            if case.id not in tier:
-                marks.append(pytest.mark.slow)
-            params.append(pytest.param(accel, case, id=f"{accel}-{case.id}", marks=marks))
+            params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
+                                     marks=marks, slow=case.id not in tier))
     return params
 
 
@@ -445,8 +446,6 @@ def check_step_sizes(case: ScalingCase, results: list[dict], tol: Any
     replica's step moved it (``tol.update``, ``tol.gain``), and so must the run as a whole (a
     skipped step that moved the masters shows there). Returns the problems and the worst
     values found (``update``: norm-relative difference, ``gain``: |gain - 1|)."""
-    from dsconform.checks.equivalence import compare_update
-
     expected = ScalerModel(case.settings).run(list(case.pattern))
     applied = [i for i, e in enumerate(expected) if e.outcome == "applied"]
     problems = _missing_ranks(results, case.world_size)
@@ -531,17 +530,9 @@ def test_applied_steps_match_fp32(accelerator: str, case: ScalingCase, profile, 
 
 def _bf16_params() -> list:
     """Acceptance (and CPU) tier: every stage on two ranks; one rank nightly."""
-    params = []
-    for accel in ("cpu", "cuda"):
-        for stage in STAGES:
-            for ws in WORLD_SIZES:
-                base = next(p for p in accel_params(ws) if p.id == accel)
-                marks = list(base.marks) + [requires(bf16=True)]
-                if ws != 2:
-                    marks.append(pytest.mark.slow)
-                params.append(pytest.param(accel, stage, ws, id=f"{accel}-z{stage}-ws{ws}",
-                                           marks=marks))
-    return params
+    return [accel_cell(accel, stage, ws, id=f"z{stage}-ws{ws}", world_size=ws,
+                       marks=[requires(bf16=True)], slow=ws != 2)
+            for accel in ACCELERATORS for stage in STAGES for ws in WORLD_SIZES]
 
 
 def _missing_ranks(results: list[dict], world_size: int) -> list[str]:
@@ -585,7 +576,7 @@ def check_bf16_run(results: list[dict], world_size: int | None = None) -> list[s
     accelerator=params["accelerator"]))
 def test_bf16_has_no_scaler(accelerator: str, stage: int, world_size: int, request):
     """LOSS-SCALE-5: bf16 MUST train with no loss scaler, to finite losses and weights."""
-    results = cell_results(request)  # run at once with other cells (dsconform.harness.batch)
+    results = cell_results(request)  # run at once with other cells (dsconform.plugin.batch)
     problems = check_bf16_run(results, world_size)
     assert not problems, f"{accelerator}-z{stage}-ws{world_size} bf16:\n  " + "\n  ".join(problems)
 
@@ -604,16 +595,14 @@ MAX_SKIPPED_STEPS = {"fp16": 10, "bf16": 0}
 
 def _curve_params() -> list:
     params = []
-    for accel in ("cpu", "cuda"):
+    for accel in ACCELERATORS:
         for stage in STAGES:
             for dtype in ("fp16", "bf16"):
                 case = CurveCase(stage=stage, dtype=dtype)
-                base = next(p for p in accel_params(case.world_size) if p.id == accel)
-                marks = list(base.marks) + [requires(**{dtype: True})]
                 # 2x200 steps take minutes on 2 CPU cores: the CPU runs them nightly only.
-                if accel == "cpu" or (stage, dtype) not in CURVE_TIER:
-                    marks.append(pytest.mark.slow)
-                params.append(pytest.param(accel, case, id=f"{accel}-{case.id}", marks=marks))
+                nightly = accel == "cpu" or (stage, dtype) not in CURVE_TIER
+                params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
+                                         marks=[requires(**{dtype: True})], slow=nightly))
     return params
 
 
@@ -663,7 +652,7 @@ def check_convergence(case: CurveCase, results: list[dict], tol: Any) -> tuple[d
     accelerator=params["accelerator"]), cost=6)
 def test_fp16_bf16_converge(accelerator: str, case: CurveCase, profile, metrics, request):
     """LOSS-SCALE-6: fp16 and bf16 MUST reach fp32's final loss within the table's margin."""
-    results = cell_results(request)  # run at once with other cells (dsconform.harness.batch)
+    results = cell_results(request)  # run at once with other cells (dsconform.plugin.batch)
     tol = tolerance("convergence", case.dtype, "sgd", profile.tolerances,
                     accelerator=accelerator)
     curves, problems = check_convergence(case, results, tol)

@@ -7,11 +7,12 @@ accelerator (nccl on GPUs, gloo on CPUs):
 
 - ZeRO stages 0-3 MUST give DDP's per-step losses, boundary gradients and final parameters
   within the one tolerance table (``dsconform/checks/tolerances.py``; fp32 SGD bit for bit), the
-  ZeRO suite's check (suites/test_zero.py, suites/zero_ranks.py) with gradients reduced,
-  partitioned and gathered over the network;
+  ZeRO suite's check (suites/test_zero.py, dsconform/checks/zero_vs_ddp.py) with gradients
+  reduced, partitioned and gathered over the network;
 - every collective ZeRO uses (all_reduce, all_gather, reduce_scatter, broadcast, all_to_all),
   through deepspeed.comm, MUST return the exact result on known data on every rank
-  (dsconform/checks/collectives.py; the collectives suite's check, suites/collective_ranks.py);
+  (dsconform/checks/collectives.py; the collectives suite's check,
+  dsconform/checks/collective_calls.py);
 - bus bandwidth across the nodes is measured (busbw as nccl-tests defines it, GB/s = 1e9 B/s)
   and MUST reach every floor of the profile measured at the job's world size
   (``[[nccl.floors]]`` with ``world_size`` above the GPUs of one node).
@@ -38,17 +39,19 @@ from dsconform.suite import (
     Comparison,
     MetricsRecorder,
     Profile,
+    ZeroCase,
+    collective_calls,
     collectives,
     compare_rank_results,
+    record_zero_comparison,
     rendezvous_info,
     requires,
     run_ranks,
     run_state,
     tolerance,
+    zero_check_name,
 )
-from suites import collective_ranks, multinode_ranks
-from suites.test_zero import check_name, record
-from suites.zero_ranks import ZeroCase
+from suites import multinode_ranks
 
 CAPABILITY = "multinode"
 pytestmark = pytest.mark.multinode
@@ -131,7 +134,7 @@ def zero_across_nodes(case: ZeroCase, profile: Profile, accelerator: str, *,
                         args=(case, perturb, perturb_from_step), timeout_s=TIMEOUT_S)
     ran = case.with_(world_size=len(results))
     ran_on = results[0]["accelerator"]
-    tol = tolerance(check_name(ran), ran.dtype, ran.optimizer, profile.tolerances,
+    tol = tolerance(zero_check_name(ran), ran.dtype, ran.optimizer, profile.tolerances,
                     accelerator=ran_on)
     rdzv = rendezvous_info()
     nodes = rdzv.nodes if rdzv else 1
@@ -140,20 +143,20 @@ def zero_across_nodes(case: ZeroCase, profile: Profile, accelerator: str, *,
 
 def mismatches(collective: str, accelerator: str,
                perturb: dict[str, int] | None = None) -> list[collectives.Mismatch]:
-    """collective_ranks.check_exact over the whole job, fp32, at EXACT_SIZES: every rank's wrong
+    """collective_calls.check_exact over the whole job, fp32, at EXACT_SIZES: every rank's wrong
     outputs. ``perturb`` is the collectives suite's fault injection ({"rank", "numel",
     "index"}: that rank's result off by one there), for the red tests."""
-    results = run_ranks(collective_ranks.check_exact, None, accelerator=accelerator,
+    results = run_ranks(collective_calls.check_exact, None, accelerator=accelerator,
                         args=(collective, "fp32", EXACT_SIZES[accelerator]),
                         kwargs={"perturb": perturb}, timeout_s=TIMEOUT_S)
     return collectives.mismatches_from_ranks([r["mismatches"] for r in results])
 
 
 def measure(transfer: Transfer, accelerator: str) -> dict:
-    """collective_ranks.measure over the whole job: seconds per call, each round's slowest
+    """collective_calls.measure over the whole job: seconds per call, each round's slowest
     rank (every rank returns the same), with the iterations and nccl-tests' bus factor."""
     iters = collectives.iterations(transfer.bytes, accelerator)
-    result = run_ranks(collective_ranks.measure, None, accelerator=accelerator,
+    result = run_ranks(collective_calls.measure, None, accelerator=accelerator,
                        args=(transfer.collective, [(transfer.bytes, iters)]),
                        timeout_s=TIMEOUT_S)[0]
     counts = result["points"][0]["wrong"]
@@ -202,7 +205,7 @@ def test_zero_across_nodes(case: ZeroCase, node, profile, metrics):
     parameters."""
     _ran_on_gpus(node, profile)
     cmp, ran = zero_across_nodes(case, profile, node.accelerator)
-    record(metrics, cmp, ran, node.accelerator)
+    record_zero_comparison(metrics, cmp, ran, node.accelerator)
     cmp.assert_ok()
 
 

@@ -87,8 +87,9 @@ BASELINE_MUST_REACH = 0.05
 # at freeze_step. CPU stand-in: 0.015-0.044 for all three; with an error feedback dropped
 # 0.8-9.4.
 COMPRESSED_MUST_REACH = 0.2
-# Learning rates at which every baseline learns the task (FINDINGS: 1-bit LAMB at 1e-3 did not;
-# LAMB's trust ratio ||w|| / ||update|| makes its steps ~10x smaller than Adam's on this MLP).
+# Learning rates at which every baseline learns the task (docs/findings.md#1-bit-optimizers:
+# 1-bit LAMB at 1e-3 did not; LAMB's trust ratio ||w|| / ||update|| makes its steps ~10x smaller
+# than Adam's on this MLP).
 LR = {"onebit_adam": 1e-2, "zero_one_adam": 1e-2, "onebit_lamb": 1e-1}
 # 1-bit allreduce: a bit per element plus two scales per rank against 32 bits (fp32). 32x at
 # large sizes; below 30x something besides signs and scales travels.

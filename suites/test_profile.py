@@ -13,8 +13,15 @@ import subprocess
 
 import pytest
 
-from dsconform.node import detect, gpu_health
-from dsconform.suite import GIB, versions
+from dsconform.suite import (
+    GIB,
+    external_rendezvous,
+    gpu_health,
+    usable_cpu_cores,
+    usable_memory_bytes,
+    versions,
+    xdist_worker,
+)
 
 CAPABILITY = "profile"
 
@@ -72,9 +79,6 @@ def test_gpus_free_at_start(profile, node):
     passes every capacity check and then leaves training short of memory). Read from NVML
     before this run created any CUDA context."""
     _promised(profile.gpu_count, "gpus.count", profile)
-    from dsconform.harness.api import external_rendezvous
-    from dsconform.harness.xdist import xdist_worker
-
     if xdist_worker()[1] > 1 or external_rendezvous():
         pytest.skip("GPU memory at start is only judged in a run of its own (not under -n or a "
                     "launcher): its sibling processes may already hold contexts")
@@ -178,7 +182,7 @@ def test_cpu_cores(profile, node):
     affinity mask and cgroup quota, not the host's count)."""
     want = _promised(profile.min_cpu_cores, "system.min_cpu_cores", profile)
     assert node.cpu_cores >= want, (f"expected >= {want} CPU cores, found {node.cpu_cores} "
-                                    f"({detect.usable_cpu_cores()[1]})")
+                                    f"({usable_cpu_cores()[1]})")
 
 
 @pytest.mark.anynode
@@ -188,7 +192,7 @@ def test_host_memory(profile, node):
     want = _promised(profile.min_host_memory_gib, "system.min_memory_gib", profile)
     found = (node.host_memory_bytes or 0) / GIB
     assert found >= want, (f"expected >= {want} GiB host memory, found {found:.1f} GiB "
-                           f"({detect.usable_memory_bytes()[1]})")
+                           f"({usable_memory_bytes()[1]})")
 
 
 @pytest.mark.anynode

@@ -29,27 +29,33 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsconform.suite import (
+    ACCELERATORS,
     ASSUMED_DEFAULTS,
     KNOWN_ISSUES,
     OPTIMIZER_OPS,
     Comparison,
     RankCall,
+    ZeroCase,
+    accel_cell,
     accel_params,
     batched,
     cell_results,
     compare_rank_results,
     defaults_mismatches,
     pairwise,
+    record_zero_comparison,
     requires,
     run_ranks,
     run_state,
     tolerance,
+    train_zero_and_ddp,
+    zero_check_name,
 )
-from suites.zero_ranks import ZeroCase, matrix, read_effective_defaults, train_zero_and_ddp
+from suites.zero_ranks import matrix, read_effective_defaults
 
 CAPABILITY = "zero"
 # Per call. DeepSpeed's FusedAdam/CPU Adam JIT-build inside the first call that uses them
-# (42 s each on 2 cores, FINDINGS); everything else takes seconds.
+# (42 s each on 2 cores, docs/findings.md#op-builds); everything else takes seconds.
 TIMEOUT_S = 180
 OP_TIMEOUT_S = 600
 
@@ -81,11 +87,6 @@ def in_cpu_tier(case: ZeroCase) -> bool:
     # and stage 2, and accumulation once.
     return cell in {(3, "param+opt", "fp32", "adam", 1, 2), (0, "none", "bf16", "adam", 1, 2),
                     (2, "none", "bf16", "adam", 1, 2), (1, "opt", "bf16", "adam", 4, 2)}
-
-
-def check_name(case: ZeroCase) -> str:
-    """The tolerance table's check: accumulation reduces in a different order (tolerances.py)."""
-    return "zero_accum" if case.grad_accum > 1 else "zero"
 
 
 def _needs(case: ZeroCase) -> list:
@@ -126,8 +127,8 @@ def gpu_tier(cases: list[ZeroCase]) -> list[ZeroCase]:
                       must=[_axes(c) for c in known])
     tier = [by_axes[tuple(cell.items())] for cell in chosen]
     for c in cases:  # one representative of every tolerance entry the matrix reaches
-        key = (check_name(c), c.dtype, c.optimizer)
-        if not any((check_name(t), t.dtype, t.optimizer) == key for t in tier):
+        key = (zero_check_name(c), c.dtype, c.optimizer)
+        if not any((zero_check_name(t), t.dtype, t.optimizer) == key for t in tier):
             tier.append(c)
     return tier
 
@@ -142,16 +143,13 @@ def _world_sizes(accel: str, gpus: int) -> tuple:
 
 def _matrix_params(gpus: int) -> list:
     params = []
-    for accel in ("cpu", "cuda"):
+    for accel in ACCELERATORS:
         cases = matrix(world_sizes=_world_sizes(accel, gpus))
         tier = set(map(id, gpu_tier(cases))) if accel == "cuda" else set()
         for case in cases:
-            base = next(p for p in accel_params(case.world_size) if p.id == accel)
-            marks = list(base.marks) + _needs(case)
             in_tier = in_cpu_tier(case) if accel == "cpu" else id(case) in tier
-            if not in_tier:
-                marks.append(pytest.mark.slow)
-            params.append(pytest.param(accel, case, id=f"{accel}-{case.id}", marks=marks))
+            params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
+                                     marks=_needs(case), slow=not in_tier))
     return params
 
 
@@ -176,7 +174,7 @@ def case_call(case: ZeroCase, accelerator: str) -> RankCall:
 
 def compare_case(results: list, case: ZeroCase, accelerator: str, profile) -> Comparison:
     """The ranks' ZeRO and DDP traces compared under the table's tolerance."""
-    tol = tolerance(check_name(case), case.dtype, case.optimizer, profile.tolerances,
+    tol = tolerance(zero_check_name(case), case.dtype, case.optimizer, profile.tolerances,
                     accelerator=accelerator)
     return compare_rank_results(results, tol, label=f"{accelerator}-{case.id}")
 
@@ -189,37 +187,16 @@ def run_case(case: ZeroCase, accelerator: str, profile) -> Comparison:
     return compare_case(results, case, accelerator, profile)
 
 
-def record(metrics, cmp: Comparison, case: ZeroCase, accelerator: str) -> None:
-    """Worst differences, recorded even when within tolerance: drift across upgrades shows."""
-    params = {**case.params(), "accelerator": accelerator, "rtol": cmp.tol.rtol,
-              "atol": cmp.tol.atol}
-    loss_abs, loss_rel = cmp.worst("loss")
-    metrics.record("zero.loss_max_rel_diff", loss_rel, unit="1", better="lower", **params)
-    metrics.record("zero.grad_max_abs_diff", cmp.worst("grad")[0], unit="1", better="lower",
-                   **params)
-    metrics.record("zero.param_max_abs_diff", cmp.worst("param")[0], unit="1", better="lower",
-                   **params)
-    if cmp.tol.update is not None:  # bf16/fp16: the whole update against DDP's (Tol.update)
-        metrics.record("zero.update_rel_diff", cmp.worst("update")[1], unit="1", better="lower",
-                       **params)
-    if cmp.tol.gain is not None:
-        metrics.record("zero.update_gain_dev", cmp.worst("gain")[0], unit="1", better="lower",
-                       **params)
-    if cmp.tol.tensor_gain is not None:  # the same gain, per parameter tensor
-        metrics.record("zero.tensor_gain_dev", cmp.worst("tensor_gain")[0], unit="1",
-                       better="lower", **params)
-
-
 def _plan(params: dict, workdir, run) -> RankCall:
     return case_call(_resolve(params["case"], run.node), params["accelerator"])
 
 
-@batched(_plan)  # the cells run at once where lanes are on (dsconform.harness.batch)
+@batched(_plan)  # the cells run at once where lanes are on (dsconform.plugin.batch)
 def test_zero_matches_ddp(accelerator: str, case: ZeroCase, node, profile, metrics, request):
     """ZERO-EQ-1: ZeRO MUST give DDP's per-step losses, boundary gradients and final parameters."""
     case = _resolve(case, node)
     cmp = compare_case(cell_results(request), case, accelerator, profile)
-    record(metrics, cmp, case, accelerator)
+    record_zero_comparison(metrics, cmp, case, accelerator)
     cmp.assert_ok()
 
 

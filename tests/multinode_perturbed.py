@@ -7,7 +7,8 @@ agents on localhost), in the same job as the suite. Nothing is mocked: DeepSpeed
 across the two ranks, and the collectives move real data.
 
 - ZeRO: from step 2 on, DeepSpeed's loss is multiplied by 1.001 inside ``engine.backward`` on
-  every rank (suites/zero_ranks.py ``_perturb_backward``); the comparison MUST fail at step 2.
+  every rank (dsconform/checks/zero_vs_ddp.py ``_perturb_backward``); the comparison MUST fail
+  at step 2.
 - exactness: rank 1's all_reduce through deepspeed.comm returns element 7 of its 53-element
   result off by one (the collectives suite's fault injection, a wrapper around the real call);
   the check MUST name rank 1, the size and the element.
@@ -19,9 +20,8 @@ from __future__ import annotations
 
 import pytest
 
-from dsconform.suite import MetricsRecorder, collectives
+from dsconform.suite import MetricsRecorder, ZeroCase, collectives
 from suites import test_multinode as suite
-from suites.zero_ranks import ZeroCase
 
 CAPABILITY = "multinode-red"
 pytestmark = pytest.mark.multinode

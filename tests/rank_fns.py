@@ -225,11 +225,11 @@ def wire_count() -> dict:
 
 
 def zero_layout(asked: dict, built: dict) -> list[str]:
-    """suites/zero_ranks.layout_problems of an engine built from ``built`` (ZeroCase fields)
-    judged against the case ``asked``: an engine that is not what the case asked for."""
+    """dsconform.checks.zero_vs_ddp.layout_problems of an engine built from ``built`` (ZeroCase
+    fields) judged against the case ``asked``: an engine that is not what the case asked for."""
     import deepspeed
 
-    from suites.zero_ranks import MLP, ZeroCase, layout_problems
+    from dsconform.checks.zero_vs_ddp import MLP, ZeroCase, layout_problems
 
     base = dict(dtype="fp32", optimizer="sgd", grad_accum=1, world_size=dist.world())
     case, engine_case = ZeroCase(**base, **asked), ZeroCase(**base, **built)

@@ -1,4 +1,4 @@
-"""Cell batches (dsconform.harness.batch) through the real plugin: every cell keeps its own outcome.
+"""Cell batches (dsconform.plugin.batch) through the real plugin: every cell keeps its own outcome.
 
 A small suite of batched cells (a pass, a rank that raises, a unanimous skip, a plan that
 refuses, a cell the gate skips, two that sleep) runs in an in-process pytest session, with two
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsconform.harness import api as dist
+from dsconform.harness import lanes as harness_lanes
 from tests import rank_fns  # noqa: F401 - imported once, before pytester snapshots sys.modules
 
 SUITE = '''
@@ -118,7 +119,7 @@ def run_demo(pytester, tmp_path, monkeypatch):
         windows.write_text("")
         order = Path(str(log) + ".order")
         order.write_text("")
-        monkeypatch.setattr(dist, "LANES", lanes)
+        monkeypatch.setattr(harness_lanes, "LANES", lanes)
         results = pytester.path / f"results-{lanes}"
         result = pytester.runpytest("-p", "fixtures.plugin", "--results", str(results),
                                     "-p", "no:cacheprovider", "-rA")
@@ -218,7 +219,7 @@ def test_cells_of_steps_and_a_batch_that_ended_on_its_own(pytester, monkeypatch,
     stopped early, even when the session ends right after its last cell's test."""
     pytester.makepyfile(test_steps_demo=STEPS)
     dist.shutdown_pools()
-    monkeypatch.setattr(dist, "LANES", lanes)
+    monkeypatch.setattr(harness_lanes, "LANES", lanes)
     result = pytester.runpytest("-p", "fixtures.plugin", "--results",
                                 str(pytester.path / "results"), "-p", "no:cacheprovider")
     dist.shutdown_pools()

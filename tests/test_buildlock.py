@@ -68,16 +68,18 @@ def test_mount_lookup_takes_the_longest_prefix(tmp_path):
 
 
 def test_ranks_start_despite_a_stale_shm_comm_lock(tmp_path, monkeypatch):
-    """FINDINGS: a run killed during a JIT build left <op>/lock and every later rank on CPU
-    waited in torch's FileBaton until the 300 s startup timeout, with no cause given. The lock
-    is planted in the real extensions cache the ranks use; they must start within seconds."""
+    """docs/findings.md#op-builds: a run killed during a JIT build left <op>/lock and every
+    later rank on CPU waited in torch's FileBaton until the 300 s startup timeout, with no cause
+    given. The lock is planted in the real extensions cache the ranks use; they must start
+    within seconds."""
     from dsconform.harness import api as dist
+    from dsconform.harness import pool
     from dsconform.ops import checks as ops
     from tests import rank_fns
 
     ext = ops.ensure_extensions_dir()
     lock = _plant(ext, op="deepspeed_shm_comm")
-    monkeypatch.setattr(dist, "STARTUP_TIMEOUT_S", 120.0)
+    monkeypatch.setattr(pool, "STARTUP_TIMEOUT_S", 120.0)
     try:
         start = time.monotonic()
         out = dist.run_ranks(rank_fns.rank_and_sum, 2, timeout_s=60, accelerator="cpu",

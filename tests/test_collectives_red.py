@@ -1,7 +1,8 @@
 """The collectives suite's checks MUST go red, on real gloo collectives (2 ranks, CPU).
 
-Each test runs the suite's own rank code (suites/collective_ranks.py) and its own checking and
-recording helpers (suites/test_collectives.py) with a fault injected in one rank:
+Each test runs the suite's own rank code (dsconform/checks/collective_calls.py,
+suites/collective_ranks.py) and its own checking and recording helpers
+(suites/test_collectives.py) with a fault injected in one rank:
 - one element of one rank's deepspeed.comm result off by one: the exactness check names rank,
   collective, dtype, size and index (COLL-EXACT-1);
 - one rank late to every collective call: the recorder fails ``<collective>.waited_for_pct``
@@ -23,6 +24,7 @@ import pytest
 from dsconform.harness.api import run_ranks
 from dsconform.node import gpu_health
 from dsconform.results.records import MetricsRecorder
+from dsconform.suite import collective_calls
 from suites import collective_ranks
 from suites.test_collectives import (
     EXACT_SIZES,
@@ -89,7 +91,7 @@ def test_a_fault_only_in_large_messages_is_found_on_cpu_too():
 
 
 def _measure(delay_rank: int | None, collective: str = "all_reduce") -> dict:
-    return run_ranks(collective_ranks.measure, WORLD, timeout_s=300,
+    return run_ranks(collective_calls.measure, WORLD, timeout_s=300,
                      args=(collective, [(MIB, 5)]),
                      kwargs={"delay_rank": delay_rank, "delay_s": 0.05}, accelerator="cpu")[0]
 
@@ -99,9 +101,9 @@ def _measure(delay_rank: int | None, collective: str = "all_reduce") -> dict:
 def test_a_fast_but_partial_collective_fails_its_timed_point(collective):
     """A collective that leaves part of its output undone (fast, so it would pass a floor) MUST
     fail the bandwidth point it was timed at, naming the rank and the wrong elements."""
-    ok = run_ranks(collective_ranks.measure, WORLD, timeout_s=300, args=(collective, [(MIB, 3)]),
+    ok = run_ranks(collective_calls.measure, WORLD, timeout_s=300, args=(collective, [(MIB, 3)]),
                    accelerator="cpu")[0]
-    bad = run_ranks(collective_ranks.measure, WORLD, timeout_s=300,
+    bad = run_ranks(collective_calls.measure, WORLD, timeout_s=300,
                     args=(collective, [(MIB, 3)]), kwargs={"partial_rank": 1},
                     accelerator="cpu")[0]
     record_point(_recorder(), collective, ok["points"][0], _ids(ok), 99.0, bytes=MIB)  # control
@@ -167,12 +169,11 @@ def test_slow_gpu_matmul_and_a_floor_above_the_machine_fail():
 
 
 SUITE_LIKE = '''
-from dsconform.suite import gpu_health, run_ranks
-from suites import collective_ranks
+from dsconform.suite import collective_calls, gpu_health, run_ranks
 from suites.test_collectives import record_point
 
 def test_floor_far_above(metrics):
-    result = run_ranks(collective_ranks.measure, 2, timeout_s=300,
+    result = run_ranks(collective_calls.measure, 2, timeout_s=300,
                        args=("all_reduce", [(1 << 20, 5)]), accelerator="cpu")[0]
     ids = gpu_health.identify(result["identities"])
     record_point(metrics, "all_reduce", result["points"][0], ids, 99.0, floor=1e6,

@@ -12,9 +12,11 @@ import pytest
 
 from dsconform.cli import main
 from dsconform.results import compare, records
+from dsconform.results import format as results_format
 from tests.compare_docs import ISSUE, doc, metric, outcome, rate, write
 
-REFERENCE = Path(__file__).parent.parent / "results/reference/h200-x2"
+# Real results files of 2xH200 runs, trimmed (tests/data/compare/README.md).
+REFERENCE = Path(__file__).parent / "data" / "compare"
 ZERO_MUST = "ZERO-EQ-1: ZeRO MUST give DDP's losses."
 
 
@@ -114,7 +116,7 @@ def test_a_tolerance_override_does_not_make_a_measured_difference_incomparable()
 
 
 def test_infinite_and_nan_values_do_not_break_the_comparison():
-    # A diverged ZeRO comparison records inf (results/reference/h200-x2/zero-full).
+    # A diverged ZeRO comparison records inf (tests/data/compare/zero-full).
     base = doc([metric("g", [math.inf], "1"), metric("n", [1.0], "1")])
     new = doc([metric("g", [0.3], "1"), metric("n", [math.nan], "1")])
     got = {c.name.split("::")[-1]: c for c in compare.compare(base, new).changes}
@@ -489,7 +491,7 @@ def test_missing_file_and_bad_threshold(tmp_path, capsys):
 
 @pytest.mark.parametrize("folder", ["zero-full", "zero-fp16-after-fix", "ops-arch-9.0a"])
 def test_reads_the_reference_results(folder):
-    d = compare.load(REFERENCE / folder)
+    d = results_format.load_benchmarks(REFERENCE / folder)
     result = compare.compare(d, d)
     assert not result.regressed and result.of("unchanged")
     assert not [c for c in result.changes if c.kind not in ("unchanged",)]
@@ -498,8 +500,8 @@ def test_reads_the_reference_results(folder):
 def test_reference_runs_compare_across_the_fp16_fix():
     """The void fp16 rows of zero-full (inf differences) against the re-run after the DDP
     reference was fixed: the fp16 stage 1-3 cells are fixed, the stage 0 ones are not."""
-    result = compare.compare(compare.load(REFERENCE / "zero-full"),
-                             compare.load(REFERENCE / "zero-fp16-after-fix"))
+    result = compare.compare(results_format.load_benchmarks(REFERENCE / "zero-full"),
+                             results_format.load_benchmarks(REFERENCE / "zero-fp16-after-fix"))
     fixed = {c.name for c in result.of("improvement", compare.OUTCOME)}
     assert "ZERO-EQ-1[cuda-z3-off_none-fp16-sgd-gas1-ws2]" in fixed
     assert not any("-z0-" in name for name in fixed)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from dsconform.cli import main
 from dsconform.results import compare
+from dsconform.results import format as results_format
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST = "suites/test_zero.py::test_effective_defaults"
@@ -39,7 +40,8 @@ def test_a_moved_default_is_named_by_compare(tmp_path, capsys):
     assert procs[1].returncode == 1, outs[1][-3000:]
     assert "gradient_clipping: expected 1.0, found 0.0" in outs[1]
 
-    result = compare.compare(compare.load(real), compare.load(old))
+    result = compare.compare(results_format.load_benchmarks(real),
+                             results_format.load_benchmarks(old))
     moved = {c.name: (c.base, c.new) for c in result.of(compare.CHANGED, compare.FACT)}
     assert moved == dict.fromkeys(MOVED, ("1.0", "0.0"))
     # Everything else the test reads was recorded on both sides and did not move.

@@ -10,6 +10,7 @@ import math
 import pytest
 
 from dsconform.results import compare, records
+from dsconform.results import format as results_format
 
 FACTS_SUITE = '''
 import pytest
@@ -51,7 +52,7 @@ def test_facts_reach_benchmarks_json_and_the_journal(pytester, tmp_path):
                (pytester.path / "res" / "records.jsonl").read_text().splitlines()]
     assert sum(1 for e in journal if "fact" in e) == 4
     # compare reads them back, keyed by the conformance id.
-    run = compare.read_run(compare.load(pytester.path / "res"))
+    run = compare.read_run(results_format.load_benchmarks(pytester.path / "res"))
     assert run.facts["DEMO-DEF-1::default.betas"] == [0.9, 0.999]
     assert run.facts["DEMO-DEF-2::default.name"] == "AdamW"
 

@@ -30,14 +30,14 @@ import pytest
 
 from dsconform.checks.equivalence import compare_rank_results
 from dsconform.checks.tolerances import tolerance
+from dsconform.checks.zero_vs_ddp import ZeroCase
 from dsconform.harness.api import RankError, run_ranks
-from dsconform.ops.checks import ensure_extensions_dir
+from dsconform.ops.cache import ensure_extensions_dir
 from dsconform.results.records import MetricsRecorder
 from dsconform.storage import io as nvme_io
 from dsconform.storage import nvme
 from dsconform.storage import xcheck as nvme_xcheck
 from suites import deepnvme_ranks
-from suites.zero_ranks import ZeroCase
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1 << 20

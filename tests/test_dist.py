@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from dsconform.harness import api as dist
+from dsconform.harness import pool
 
 try:
     from tests import rank_fns  # tests/ is a package: ranks import it by this name too
@@ -242,7 +243,7 @@ def test_skips_with_different_reasons_are_a_disagreement():
 
 
 def test_skip_while_peer_waits_in_collective_fails_after_grace(monkeypatch):
-    monkeypatch.setattr(dist, "SKIP_GRACE_S", 1.0)
+    monkeypatch.setattr(pool, "SKIP_GRACE_S", 1.0)
     warm_pids()
     start = time.monotonic()
     with not_a_skip(), pytest.raises(dist.RankError, match="disagree") as info:

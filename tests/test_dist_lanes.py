@@ -1,4 +1,4 @@
-"""Lanes (dsconform.harness.api.run_concurrently): independent calls at once over several pools.
+"""Lanes (dsconform.harness.lanes.run_concurrently): independent calls at once over several pools.
 
 Run on the CPU accelerator with two lanes forced ("auto" gives one lane on this 2-core machine).
 """
@@ -11,7 +11,9 @@ import time
 import pytest
 
 from dsconform.harness import api as dist
-from dsconform.harness.api import RankCall
+from dsconform.harness import lanes as harness_lanes
+from dsconform.harness import pool
+from dsconform.harness.lanes import RankCall
 
 try:
     from tests import rank_fns
@@ -36,25 +38,26 @@ def _call(fn, ws: int = 2, *args, timeout_s: float = TIMEOUT_S) -> RankCall:
 
 
 def test_auto_lanes_only_on_big_cuda_machines(monkeypatch):
-    monkeypatch.setattr(dist, "LANES", "auto")
+    monkeypatch.setattr(harness_lanes, "LANES", "auto")
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
-    assert dist.lanes_for("cuda") == dist.LANES_AUTO and dist.lanes_for("cpu") == 1
+    assert harness_lanes.lanes_for("cuda") == harness_lanes.LANES_AUTO
+    assert harness_lanes.lanes_for("cpu") == 1
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert dist.lanes_for("cuda") == 1
-    monkeypatch.setattr(dist, "LANES", "3")
-    assert dist.lanes_for("cpu") == 3
-    monkeypatch.setattr(dist, "LANES", "many")
+    assert harness_lanes.lanes_for("cuda") == 1
+    monkeypatch.setattr(harness_lanes, "LANES", "3")
+    assert harness_lanes.lanes_for("cpu") == 3
+    monkeypatch.setattr(harness_lanes, "LANES", "many")
     with pytest.raises(ValueError, match="DSCONFORM_LANES"):
-        dist.lanes_for("cpu")
+        harness_lanes.lanes_for("cpu")
 
 
 def test_calls_run_at_once_on_separate_pools(clean):
     """Two 2-rank calls that each sleep 3 s finish in well under 6 s, on different processes,
     and each returns its own ranks' values."""
-    dist.start_lanes([2], "cpu", lanes=2)  # as a GPU run does at collection
+    harness_lanes.start_lanes([2], "cpu", lanes=2)  # as a GPU run does at collection
     dist.settle_spares()
     t0 = time.monotonic()
-    out = dist.run_concurrently([_call(rank_fns.sleep_then_pid, 2, 3.0),
+    out = harness_lanes.run_concurrently([_call(rank_fns.sleep_then_pid, 2, 3.0),
                                  _call(rank_fns.sleep_then_pid, 2, 3.0)], lanes=2)
     took = time.monotonic() - t0
     assert [o[0] for o in out] == ["ok", "ok"], out
@@ -72,7 +75,7 @@ def test_a_failing_call_fails_alone_and_its_lane_recovers(clean):
              _call(rank_fns.skip_all, 2, "not here"), _call(rank_fns.rank_and_sum),
              _call(rank_fns.rank_and_sum, 1)]
     done = []
-    out = dist.run_concurrently(calls, lanes=2, on_done=lambda i, o, s: done.append(i))
+    out = harness_lanes.run_concurrently(calls, lanes=2, on_done=lambda i, o, s: done.append(i))
     assert sorted(done) == list(range(len(calls)))
     kind, exc = out[0]
     assert kind == "raise" and isinstance(exc, dist.RankError) and "rank 1 of 2" in str(exc)
@@ -84,7 +87,7 @@ def test_a_failing_call_fails_alone_and_its_lane_recovers(clean):
 
 def test_a_hanging_call_times_out_alone(clean):
     calls = [_call(rank_fns.hang_on, 2, 0, timeout_s=3.0), _call(rank_fns.rank_and_sum)]
-    out = dist.run_concurrently(calls, lanes=2)
+    out = harness_lanes.run_concurrently(calls, lanes=2)
     assert out[0][0] == "raise" and isinstance(out[0][1], dist.RankTimeout)
     assert out[1][0] == "ok"
 
@@ -92,27 +95,27 @@ def test_a_hanging_call_times_out_alone(clean):
 def test_bad_calls_are_their_own_outcome(clean):
     calls = [RankCall(lambda: 1, 2, TIMEOUT_S, accelerator="cpu"), _call(rank_fns.noop),
              RankCall(rank_fns.noop, 0, TIMEOUT_S, accelerator="cpu")]
-    out = dist.run_concurrently(calls, lanes=2)
+    out = harness_lanes.run_concurrently(calls, lanes=2)
     assert out[0][0] == "raise" and isinstance(out[0][1], TypeError)
     assert out[1] == ("ok", [None, None])
     assert out[2][0] == "raise" and isinstance(out[2][1], ValueError)
 
 
 def test_one_lane_runs_calls_in_turn_through_run_ranks(clean):
-    out = dist.run_concurrently([_call(rank_fns.pid, 1), _call(rank_fns.pid, 1),
+    out = harness_lanes.run_concurrently([_call(rank_fns.pid, 1), _call(rank_fns.pid, 1),
                                  _call(rank_fns.raise_on, 1, 0)], lanes=1)
     assert out[0] == out[1] and out[0][0] == "ok"  # the same pooled rank, one after the other
     assert out[2][0] == "raise" and isinstance(out[2][1], dist.RankError)
 
 
 def test_one_rank_lanes_take_the_gpus_in_turn(monkeypatch):
-    monkeypatch.setattr(dist, "visible_gpus", lambda: ["0", "1"])
-    monkeypatch.setattr(dist, "xdist_worker", lambda: (0, 1))
-    keys = dist._lane_keys(1, "cuda", 4)
+    monkeypatch.setattr(pool, "visible_gpus", lambda: ["0", "1"])
+    monkeypatch.setattr(pool, "xdist_worker", lambda: (0, 1))
+    keys = harness_lanes._lane_keys(1, "cuda", 4)
     assert [k[2] for k in keys] == [("0",), ("1",), ("0",), ("1",)]
-    assert dist._lane_keys(2, "cuda", 2) == [(2, "cuda", ("0", "1"))] * 2
+    assert harness_lanes._lane_keys(2, "cuda", 2) == [(2, "cuda", ("0", "1"))] * 2
     with pytest.raises(dist.InsufficientGPUs):
-        dist._lane_keys(3, "cuda", 2)
+        harness_lanes._lane_keys(3, "cuda", 2)
 
 
 
@@ -120,15 +123,15 @@ def test_idle_lane_ranks_outlive_the_batch_thread(clean):
     """Ranks die with the thread that started them (PR_SET_PDEATHSIG): a lane that replaces
     its failed ranks inside its own thread would leave dead ranks behind when it ends. The
     batch's thread starts them instead, so idle lanes are alive for the next batch."""
-    dist.start_lanes([1], "cpu", lanes=2)
+    harness_lanes.start_lanes([1], "cpu", lanes=2)
     dist.settle_spares()
     # The failing lane starts new ranks for the third call while the other lane sleeps.
     calls = [_call(rank_fns.raise_on, 1, 0), _call(rank_fns.sleep_then_pid, 1, 5.0),
              _call(rank_fns.pid, 1)]
-    out = dist.run_concurrently(calls, lanes=2)
+    out = harness_lanes.run_concurrently(calls, lanes=2)
     assert [o[0] for o in out] == ["raise", "ok", "ok"]
     time.sleep(1.0)
-    idle = [p for pools in dist._LANES.values() for p in pools]
+    idle = [p for pools in pool.LANE_POOLS.values() for p in pools]
     assert len(idle) == 2 and all(p.alive() for p in idle), [
         [pr.exitcode for pr in p.procs] for p in idle]
 
@@ -143,7 +146,7 @@ def test_a_batch_stopped_from_another_thread_kills_its_lanes(clean):
     calls = [_call(rank_fns.hang_forever_in_sleep, 1), _call(rank_fns.hang_forever_in_sleep, 1)]
     threading.Timer(8.0, cancel.set).start()
     t0 = time.monotonic()
-    out = dist.run_concurrently(calls, lanes=2, on_done=lambda i, o, s: done.append(i),
+    out = harness_lanes.run_concurrently(calls, lanes=2, on_done=lambda i, o, s: done.append(i),
                                 cancel=cancel)
     assert time.monotonic() - t0 < 30.0
     assert out == [None, None] and done == []
@@ -159,7 +162,8 @@ def test_a_batch_sees_the_environment_it_started_with(clean, monkeypatch):
              RankCall(rank_fns.read_env_var, 1, TIMEOUT_S, args=("DSCONFORM_DEMO_VAR",),
                       accelerator="cpu")]
     out: list = []
-    worker = threading.Thread(target=lambda: out.extend(dist.run_concurrently(calls, lanes=2)))
+    worker = threading.Thread(
+        target=lambda: out.extend(harness_lanes.run_concurrently(calls, lanes=2)))
     worker.start()
     time.sleep(0.5)
     monkeypatch.setenv("DSCONFORM_DEMO_VAR", "changed-meanwhile")
@@ -173,12 +177,13 @@ def test_run_ranks_runs_while_a_batch_does(clean):
     lock), so the calls overlap."""
     import threading
 
-    dist.start_lanes([1], "cpu", lanes=2)
+    harness_lanes.start_lanes([1], "cpu", lanes=2)
     dist.settle_spares()
     dist.run_ranks(rank_fns.noop, 1, timeout_s=TIMEOUT_S, accelerator="cpu")  # pooled now
     calls = [_call(rank_fns.sleep_window, 1, 2.0), _call(rank_fns.sleep_window, 1, 2.0)]
     out: list = []
-    worker = threading.Timer(1.0, lambda: out.extend(dist.run_concurrently(calls, lanes=2)))
+    worker = threading.Timer(
+        1.0, lambda: out.extend(harness_lanes.run_concurrently(calls, lanes=2)))
     worker.start()
     mine = dist.run_ranks(rank_fns.sleep_window, 1, timeout_s=TIMEOUT_S, args=(5.0,),
                           accelerator="cpu")[0]
@@ -200,12 +205,12 @@ def test_steps_run_in_turn_and_a_fresh_step_gets_new_processes(clean, lanes):
     processes that ran no call and built no warm-up engine: neither its lane's nor an idle
     pool.
     With one lane the steps go through run_ranks (reuse=False for the fresh one)."""
-    dist.start_lanes([2], "cpu", lanes=2)
+    harness_lanes.start_lanes([2], "cpu", lanes=2)
     dist.settle_spares()
     # A batch of plain calls first: idle lane pools that ran a call, which a fresh step must
     # not take.
-    dist.run_concurrently([_call(rank_fns.pid_and_calls)] * 2, lanes=lanes)
-    out = dist.run_concurrently([_call(rank_fns.pid_and_calls), _steps(2, True),
+    harness_lanes.run_concurrently([_call(rank_fns.pid_and_calls)] * 2, lanes=lanes)
+    out = harness_lanes.run_concurrently([_call(rank_fns.pid_and_calls), _steps(2, True),
                                  _steps(2, False)], lanes=lanes)
     assert [o[0] for o in out] == ["ok"] * 3, out
     first, second, third = out[1][1]
@@ -218,9 +223,9 @@ def test_steps_run_in_turn_and_a_fresh_step_gets_new_processes(clean, lanes):
     assert [c for _, c, _ in reused] == [c + 2 for _, c in out[2][1][0]]
     # A fresh call on its own (no step before it to start its ranks ahead), with used and
     # warmed-up idle pools about.
-    dist.start_lanes([2], "cpu", lanes=2)
+    harness_lanes.start_lanes([2], "cpu", lanes=2)
     dist.settle_spares()
-    alone = dist.run_concurrently([_steps(2, True)[2]] * 2, lanes=lanes)
+    alone = harness_lanes.run_concurrently([_steps(2, True)[2]] * 2, lanes=lanes)
     assert [[(c, w) for _, c, w in o[1]] for o in alone] == [[(1, False)] * 2] * 2, alone
 
 
@@ -231,7 +236,7 @@ def test_a_failing_step_is_the_entry_outcome(clean):
               RankCall(rank_fns.pid_and_calls, 2, TIMEOUT_S, accelerator="cpu", fresh=True)],
              _call(rank_fns.rank_and_sum),
              [_call(rank_fns.noop, 2), _call(rank_fns.noop, 1)]]
-    out = dist.run_concurrently(calls, lanes=2)
+    out = harness_lanes.run_concurrently(calls, lanes=2)
     assert out[0][0] == "raise" and isinstance(out[0][1], dist.RankError), out[0]
     assert out[1][0] == "ok"
     assert out[2][0] == "raise" and "only a fresh step" in str(out[2][1])
@@ -245,7 +250,7 @@ def test_a_fresh_step_may_change_the_world_size(clean, lanes):
     def fresh(ws):
         return RankCall(rank_fns.pid_calls_warmed, ws, TIMEOUT_S, accelerator="cpu", fresh=True)
 
-    out = dist.run_concurrently([[_call(rank_fns.pid_and_calls, 2), fresh(1)],
+    out = harness_lanes.run_concurrently([[_call(rank_fns.pid_and_calls, 2), fresh(1)],
                                  [_call(rank_fns.pid_and_calls, 1), fresh(2)],
                                  _call(rank_fns.pid_and_calls, 2)], lanes=lanes)
     assert [o[0] for o in out] == ["ok"] * 3, out
@@ -253,5 +258,5 @@ def test_a_fresh_step_may_change_the_world_size(clean, lanes):
         assert (len(first), len(second)) == (ws_first, ws_second)
         assert [(c, w) for _, c, w in second] == [(1, False)] * ws_second, second
         assert not {p for p, _, _ in second} & {p for p, _ in first}
-    assert all(p.world_size == key[0] for key, pools in dist._LANES.items() for p in pools), \
-        {key: [p.world_size for p in pools] for key, pools in dist._LANES.items()}
+    assert all(p.world_size == key[0] for key, pools in pool.LANE_POOLS.items() for p in pools), \
+        {key: [p.world_size for p in pools] for key, pools in pool.LANE_POOLS.items()}

@@ -1,4 +1,4 @@
-"""Standby rank pools (dsconform.harness.api spares): fresh processes without waiting for them.
+"""Standby rank pools (dsconform.harness.standby): fresh processes without waiting for them.
 
 Run on the CPU accelerator with spares forced on (on this 2-core machine "auto" leaves them off).
 """
@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from dsconform.harness import api as dist
+from dsconform.harness import standby
 
 try:
     from tests import rank_fns
@@ -32,8 +33,8 @@ TIMEOUT_S = 60.0
 def spares(monkeypatch):
     """Spares on, and no pool or spare left from an earlier test (nor after this one)."""
     dist.shutdown_pools()
-    monkeypatch.setattr(dist, "SPARE_POOLS", "1")
-    monkeypatch.setattr(dist, "_SPARE_ENV", None)
+    monkeypatch.setattr(standby, "SPARE_POOLS", "1")
+    monkeypatch.setattr(standby, "_SPARE_ENV", None)
     yield
     dist.shutdown_pools()
     assert_no_leftovers()
@@ -45,7 +46,7 @@ def _key(ws: int = 2) -> tuple:
 
 def _spare(ws: int = 2, *, fresh: bool = False):
     """The standby pool for pooled calls (fresh: for fresh-process calls), or None."""
-    return dist._SPARES.get(dist._spare_key(ws, "cpu", (), fresh))
+    return standby.SPARES.get(standby.spare_key(ws, "cpu", (), fresh))
 
 
 def _spare_pids(ws: int = 2, *, fresh: bool = False) -> list[int]:
@@ -57,12 +58,12 @@ def _any_spare(ws: int) -> bool:
 
 
 def test_auto_keeps_spares_for_cuda_on_big_machines_only(monkeypatch):
-    monkeypatch.setattr(dist, "SPARE_POOLS", "auto")
+    monkeypatch.setattr(standby, "SPARE_POOLS", "auto")
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
     assert dist.spares_enabled("cuda") and not dist.spares_enabled("cpu")
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert not dist.spares_enabled("cuda")
-    monkeypatch.setattr(dist, "SPARE_POOLS", "0")
+    monkeypatch.setattr(standby, "SPARE_POOLS", "0")
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
     assert not dist.spares_enabled("cuda")
 
@@ -148,13 +149,13 @@ def test_standby_ranks_have_built_an_engine_and_a_tests_first_call_is_cheaper(sp
                                                                              monkeypatch):
     """warm_up: the first engine in a process costs ~4 s more than the next on this machine;
     a standby rank pays that before anyone waits."""
-    from suites.zero_ranks import ZeroCase, train_zero_and_ddp
+    from dsconform.checks.zero_vs_ddp import ZeroCase, train_zero_and_ddp
 
     case = ZeroCase(stage=2, dtype="fp32", optimizer="sgd", grad_accum=1, world_size=2)
     timings = {}
     for label, warm in (("cold", False), ("warm", True)):
         dist.shutdown_pools()
-        monkeypatch.setattr(dist, "RANK_WARMUP", warm)
+        monkeypatch.setattr(standby, "RANK_WARMUP", warm)
         dist.start_spares([2], "cpu")
         dist.settle_spares()  # start-up (and warm-up) done: only the call is timed
         t0 = time.monotonic()

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from dsconform.checks.dsconfig import ASSUMED_DEFAULTS, OPTIMIZERS, defaults_mismatches, ds_config
-from suites.zero_ranks import OFFLOADS, ZeroCase, matrix
+from dsconform.checks.zero_vs_ddp import ZERO_OFFLOADS, ZeroCase
+from suites.zero_ranks import matrix
 
 BASE = dict(stage=2, dtype="fp32", optimizer="sgd", lr=0.1, micro_batch=4, grad_accum=1,
             world_size=2)
@@ -126,7 +127,7 @@ def test_matrix_is_valid_complete_and_unique():
     assert not [c for c in cases if c.offload_param and c.stage != 3]
     assert not [c for c in cases if c.optimizer == "fused_adam" and c.offload_optimizer]
     assert not [c for c in cases if c.optimizer == "cpu_adam" and not c.offload_optimizer]
-    placements = sum(len(v) for v in OFFLOADS.values())
+    placements = sum(len(v) for v in ZERO_OFFLOADS.values())
     # placements x dtypes x optimizers (sgd, adam, DeepSpeed's Adam) x gas x world sizes
     assert len(cases) == placements * 3 * 3 * 2 * 2
     assert {c.optimizer for c in cases} == set(OPTIMIZERS)

@@ -49,7 +49,7 @@ EXPECTED = {
                 **CPU_SHM},
     },
     # 2xH200, TORCH_CUDA_ARCH_LIST=9.0a: async_io, fused_adam, gds all [OKAY] although none of them
-    # builds there (results/reference/h200-x2/ops-arch-9.0a): compatible is not loads.
+    # builds there (tests/data/compare/ops-arch-9.0a): compatible is not loads.
     "h200-0.19.8.txt": {
         "ops": None, "incompatible": ["evoformer_attn"], "accelerator": "cuda",
         "op_warnings": {"evoformer_attn": [CUTLASS_WARNING]}, "warnings": [],

@@ -199,7 +199,7 @@ from dsconform.checks.tolerances import known_tolerance_keys, tolerance  # noqa:
 
 
 def test_table_covers_every_matrix_cell_with_a_reason():
-    from suites.test_zero import check_name
+    from dsconform.checks.zero_vs_ddp import zero_check_name as check_name
     from suites.zero_ranks import matrix
 
     for case in matrix():

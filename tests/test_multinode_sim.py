@@ -49,7 +49,7 @@ def launch_two_nodes(results: Path, logs: Path) -> list[tuple[int, str]]:
                    "--max-restarts=0", "--no-python",
                    str(REPO / "examples" / "nightly-node.sh"), "rank", str(results),
                    "suites/test_multinode.py", "tests/multinode_perturbed.py", "-m", "multinode"]
-        log = open(logs / f"agent{node}.log", "w")  # noqa: SIM115 - closed below
+        log = open(logs / f"agent{node}.log", "w")  # closed below
         agents.append((subprocess.Popen(command, cwd=REPO, env=env, stdout=log,
                                         stderr=subprocess.STDOUT, start_new_session=True), log))
     try:

@@ -70,7 +70,7 @@ def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
     import pytest
 
     from dsconform.gate.requires import requires
-    from fixtures.plugin import ops_to_build
+    from dsconform.plugin.hooks import ops_to_build
 
     items = [_Item("suites/test_ops.py"),
              _Item("suites/test_checkpoint.py", pytest.mark.gpu,

@@ -1,6 +1,6 @@
-"""dsconform.ops.checks and dsconform.ops.diagnose: the extensions cache, real op builds and loads
-on this
-machine, the functional checks with real data, and the diagnosis of real build failures.
+"""dsconform.ops (cache, load, compute, io_checks, checks) and dsconform.ops.diagnose: the
+extensions cache, real op builds and loads on this machine, the functional checks with real data,
+and the diagnosis of real build failures.
 
 Ops build once into the stable cache (`extensions_dir()`); the first run on a machine pays the cold
 builds (on 2 cores: cpu_adam about 40 s, async_io about 150 s, more on a busy machine).
@@ -23,19 +23,14 @@ from pathlib import Path
 import pytest
 
 from dsconform.ops import checks as ops
-from dsconform.ops.checks import (
-    OpLoad,
-    OpUnavailable,
-    check_async_io,
+from dsconform.ops import compute, load
+from dsconform.ops.cache import ensure_extensions_dir, environment_key, extensions_dir
+from dsconform.ops.checks import check_op
+from dsconform.ops.compute import (
     check_cpu_adagrad,
     check_cpu_adam,
     check_cpu_lion,
     check_fused_adam,
-    check_op,
-    ensure_extensions_dir,
-    environment_key,
-    extensions_dir,
-    load_op,
 )
 from dsconform.ops.diagnose import (
     LIBAIO_FIX,
@@ -44,6 +39,8 @@ from dsconform.ops.diagnose import (
     first_compiler_error,
     format_failure,
 )
+from dsconform.ops.io_checks import check_async_io
+from dsconform.ops.load import OpLoad, OpUnavailable, load_op
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).parent / "data" / "ds_report"
@@ -78,7 +75,7 @@ def test_extensions_dir_is_keyed_by_environment(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_extensions_dir_does_not_import_torch() -> None:
-    code = ("import sys; from dsconform.ops.checks import extensions_dir; extensions_dir(); "
+    code = ("import sys; from dsconform.ops.cache import extensions_dir; extensions_dir(); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                          check=True)
@@ -128,7 +125,7 @@ def test_arch_suffix_real_deepspeed_error(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_arch_suffix_findings_line_and_proactive() -> None:
-    # FINDINGS.md, H200 node
+    # docs/findings.md#op-builds: the line the H200 nodes' JIT builds fail with
     findings_line = "ValueError: invalid literal for int() with base 10: '0a'"
     assert diagnose(findings_line, "", {})[0].fix.startswith("export TORCH_CUDA_ARCH_LIST=9.0")
     # The variable alone is enough, whatever the error says.
@@ -270,11 +267,11 @@ def test_unknown_op_is_a_result_not_an_exception() -> None:
 
 def test_op_builders_follow_the_accelerator() -> None:
     from deepspeed.accelerator import get_accelerator
-    builders = ops.OP_BUILDERS
+    builders = load.OP_BUILDERS
     assert builders["cpu_adam"] == "CPUAdamBuilder" and builders["async_io"] == "AsyncIOBuilder"
     assert builders["fused_adam"] == "FusedAdamBuilder"
     if get_accelerator()._name == "cpu":  # the CPU accelerator's fused_adam is a CPU implementation
-        assert type(ops._create_builder("fused_adam")).__module__.endswith(
+        assert type(load._create_builder("fused_adam")).__module__.endswith(
             "op_builder.cpu.fused_adam")
         assert "gds" not in builders
         with pytest.raises(OpUnavailable, match="not provided by DeepSpeed's cpu accelerator"):
@@ -300,8 +297,9 @@ def test_optimizer_check_goes_red_on_wrong_semantics() -> None:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
     with pytest.raises(AssertionError, match=r"cpu_adam: step 1, parameter 0 .* max rel diff"):
-        ops._run_optimizer_pair("cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=True, **hp),
-                                lambda ps: torch.optim.Adam(ps, **hp), None, steps=2, sizes=(53,))
+        compute._run_optimizer_pair(
+            "cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=True, **hp),
+            lambda ps: torch.optim.Adam(ps, **hp), None, steps=2, sizes=(53,))
 
 
 @pytest.mark.parametrize("eps", [1e-6, 0.0])
@@ -312,13 +310,13 @@ def test_optimizer_check_goes_red_on_a_wrong_eps(eps: float) -> None:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     hp = dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
     with pytest.raises(AssertionError, match=r"cpu_adam: step 1, parameter \d .* max abs diff"):
-        ops._run_optimizer_pair("cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, eps=eps, **hp),
+        compute._run_optimizer_pair("cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, eps=eps, **hp),
+                                    lambda ps: torch.optim.Adam(ps, eps=1e-8, **hp), None,
+                                    steps=2, sizes=(53, 4103))
+    # the control: the same eps on both sides passes
+    compute._run_optimizer_pair("cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, eps=1e-8, **hp),
                                 lambda ps: torch.optim.Adam(ps, eps=1e-8, **hp), None, steps=2,
                                 sizes=(53, 4103))
-    # the control: the same eps on both sides passes
-    ops._run_optimizer_pair("cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, eps=1e-8, **hp),
-                            lambda ps: torch.optim.Adam(ps, eps=1e-8, **hp), None, steps=2,
-                            sizes=(53, 4103))
 
 
 # Not promised by cpu-ci and not used by the CPU tier: each is a cold JIT build of 1-4 minutes on
@@ -393,7 +391,7 @@ def test_check_op_dispatch(tmp_path: Path) -> None:
 
 def _load_in_subprocess(name: str, env: dict[str, str], prefix: list[str] | None = None,
                         timeout: int = 900) -> dict:
-    code = ("import json, sys\nfrom dsconform.ops.checks import load_op\nr = load_op(sys.argv[1])\n"
+    code = ("import json, sys\nfrom dsconform.ops.load import load_op\nr = load_op(sys.argv[1])\n"
             "print('DSCONFORM-RESULT ' + json.dumps({**r.summary(), 'log_tail': r.log_tail}))")
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
     proc = subprocess.run([*(prefix or []), sys.executable, "-c", code, name], env=env, cwd=REPO,

@@ -47,7 +47,8 @@ def test_a_dropped_cell_leaves_pairs_uncovered():
 
 @pytest.mark.parametrize("gpus", [2, 8])
 def test_zero_gpu_tier_is_complete(gpus):
-    from suites.test_zero import _axes, _world_sizes, check_name, gpu_tier
+    from dsconform.checks.zero_vs_ddp import zero_check_name as check_name
+    from suites.test_zero import _axes, _world_sizes, gpu_tier
     from suites.zero_ranks import matrix
 
     cases = matrix(world_sizes=_world_sizes("cuda", gpus))

@@ -6,9 +6,9 @@ them; the whole-update check (Tol.update, Tol.gain) MUST fail an lr 5% off in ei
 One real case of suites/test_zero.py (ZeRO-3, fp32 SGD, 2 ranks on the CPU accelerator) runs
 twice: as is, where it is bit-exact, and with a fault injected into the DeepSpeed side only -
 from step 5 on the loss is multiplied by 1.001 inside ``engine.backward`` (a wrapper applied in
-the rank, suites/zero_ranks.py ``_perturb_backward``). The comparison must then fail and name
-step 5, the gradient that diverged, and the tolerance it broke. Nothing is mocked: DeepSpeed
-and DDP really train.
+the rank, dsconform/checks/zero_vs_ddp.py ``_perturb_backward``). The comparison must then fail
+and name step 5, the gradient that diverged, and the tolerance it broke. Nothing is mocked:
+DeepSpeed and DDP really train.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import pytest
 
 from dsconform.checks.equivalence import compare_rank_results
 from dsconform.checks.tolerances import tolerance
+from dsconform.checks.zero_vs_ddp import ZeroCase, train_zero_and_ddp
 from dsconform.harness.api import run_ranks
-from suites.zero_ranks import ZeroCase, train_zero_and_ddp
 
 CASE = ZeroCase(stage=3, dtype="fp32", optimizer="sgd", grad_accum=1, world_size=2, steps=8)
 PERTURB_FROM_STEP = 5

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsconform.profile.schema import COLLECTIVES, NcclFloor
+from dsconform.units import GIB
 
 __all__ = [
     "COLLECTIVES", "DTYPES", "DEFAULT_TOP_BYTES", "GIB", "MIB", "Mismatch", "bus_factor",
@@ -35,7 +36,6 @@ __all__ = [
 ]
 
 MIB = 1 << 20
-GIB = 1 << 30
 DTYPES = ("fp32", "bf16", "fp16")
 #: Where a sweep ends when the profile states no floor (the issue's "or 4 GiB").
 DEFAULT_TOP_BYTES = 4 * GIB

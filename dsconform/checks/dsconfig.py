@@ -400,9 +400,11 @@ def _nvme_offload(s: DsSettings, zero: dict[str, Any]) -> None:
 
 # What the suite assumes DeepSpeed does when a config says nothing, for the installed release
 # (0.19.8). Keys are read by ``read_effective_defaults`` from a minimal engine and DeepSpeed's
-# parsed config; a change here is an upstream semantic change that needs a note in FINDINGS.
+# parsed config; a change here is an upstream semantic change that needs a note in
+# docs/findings.md#deepspeed-releases.
 ASSUMED_DEFAULTS: dict[str, Any] = {
-    # 0.0 up to 0.19.0, 1.0 from 0.19.3 (FINDINGS): ZeRO then clips where DDP does not.
+    # 0.0 up to 0.19.0, 1.0 from 0.19.3 (docs/findings.md#deepspeed-releases): ZeRO then clips
+    # where DDP does not.
     "gradient_clipping": 1.0,
     "constants.GRADIENT_CLIPPING_DEFAULT": 1.0,
     # Optimizer type "Adam" builds AdamW, and torch's AdamW decays weights by 0.01.

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dsconform.checks.tolerances import Tol
+from dsconform.results.format import is_number
 
 # Within one step the gradient is computed before the update that moves the parameters. A
 # "state" (compare_states: a checkpointed leaf) has no order of its own within a step.
@@ -365,7 +366,7 @@ def compare_rank_results(per_rank: Sequence[Mapping[str, Any]], tol: Tol, *, lab
         where = f"rank {result.get('rank', i)}" if len(per_rank) > 1 else ""
         cmp.extend(compare_traces(result[candidate], result[reference], tol, label=label,
                                   where=where))
-        # What the candidate's engine built, where its trace says (suites/zero_ranks.py
+        # What the candidate's engine built, where its trace says (dsconform/checks/zero_vs_ddp.py
         # layout_problems): matching DDP proves nothing if ZeRO was not what ran.
         cmp.problems += [f"{where or 'rank 0'}: {text}"
                          for text in result[candidate].get("layout_problems", ())]
@@ -416,7 +417,7 @@ def compare_states(actual: Mapping[str, Any], expected: Mapping[str, Any], tol: 
             mabs, mrel, ok = tensor_difference(got, want, tol)
             cmp.differences.append(Difference("state", step, name, where, mabs, mrel, ok,
                                               want.numel()))
-        elif _is_number(got) and _is_number(want):
+        elif is_number(got) and is_number(want):
             if not (math.isfinite(float(got)) and math.isfinite(float(want))):
                 if float(got) != float(want):
                     cmp.problems.append(f"state '{name}'{at}: {got!r} in the candidate, "
@@ -430,7 +431,3 @@ def compare_states(actual: Mapping[str, Any], expected: Mapping[str, Any], tol: 
             cmp.problems.append(f"state '{name}'{at}: {got!r} in the candidate, {want!r} in the "
                                 f"reference")
     return cmp
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -90,18 +90,17 @@ class Tol:
 # bf16/fp16 against DDP under torch.autocast). "needs atol X" is the smallest atol that passes
 # every loss, gradient and parameter of every case at the entry's rtol.
 _CPU = "CPU machine, 2 cores, DeepSpeed 0.19.8, torch 2.13 CPU, gloo, 2026-11-30"
-_H200 = ("FINDINGS.md, 2xH200, loss only and with gradient_clipping at its 1.0 default (which "
-         "alone accounts for 8.4e-4)")
 
 _EXACT = Tol(0.0, 0.0,
              f"fp32 SGD with one reduction per step is bit-exact once gradient_clipping is "
-             f"pinned: stages 0-3, every offload, 1 and 2 ranks, measured 0 ({_CPU}); FINDINGS "
-             f"saw 0 on stages 0-3 too")
+             f"pinned: stages 0-3, every offload, 1 and 2 ranks, measured 0 ({_CPU}); an MLP "
+             f"256-512-16 gave 0 on stages 0-3 too (docs/findings.md#zero-against-ddp)")
 _FP32_ADAM = Tol(1e-5, 1e-7,
                  f"fp32 Adam at rounding: torch Adam measured 0 ({_CPU}); DeepSpeed's FusedAdam "
                  f"and CPU Adam evaluate the update in another order: worst relative loss "
-                 f"2.5e-7, needs atol 2.3e-8 at rtol 1e-5 (FINDINGS: 1.9e-7 on stage 3); 4x "
-                 f"headroom, far below a semantic change (clipping shows as 8.4e-4)")
+                 f"2.5e-7, needs atol 2.3e-8 at rtol 1e-5 (an MLP 256-512-16: 1.9e-7 on stage "
+                 f"3, docs/findings.md#zero-against-ddp); 4x headroom, far below a semantic "
+                 f"change (clipping shows as 8.4e-4)")
 _FP32_ACCUM_SGD = Tol(1e-5, 1e-8,
                       f"fp32 with 4 micro-batches: stages 2/3 sum reduced micro-gradients where "
                       f"DDP (no_sync) reduces the local sum once, so sums round differently: "
@@ -114,8 +113,9 @@ _FP32_ACCUM_DS_ADAM = Tol(1e-5, 1e-7,
                           f"loss 1.2e-7, needs atol 1.6e-8 at rtol 1e-5 ({_CPU}); 6x headroom")
 _BF16_SGD_CPU = Tol(1.6e-2, 2.5e-3,
                     f"bf16 (8-bit mantissa) SGD against DDP autocast: worst relative loss 5.3e-4 "
-                    f"(FINDINGS: 3.5e-4), needs atol 7.5e-4 (gradients) / 4.4e-4 (parameters) at "
-                    f"torch's bf16 rtol 1.6e-2 ({_CPU}); 3x headroom")
+                    f"(ZeRO-2 on an MLP 256-512-16: 3.5e-4, docs/findings.md#zero-against-ddp), "
+                    f"needs atol 7.5e-4 (gradients) / 4.4e-4 (parameters) at torch's bf16 rtol "
+                    f"1.6e-2 ({_CPU}); 3x headroom")
 _BF16_ADAM_CPU = Tol(1.6e-2, 5e-3,
                      f"bf16 Adam (torch, Fused, CPU) against DDP autocast: worst relative loss "
                      f"2.4e-3 on stage 0 (known issue DS-5104-Z0-ADAM-INIT-STEP; 5.3e-4 on "
@@ -123,7 +123,7 @@ _BF16_ADAM_CPU = Tol(1.6e-2, 5e-3,
                      f"(parameters) at rtol 1.6e-2 ({_CPU}); 3x headroom")
 _H200_MEASURED = ("2xH200 (nvidia-h200-x2), DeepSpeed 0.19.8, torch 2.11.0+cu130, NCCL 2.28.9, "
                   "pinned semantics, 1 and 2 ranks, all stages and offloads, 2026-11-30; "
-                  "results/reference/h200-x2")
+                  "docs/findings.md#zero-against-ddp")
 _BF16_SGD_CUDA = Tol(1.6e-2, 1e-2,
                      f"bf16 SGD on GPUs against DDP autocast: worst relative loss 4.9e-4, worst "
                      f"abs gradient 1.28e-3, parameter 1.85e-3 ({_H200_MEASURED}); 5x headroom")
@@ -147,13 +147,14 @@ _FP16_ADAM_CUDA = Tol(1e-3, 5e-3,
 
 # The ops suite: one op against its reference, parameters N(0,1) (|p| < 4.5), 5 steps, element
 # counts 53 and 4103 (SIMD tails). Max rel differences are large only at elements near zero,
-# which is what atol is for. Measured on the CPU machine (AVX-512) and, for cpu_adam and
-# fused_adam, on 2xH200 (results/reference/h200-x2): the same 7.2e-7 with N(0,1) gradients.
-# Since 2026-12-01 the gradients span 10 decades (ops._gradient: a fifth at or below eps, so a
-# wrong eps fails): cpu_adam and fused_adam (CPU op) then max abs 9.5e-7 on the CPU machine, and
-# the same 9.5e-7 for cpu_adam and fused_adam (CUDA kernel) on 1xH200
-# (results/reference/h200-x1/final-2026-12-01).
-_OPS_MEASURED = f"{_CPU}; 2xH200 the same for cpu_adam/fused_adam"
+# which is what atol is for. With N(0,1) gradients: cpu_adam 7.2e-7 on the CPU machine (AVX-512)
+# and on 2xH200; fused_adam 7.2e-7 as the CPU op, 9.5e-7 as the CUDA kernel on 2xH200
+# (results/reference/h200-x2/ds-0.19.8). With gradients over 10 decades (ops._gradient: a fifth
+# at or below eps, so a wrong eps fails): cpu_adam and fused_adam (CPU op) max abs 9.5e-7 on the
+# CPU machine, and the same 9.5e-7 for cpu_adam and fused_adam (CUDA kernel) on 1xH200,
+# 2026-12-01 (docs/findings.md#optimizer-ops).
+_OPS_MEASURED = (f"{_CPU}; 2xH200: cpu_adam the same, fused_adam's CUDA kernel 9.5e-7; "
+                 f"docs/findings.md#optimizer-ops")
 _OP_TOLERANCES = {
     "cpu_adam": Tol(1e-5, 1e-6,
                     f"DeepSpeed's SIMD Adam evaluates torch's formula in another order (fused "
@@ -172,8 +173,8 @@ _OP_TOLERANCES = {
 }
 
 
-# fp16 on CPUs: DeepSpeed refuses fp16 engines on a CPU without oneDNN fp16 (AVX512-FP16/AMX);
-# earlier CI machines had none and skipped the cells. The CPU machine of 2026-12-01 had it: all
+# fp16 on CPUs: DeepSpeed refuses fp16 engines on a CPU without oneDNN fp16 (AVX512-FP16/AMX),
+# and the cells skip there. A CPU CI machine with AVX512-FP16 (2026-12-01) ran all
 # 84 fp16 cells of ZeRO 1-3 (every offload and optimizer, accumulation 1 and 4, 1 and 2 ranks)
 # ran there and stayed inside the GPU entries by the margins below.
 _FP16_CPU = ("the CPU machine of 2026-12-01 (AVX512-FP16, so DeepSpeed runs fp16 engines; a CPU "
@@ -221,7 +222,7 @@ _UPDATE_FP16_CUDA = (0.02, 0.01,
 # model's moves 7e-3 (inside gain 0.01); Adam is scale-invariant per element, so a gradient
 # scale error on one layer shows in neither.
 # 1xH200 (1 rank, DeepSpeed 0.19.8, the nightly ZeRO matrix, 2026-12-01,
-# results/reference/h200-x1/hardening-2026-12-01/call3): bf16 2.1e-2 (stage-0 SGD), 1.0e-2
+# docs/findings.md#zero-against-ddp): bf16 2.1e-2 (stage-0 SGD), 1.0e-2
 # (Adam, stages 1-3); fp16 2.2e-3 (SGD), 1.8e-3 (Adam); stage-0 Adam 0.064 is DS-5104.
 _TENSOR_GAIN = {"bf16": (0.05, "per tensor: worst |gain - 1| 1.8e-2 (bf16 SGD, stage 0's "
                                "fc1.bias), 1.0e-2 (Adam) on the CPU machine, 2.1e-2 / 1.0e-2 on "
@@ -323,12 +324,13 @@ _CONV_FP16 = Tol(0.03, 1e-4,
                  f"({_CONV_CPU}), no skipped step there; a GPU may overflow at the initial "
                  f"2**16 and legitimately skip a few early steps, and 10 skipped steps cost "
                  f"+2.4%, so 3%; half the lr (+23%) and DS-8393 (+941%) stay far outside, an lr "
-                 f"10% high (-3.8%) outside. 2xH200 (z2): -0.0000 (results/reference/h200-x2)")
+                 f"10% high (-3.8%) outside. 2xH200 (z2): -0.0000 "
+                 f"(results/reference/h200-x2/ds-0.19.8)")
 _CONV_BF16 = Tol(0.01, 1e-4,
                  f"bf16 ends within 1% of fp32 (either side): measured +5.3e-4 on ZeRO 0-3 "
                  f"({_CONV_CPU}), 19x headroom; bf16 never skips, so no allowance for skipped "
                  f"steps; an lr 5% off either way (+2.0% / -1.9%) stays outside. 2xH200 (z2): "
-                 f"+3e-4 (results/reference/h200-x2)")
+                 f"+3e-4 (results/reference/h200-x2/ds-0.19.8)")
 TABLE[("convergence", "fp16", "sgd")] = {"cpu": _CONV_FP16, "cuda": _CONV_FP16}
 TABLE[("convergence", "bf16", "sgd")] = {"cpu": _CONV_BF16, "cuda": _CONV_BF16}
 
@@ -344,8 +346,7 @@ TABLE[("convergence", "bf16", "sgd")] = {"cpu": _CONV_BF16, "cuda": _CONV_BF16}
 # stage 0's unscaled loss (DS-8393) 0.004.
 _STEP_MEASURED = ("CPU machine (AVX512-FP16, so DeepSpeed runs fp16 engines there), DeepSpeed "
                   "0.19.8, torch 2.13, 1 and 2 ranks, ZeRO 1-3, every scaler, 2026-12-01; "
-                  "1xH200 (1 rank) the same to 3 digits, results/reference/h200-x1/"
-                  "loss-steps-2026-12-01")
+                  "1xH200 (1 rank) the same to 3 digits (docs/findings.md#loss-scaling)")
 _STEP_SGD = Tol(0.0, 0.0,
                 f"fp16 SGD steps against fp32: worst norm-relative difference 6.1e-4, worst "
                 f"|gain - 1| 2.1e-4 ({_STEP_MEASURED}); 16x and 47x headroom; element-wise "
@@ -398,13 +399,13 @@ _ONEBIT_CONVERGENCE: dict[tuple[str, str], Tol] = {
                                  f"final loss over uncompressed 1-bit LAMB's (LAMB for 200 steps): "
                                  f"0.07-0.17, the compressed stage's frozen-coefficient policy "
                                  f"learns faster here ({_ONEBIT_STANDIN}); 2xH200 fp16 0.104 "
-                                 f"(results/reference/h200-x2/runs-2026-11-30/pair-ds-0.19.6); "
+                                 f"(results/reference/h200-x2/ds-0.19.6); "
                                  f"bound 0.5, 2.9x headroom (it was 1.0: a 10x regression "
                                  f"passed); {_ONEBIT_BROKEN}"),
 }
 _ONEBIT_FP16_MEASURED = {
-    "onebit_adam": (2.0, "2xH200 fp16 1.64 (results/reference/h200-x2/runs-2026-11-30/"
-                         "pair-ds-0.19.6); bound 3.0, 1.8x headroom"),
+    "onebit_adam": (2.0, "2xH200 fp16 1.64 (results/reference/h200-x2/ds-0.19.6); bound 3.0, "
+                         "1.8x headroom"),
     "zero_one_adam": (3.0, "not measured in fp16 (2xH200 fp32: 1.37); fp32's bound + 1.0 for "
                            "fp16 rounding in the forward and backward"),
     "onebit_lamb": (-0.5, "2xH200 fp16 0.104, as fp32's bound"),

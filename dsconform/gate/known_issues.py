@@ -50,7 +50,7 @@ class KnownIssue:
     def expects(self, exc: BaseException) -> bool:
         """Is ``exc`` this issue's failure? An assertion (a rank's error comes back as one)
         whose message matches ``failure``; a timeout never does."""
-        from dsconform.harness.api import RankTimeout
+        from dsconform.harness.errors import RankTimeout
 
         if not isinstance(exc, AssertionError) or isinstance(exc, RankTimeout) or \
                 not self.failure:
@@ -106,7 +106,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         seen="2xH200, DeepSpeed 0.19.6 and 0.19.8: engine.backward scales the loss only for "
              "ZeROOptimizer; FP16_Optimizer / FP16_UnfusedOptimizer still divide by cur_scale "
              "in step(); relative gradient difference 0.999 = 1 - 1/1024 in all 12 stage-0 fp16 "
-             "cells (results/reference/h200-x2/zero-fp16-after-fix)",
+             "cells (results/reference/h200-x2/ds-0.19.8; docs/findings.md#loss-scaling)",
     ),
     KnownIssue(
         id="DS-5104-Z0-ADAM-INIT-STEP",
@@ -159,7 +159,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "stage3.py call _update_scale(self.overflow) and then unscale_and_clip_grads, "
              "which divides by the updated self.loss_scale (only the reported norm uses "
              "prev_scale). 1xH200, 0.19.8 and 0.19.6, 1 rank: the same numbers (strict xfails, "
-             "results/reference/h200-x1/loss-steps-2026-12-01)",
+             "results/reference/h200-x1/ds-0.19.8; docs/findings.md#loss-scaling)",
     ),
     KnownIssue(
         id="DS-Z0-FP16-NO-HYSTERESIS",
@@ -251,7 +251,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "first step after the load makes no update, the second is the `adam_freeze_key is "
              "False` branch on un-reduced gradients. Seen on 2xH200 too (DeepSpeed 0.19.6, "
              "nccl, 2026-11-30): all three listed cases strict-xfailed "
-             "(results/reference/h200-x2/runs-2026-11-30/pair-ds-0.19.6)",
+             "(results/reference/h200-x2/ds-0.19.6)",
     ),
     KnownIssue(
         id="DS-ONEBIT-LAMB-RESUME",
@@ -267,7 +267,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "0.0109 at the save, 0.18 two steps after the load, 0.045 at step 200 against the "
              "uninterrupted run's 0.0040 (ratio 11.4; 1-bit Adam 0.92, 0/1 Adam 0.99). Seen on "
              "2xH200 too (DeepSpeed 0.19.6, fp32, 2026-11-30: the listed case strict-xfailed, "
-             "results/reference/h200-x2/runs-2026-11-30/pair-ds-0.19.6)",
+             "results/reference/h200-x2/ds-0.19.6)",
     ),
     KnownIssue(
         id="DS-8500-WRITER-RELOAD",
@@ -283,7 +283,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "(and fast, decoupled) every rank raised UnpicklingError 'Weights only load "
              "failed' in FastCheckpointEngine.load; fast itself needs a GPU (pinned buffer): "
              "the listed case ran on 2xH200 (2026-11-30, DeepSpeed 0.19.8) and strict-xfailed "
-             "there (results/reference/h200-x2/runs-2026-11-30-s4)",
+             "there (results/reference/h200-x2/ds-0.19.8)",
     ),
     KnownIssue(
         id="DS-8474-UCP-FP32-REBOUND",

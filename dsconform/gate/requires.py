@@ -44,15 +44,46 @@ def requires(**conditions: Any) -> pytest.MarkDecorator:
     return getattr(pytest.mark, MARK)(**conditions)
 
 
-def accel_params(world_size: int | str = 1) -> list:
-    """The two accelerators a device-agnostic test runs on: the CPU accelerator (gloo), and
-    CUDA (nccl), which is marked ``gpu`` (and ``multigpu`` for more than one rank)."""
+# The accelerators a device-agnostic test runs on, in the order their parameters are listed.
+ACCELERATORS = ("cpu", "cuda")
+
+
+def accel_cell(accelerator: str, *values: Any, id: str | None = None,
+               world_size: int | str = 1, marks: Iterable[Any] = (),
+               slow: bool = False) -> Any:
+    """One accelerator x cell parameter: ``pytest.param(accelerator, *values)`` with the id
+    ``<accelerator>-<id>`` (``<accelerator>`` without one). Its marks, in this order: the
+    accelerator's (CUDA: ``gpu``, ``multigpu`` above one rank, ``requires(min_gpus=...)``; the
+    CPU accelerator: none), then ``marks``, then ``slow`` where ``slow`` is true (a cell outside
+    this accelerator's tier: nightly).
+
+    world_size: the ranks the cell runs on; "all" (every GPU of the node) needs one GPU to run.
+    """
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accel_cell(): unknown accelerator {accelerator!r}; "
+                         f"known: {', '.join(ACCELERATORS)}")
+    every = [*_accelerator_marks(accelerator, world_size), *marks]
+    if slow:
+        every.append(pytest.mark.slow)
+    return pytest.param(accelerator, *values, marks=every,
+                        id=accelerator if id is None else f"{accelerator}-{id}")
+
+
+def _accelerator_marks(accelerator: str, world_size: int | str) -> list[pytest.MarkDecorator]:
+    if accelerator == "cpu":
+        return []
     marks = [pytest.mark.gpu]
     if world_size == "all" or (isinstance(world_size, int) and world_size > 1):
         marks.append(pytest.mark.multigpu)
     need = 1 if world_size == "all" else int(world_size)
     marks.append(requires(min_gpus=need))
-    return [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=marks)]
+    return marks
+
+
+def accel_params(world_size: int | str = 1) -> list:
+    """The two accelerators a device-agnostic test runs on: the CPU accelerator (gloo), and
+    CUDA (nccl), which is marked ``gpu`` (and ``multigpu`` for more than one rank)."""
+    return [accel_cell(accel, world_size=world_size) for accel in ACCELERATORS]
 
 
 @dataclass(frozen=True)
@@ -214,7 +245,7 @@ def item_verdict(item: pytest.Item, state: Any) -> Verdict | None:
     """The gate's verdict for one collected test in this run (state:
     dsconform.plugin.runstate.RunState),
     or None when it states no condition. The plugin applies it at setup; cell batches
-    (dsconform.harness.batch) use it to leave out cells that will skip or fail a promise."""
+    (dsconform.plugin.batch) use it to leave out cells that will skip or fail a promise."""
     marks = list(item.iter_markers(MARK))
     names = {m.name for m in item.iter_markers()}
     conditions = merge_conditions(marks, names)

@@ -138,7 +138,7 @@ def call_outcome(fn: Any, args: tuple, kwargs: dict) -> tuple:
     """Run fn and describe the result as a picklable tuple: ok / skip / error."""
     try:
         value = fn(*args, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - SystemExit and pytest outcomes are reported too
+    except BaseException as exc:  # SystemExit and pytest outcomes are reported too
         reason = _skip_reason(exc)
         if reason is not None:
             return ("skip", reason)
@@ -150,7 +150,7 @@ def picklable_outcome(outcome: tuple) -> tuple:
     """The outcome itself, or an error saying the return value cannot travel to the parent."""
     try:
         pickle.dumps(outcome)
-    except Exception as exc:  # noqa: BLE001 - any pickling failure means the same thing here
+    except Exception as exc:  # any pickling failure means the same thing here
         return ("error", type(exc).__name__,
                 f"the value returned by fn cannot be pickled ({exc}); return plain data", "")
     return outcome
@@ -200,7 +200,7 @@ def _flush_and_exit(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not block the exit
+        except Exception:  # a closed stream must not block the exit
             pass
     # os._exit: interpreter teardown can block in gloo/NCCL destructors waiting on dead peers.
     os._exit(code)
@@ -265,9 +265,9 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
     os.environ.update(env)
     try:
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    except Exception:  # noqa: BLE001 - a replaced stdout may not support it
+    except Exception:  # a replaced stdout may not support it
         pass
-    stack_file = open(stack_path, "w")  # noqa: SIM115 - must stay open for the signal handler
+    stack_file = open(stack_path, "w")  # must stay open for the signal handler
     # Fatal signals (segfault) and the parent's timeout signal both write every thread's stack.
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(STACK_DUMP_SIGNAL, file=stack_file, all_threads=True, chain=False)
@@ -299,7 +299,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         gc.collect()
         gc.freeze()
         _reply(conn, ("ready", os.getpid()))
-    except BaseException as exc:  # noqa: BLE001 - the parent must hear why startup failed
+    except BaseException as exc:  # the parent must hear why startup failed
         try:
             _reply(conn, _error_outcome(exc))
         finally:
@@ -326,14 +326,14 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
             except ImportError:
                 importlib.invalidate_caches()  # a module file written after the rank started
                 fn, args, kwargs = pickle.loads(call)
-        except BaseException as exc:  # noqa: BLE001 - e.g. fn's module does not import here
+        except BaseException as exc:  # e.g. fn's module does not import here
             outcome = _error_outcome(exc)
         else:
             outcome = call_outcome(fn, args, kwargs)
             del fn, args, kwargs
         try:
             _reply(conn, outcome)
-        except Exception:  # noqa: BLE001 - e.g. an unpicklable return value
+        except Exception:  # e.g. an unpicklable return value
             _reply(conn, picklable_outcome(outcome))
         del outcome
         # After the reply, so back-to-back calls overlap this with the parent's bookkeeping.

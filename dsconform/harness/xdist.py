@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import socket
 
+from dsconform import settings
+
 #: Ports each xdist worker may use for rendezvous; 100 leaves room for a respawn per failing
 #: test in a long session without wrapping onto a port whose TCPStore may still be closing.
 PORT_STRIDE = 100
@@ -42,20 +44,9 @@ def xdist_worker() -> tuple[int, int]:
     return index, count
 
 
-def _env_int(name: str) -> int | None:
-    """An integer environment variable, None when unset or empty; a clear error otherwise."""
-    text = os.environ.get(name)
-    if not text:
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not an integer") from None
-
-
 def port_range(worker_index: int) -> range:
     """The rendezvous ports reserved for one xdist worker: disjoint from every other worker's."""
-    base = _env_int("DSCONFORM_PORT_BASE")
+    base = settings.get("DSCONFORM_PORT_BASE")
     base = DEFAULT_PORT_BASE if base is None else base
     if worker_index < 0:
         raise ValueError(f"worker_index must be >= 0, got {worker_index}")
@@ -117,7 +108,7 @@ def visible_gpus() -> list[str]:
 
 def gpus_per_worker(total_gpus: int, worker_count: int) -> int:
     """GPUs each xdist worker gets: DSCONFORM_GPUS_PER_WORKER, else an even share."""
-    value = _env_int("DSCONFORM_GPUS_PER_WORKER")
+    value = settings.get("DSCONFORM_GPUS_PER_WORKER")
     if value is not None:
         if value < 0:
             raise ValueError(f"DSCONFORM_GPUS_PER_WORKER={value} must be >= 0")

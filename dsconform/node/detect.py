@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-GIB = 1 << 30
+from dsconform.units import GIB
 
 
 @dataclass
@@ -80,7 +80,8 @@ class NodeFacts:
     gpus: list[GpuInfo] = field(default_factory=list)
     nvme: list[NvmeDevice] = field(default_factory=list)
     # DeepSpeed's CPU accelerator runs fp16 only where oneDNN has fp16 kernels (AVX512-FP16/AMX):
-    # the AMD EPYC CI machine does not, though FINDINGS reported fp16 working on "the CPU machine".
+    # the AMD EPYC CI machine does not, the Xeon one with AVX512-FP16 does
+    # (docs/findings.md#cpu-machine).
     cpu_fp16: bool = False
     # The GPUs present, counted without torch (see the module docstring).
     hardware: GpuHardware = field(default_factory=GpuHardware)
@@ -132,7 +133,7 @@ class NodeFacts:
     def bf16(self) -> bool:
         if self.gpus:  # Ampere (8.0) and newer do bf16 in hardware
             return all(_cc_tuple(g.compute_capability) >= (8, 0) for g in self.gpus)
-        return True  # DeepSpeed's CPU accelerator runs bf16 (FINDINGS: ZeRO-2 bf16 on CPU)
+        return True  # DeepSpeed's CPU accelerator runs bf16 (docs/findings.md#cpu-machine)
 
     @property
     def fp16(self) -> bool:

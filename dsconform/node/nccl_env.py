@@ -1,9 +1,9 @@
 """NCCL settings that change how collectives behave, for the report header and machine_info.
 
 Two runs with the same hardware and software can still differ by an environment variable:
-NCCL_ALGO / NCCL_PROTO pin an algorithm, NCCL_NVLS_ENABLE=0 turns NVLink SHARP off (FINDINGS:
-the 2xH200 node sets it), NCCL_IB_* pick HCAs and GID indices, NCCL_P2P_* / NCCL_SHM_DISABLE
-change the transport. A comparison of two results files must show them.
+NCCL_ALGO / NCCL_PROTO pin an algorithm, NCCL_NVLS_ENABLE=0 turns NVLink SHARP off (the 2xH200
+node sets it: docs/findings.md#2xh200-node), NCCL_IB_* pick HCAs and GID indices, NCCL_P2P_* /
+NCCL_SHM_DISABLE change the transport. A comparison of two results files must show them.
 
 Shown: every ``NCCL_*`` variable except the purely diagnostic ones (NCCL_DEBUG*, which change
 what is logged, not what runs), PyTorch's ``TORCH_NCCL_*`` (blocking wait, stream handling), and

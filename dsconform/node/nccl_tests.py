@@ -2,7 +2,8 @@
 
 Where the node has ``all_reduce_perf`` on PATH, the collectives suite runs it on the same GPUs
 at each all_reduce floor size and records the ratio of torch.distributed's busbw to nccl-tests'
-(FINDINGS: on 2xH200 within 0.5% at 1 and 4 GiB, half at 1 MiB where per-call overhead rules).
+(on 2xH200 within 0.5% at 1 and 4 GiB, half at 1 MiB where per-call overhead rules:
+docs/findings.md#collectives).
 ``-N 3`` repeats the measurement three times, so nccl-tests' number has rounds like ours.
 
 The table it prints (src/util.cu ``writeBenchmarkLine*``), one row per size and cycle:

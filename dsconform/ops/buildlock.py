@@ -4,8 +4,8 @@ torch builds an extension under ``<TORCH_EXTENSIONS_DIR>/<op>/`` while holding t
 ``lock`` (``torch.utils.file_baton.FileBaton``): it creates the file with O_EXCL and keeps it
 open until the build ends, then removes it. A build killed in between (Ctrl-C, OOM, a job time
 limit) leaves the file behind, and every later process that builds that op waits for it forever,
-ranks on CPU included (DeepSpeed builds shm_comm inside init_distributed). FINDINGS: the harness
-then reported "startup timeout" after 300 s with no cause.
+ranks on CPU included (DeepSpeed builds shm_comm inside init_distributed): the harness then
+reported "startup timeout" after 300 s with no cause (docs/findings.md#op-builds).
 
 A lock is *stale* when no process holds it open. The holder keeps its descriptor for the whole
 build, so scanning ``/proc/*/fd`` proves it for this machine. A lock on a network file system

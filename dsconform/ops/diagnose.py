@@ -21,7 +21,7 @@ class Diagnosis:
     fix: str
 
 
-class _Failure(Protocol):  # what format_failure needs of dsconform.ops.checks.OpLoad
+class _Failure(Protocol):  # what format_failure needs of dsconform.ops.load.OpLoad
     name: str
     compatible: bool
     loaded: bool

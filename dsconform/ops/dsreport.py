@@ -3,7 +3,7 @@
 `ds_report` (deepspeed/env_report.py) prints a coloured op table and an environment block meant for
 humans. The suite records it with every result and `dsconform report --json` prints it, so it is
 parsed here into plain data. What ds_report calls "compatible" only means a probe passed; whether
-an op really builds and loads is measured by `dsconform.ops.checks.load_op`.
+an op really builds and loads is measured by `dsconform.ops.load.load_op`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Build the profile's promised ops in parallel when a run starts.
 
-Built one after another, the four ops the h200-x2 profile promises took 169 s cold on 2xH200;
-in parallel 56 s (FINDINGS). A run therefore starts one process per promised op as soon as
-collection is done, with the machine's cores shared out among them (MAX_JOBS), building into the
-same extensions cache every later load uses. Tests go on meanwhile: the promise tests and the
-collectives need no op. The op tests then wait for their op's build and only load and check it;
-a build that failed is reported by its op's test, with the diagnosis, from this build's result
-(no second attempt). Ranks that need an op (FusedAdam in the ZeRO suite) wait for the build in
-torch's own lock, which the build process holds open while it works (see dsconform.ops.buildlock).
+Built one after another, the four ops the h200-x2 profile promises took 169 s cold on 2xH200; in
+parallel 56 s (docs/findings.md#op-builds). A run therefore starts one process per promised op as
+soon as collection is done, with the machine's cores shared out among them (MAX_JOBS), building into
+the same extensions cache every later load uses. Tests go on meanwhile: the promise tests and the
+collectives need no op. The op tests then wait for their op's build and only load and check it; a
+build that failed is reported by its op's test, with the diagnosis, from this build's result (no
+second attempt). Ranks that need an op (FusedAdam in the ZeRO suite) wait for the build in torch's
+own lock, which the build process holds open while it works (see dsconform.ops.buildlock).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 _MARK = "@@dsconform-build@@"
 _CHILD = f"""
 import json, sys
-from dsconform.ops.checks import load_op
+from dsconform.ops.load import load_op
 from dsconform.ops.diagnose import format_failure
 r = load_op(sys.argv[1])
 out = {{**r.summary(), "failure": None if r.loaded else format_failure(r), "log_tail": r.log_tail}}

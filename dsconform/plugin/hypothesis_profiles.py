@@ -15,9 +15,11 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+from dsconform import settings as dsconform_settings
+
 
 def register() -> None:
-    home = os.environ.get("DSCONFORM_HYPOTHESIS_DIR")
+    home = dsconform_settings.get("DSCONFORM_HYPOTHESIS_DIR")
     if home:
         from hypothesis.configuration import set_hypothesis_home_dir
         set_hypothesis_home_dir(home)

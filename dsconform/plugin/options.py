@@ -14,9 +14,9 @@ conftest.py.
 
 from __future__ import annotations
 
-import os
-
 import pytest
+
+from dsconform import settings
 
 #: The name under which pytest registers this module
 #: (pyproject.toml, [project.entry-points.pytest11]).
@@ -29,21 +29,21 @@ def add_options(parser: pytest.Parser) -> None:
     g = parser.getgroup("dsconform", "DeepSpeed conformance (active in the dsconform suite only)")
     if any("--profile" in opt.names() for opt in g.options):
         return
-    g.addoption("--profile", default=os.environ.get("DSCONFORM_PROFILE", "auto"),
+    g.addoption("--profile", default=settings.get("DSCONFORM_PROFILE"),
                 help="hardware profile: a shipped NAME, a PATH to a .toml, or auto (count the "
                      "node's GPUs without torch and pick the shipped profile of that model and "
                      "count, else a detected profile with no floors). Env: DSCONFORM_PROFILE. "
                      "Default: auto")
-    g.addoption("--scratch", default=os.environ.get("DSCONFORM_SCRATCH"),
+    g.addoption("--scratch", default=settings.get("DSCONFORM_SCRATCH") or None,
                 help="existing writable directory where DeepNVMe and checkpoint tests may write "
                      "(nowhere else). Env: DSCONFORM_SCRATCH. Default: a temporary directory "
                      "removed at the end")
-    g.addoption("--results", default=os.environ.get("DSCONFORM_RESULTS", "dsconform-results"),
+    g.addoption("--results", default=settings.get("DSCONFORM_RESULTS"),
                 help="directory for benchmarks.json (pytest-benchmark format), junit.xml, "
                      "summary.json/.txt and records.jsonl; created if missing. Env: "
                      "DSCONFORM_RESULTS. Default: ./dsconform-results")
     g.addoption("--nightly", action="store_true",
-                default=os.environ.get("DSCONFORM_NIGHTLY", "") not in ("", "0"),
+                default=settings.get("DSCONFORM_NIGHTLY"),
                 help="the nightly tier: also run the tests marked `slow` (the full matrices) "
                      "that -m selects. Without it `slow` tests run only when -m names them "
                      "(-m slow, -m 'gpu and slow'). Env: DSCONFORM_NIGHTLY=1")

@@ -116,7 +116,7 @@ class Rendezvous:
 def rendezvous_info(env: Mapping[str, str] | None = None) -> Rendezvous | None:
     """This process's place in an already-provided rendezvous, or None outside one. Detected the
     way dsconform.harness.api.run_ranks detects it (torchrun or Slurm variables)."""
-    from dsconform.harness.api import _SLURM_VARS, _TORCHRUN_VARS
+    from dsconform.harness.launcher import _SLURM_VARS, _TORCHRUN_VARS
 
     env = os.environ if env is None else env
     torchrun = all(v in env for v in _TORCHRUN_VARS)

@@ -1,1 +1,2 @@
-"""Results: records in one format, the summary, comparisons, cluster aggregation and their rendering."""
+"""Results: records in one format, the summary, comparisons, cluster aggregation and their
+rendering."""

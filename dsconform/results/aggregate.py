@@ -9,7 +9,8 @@ for the multi-node tier, one folder per rank. This module reads them and answers
 - **a matrix of nodes by capabilities** (passed / failed / skipped per suite);
 - **outliers**: a node whose performance metric is below ``outlier_pct`` percent of the fleet
   median, even when it is above the floor the profile enforces. Direction-aware: a rate (GB/s,
-  read from ``extra_info.rate``, dsconform/results/records.py) below the median, a time above it. Only
+  read from ``extra_info.rate``, dsconform/results/records.py) below the median, a time above it.
+  Only
   performance metrics (records.PERFORMANCE_UNITS and rates) take part; a ZeRO-vs-DDP difference
   of 1e-7 against a median of 0 is not an outlier but a tolerance question;
 - **known upstream issues** (dsconform/gate/known_issues.py) once each, with the nodes they were hit
@@ -25,7 +26,7 @@ A node is named by its folder (the recipes name it after the node: ``$(hostname)
 AggregateInputError naming the folder or file and what to do: an empty folder, a JSON file that
 is not this suite's, a node that appears twice.
 
-Outputs (dsconform/results/render/aggregate.py, dsconform/results/render/aggregate_chart.py): markdown, JSON, merged
+Outputs (dsconform/results/render/aggregate.py and aggregate_chart.py): markdown, JSON, merged
 JUnit XML and a PNG heat map of nodes by metrics.
 """
 
@@ -39,12 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsconform.results import compare
-from dsconform.results import records
-from dsconform.results import summary
+from dsconform.results import compare, records, summary
+from dsconform.results import format as results_format
 
 #: Files that make a folder a node's results folder (what the plugin writes under --results).
-RESULT_FILES = ("summary.json", "benchmarks.json", "records.jsonl")
 #: The marker of aggregate's own output folder, which may sit beside the node folders.
 FORMAT = "dsconform-cluster/1"
 REPORT_JSON = "cluster.json"
@@ -176,16 +175,6 @@ class ClusterReport:
 
 # ------------------------------------------------------------------ reading
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise AggregateInputError(f"{path}: cannot read: {e}") from None
-    except json.JSONDecodeError as e:
-        raise AggregateInputError(f"{path}: not JSON ({e}); a node's results folder holds the "
-                                  "files a `pytest suites --results DIR` run writes") from None
-
-
 def _check_summary(doc: Any, path: Path) -> None:
     def foreign(what: str) -> AggregateInputError:
         return AggregateInputError(f"{path}: not a dsconform summary.json ({what}); expected the "
@@ -205,19 +194,6 @@ def _check_summary(doc: Any, path: Path) -> None:
         raise foreign("'node' is not an object")
 
 
-def _journal(path: Path) -> list[dict[str, Any]]:
-    """Outcomes from records.jsonl; a line cut by the kill that ended the run is skipped."""
-    outcomes = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            entry = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(entry, dict) and isinstance(entry.get("outcome"), dict):
-            outcomes.append(entry["outcome"])
-    return outcomes
-
-
 def _summarize(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
     fields = ("nodeid", "outcome", "capability", "reason")
     try:
@@ -229,24 +205,24 @@ def _summarize(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
 
 def load_node(path: Path) -> NodeResult:
     """Read one node's results folder. Raises AggregateInputError."""
-    summary_path, bench_path, journal_path = (path / f for f in RESULT_FILES)
+    summary_path, bench_path, journal_path = (path / f for f in results_format.RESULT_FILES)
     doc = None
     if bench_path.exists():
         try:
-            doc = compare.load(bench_path)
-        except compare.CompareInputError as e:
+            doc = results_format.load_benchmarks(bench_path)
+        except results_format.ResultsFormatError as e:
             raise AggregateInputError(str(e)) from None
     outcomes = list(((doc or {}).get("dsconform") or {}).get("outcomes") or [])
     finished = True
     if summary_path.exists():
-        summ = _read_json(summary_path)
+        summ = results_format.read_json(summary_path, AggregateInputError)
         _check_summary(summ, summary_path)
     elif doc is not None:
         summ = _summarize(outcomes)  # a folder that lost its summary.json: rebuild it
     else:
         finished = False
         try:
-            outcomes = _journal(journal_path)
+            outcomes = results_format.read_journal(journal_path)
         except OSError as e:
             raise AggregateInputError(f"{journal_path}: cannot read: {e}") from None
         try:
@@ -271,7 +247,7 @@ def load_node(path: Path) -> NodeResult:
 
 
 def _is_node_dir(path: Path) -> bool:
-    return any((path / f).is_file() for f in RESULT_FILES)
+    return any((path / f).is_file() for f in results_format.RESULT_FILES)
 
 
 def _is_own_output(path: Path) -> bool:
@@ -303,7 +279,8 @@ def find_node_dirs(root: Path, depth: int = 0) -> list[Path]:
             found += find_node_dirs(sub, depth + 1)
     if not found:
         raise AggregateInputError(
-            f"{root}: no dsconform results in it (no {', '.join(RESULT_FILES)} here or in the "
+            f"{root}: no dsconform results in it (no "
+            f"{', '.join(results_format.RESULT_FILES)} here or in the "
             f"folders below, {MAX_DEPTH} levels deep); give node folders written by `pytest "
             "suites --results DIR`, or the folder that holds them")
     return found

@@ -23,7 +23,8 @@ files and classifies every difference; ``compare_report`` prints it (terminal, m
 - **Outcomes.** passed -> failed / error / skipped / xfailed / not run is a regression (it
   stopped working); failed / skipped / xfailed -> passed an improvement (fixed, or runs now).
   New and vanished tests are listed.
-- **Known upstream issues** (``dsconform/gate/known_issues.py``) that appeared or went away, and what
+- **Known upstream issues** (``dsconform/gate/known_issues.py``) that appeared or went away, and
+  what
   became of their cases.
 - **Facts** (``dsconform.facts``: DeepSpeed's effective defaults as the ZeRO suite finds them)
   whose value changed: "what silently changed". Listed, never a regression by themselves.
@@ -42,13 +43,11 @@ import re
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
+from dsconform.results.format import is_number
 from dsconform.results.summary import case_id
 
-OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
-FAILING = ("failed", "error", "xpassed")  # xpassed: a strict xfail that passed fails the run
 NOISE_SIGMAS = 3
 #: "ZERO-EQ-1: ZeRO MUST ..." -> "ZERO-EQ-1" (upper case words joined by dashes, then a colon)
 CONFORMANCE_ID = re.compile(r"^([A-Z][A-Z0-9]*(?:-[A-Z0-9]+)+):")
@@ -64,135 +63,6 @@ REGRESSION, IMPROVEMENT, CHANGED, UNCHANGED = "regression", "improvement", "chan
 NOT_COMPARABLE, NEW, VANISHED, RENAMED = "not comparable", "new", "vanished", "renamed"
 # What a change is about.
 METRIC, OUTCOME, FACT, KNOWN_ISSUE = "metric", "outcome", "fact", "known issue"
-
-
-class CompareInputError(ValueError):
-    """A file that is not a benchmark JSON of this suite (or of pytest-benchmark)."""
-
-
-# ------------------------------------------------------------------ reading and checking
-
-def load(path: str | Path) -> dict[str, Any]:
-    """Read and check a results file (``benchmarks.json``, or a results directory holding one).
-    Raises CompareInputError with one line naming the file and the field."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "benchmarks.json"
-    try:
-        doc = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise CompareInputError(f"{p}: no such file (give a benchmarks.json or the --results "
-                                "directory of a run)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise CompareInputError(f"{p}: cannot read: {e}") from None
-    except json.JSONDecodeError as e:
-        hint = ""
-        if p.name in ("junit.xml", "records.jsonl") or p.suffix in (".xml", ".jsonl"):
-            hint = " (give the benchmarks.json beside it, or the results directory)"
-        raise CompareInputError(f"{p}: not JSON: {e}{hint}") from None
-    check(doc, str(p))
-    if not isinstance(doc.get("dsconform"), dict):
-        raise CompareInputError(f"{p}: a pytest-benchmark file without dsconform outcomes (no "
-                                "'dsconform' section): not a suite run")
-    return doc
-
-
-def ran_nothing(doc: dict[str, Any]) -> bool:
-    """A results document with no test outcome and no measurement: a --collect-only run, a
-    selection that matched nothing, or a run stopped before its first test ended. Comparing it
-    would compare nothing."""
-    return not doc["dsconform"].get("outcomes") and not doc["benchmarks"]
-
-
-def _is_number(v: Any) -> bool:
-    # Infinity and NaN are numbers here: Python's json writes them, and a diverged comparison
-    # records one (the void fp16 rows of results/reference/h200-x2/zero-full).
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-class _Checker:
-    def __init__(self, where: str):
-        self.where = where
-
-    def fail(self, field_: str, msg: str) -> None:
-        raise CompareInputError(f"{self.where}: {field_}: {msg}")
-
-    def kind(self, value: Any, field_: str, types: type | tuple[type, ...], what: str,
-             optional: bool = True) -> None:
-        if value is None and optional:
-            return
-        if isinstance(value, bool) or not isinstance(value, types):  # JSON true is no int
-            self.fail(field_, f"expected {what}, found {_short(value)}")
-
-    def number(self, value: Any, field_: str, optional: bool = True) -> None:
-        if value is None and optional:
-            return
-        if not _is_number(value):
-            self.fail(field_, f"expected a number, found {_short(value)}")
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, default=str)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def check(doc: Any, where: str) -> None:
-    """Every field compare reads, with the type it needs: a foreign or damaged file fails here
-    with one line, never later with a traceback."""
-    c = _Checker(where)
-    if not isinstance(doc, dict) or not isinstance(doc.get("benchmarks"), list):
-        hint = ""
-        if isinstance(doc, dict) and "capabilities" in doc:
-            hint = " (this is a summary.json: give the benchmarks.json beside it)"
-        raise CompareInputError(f"{where}: not a benchmark JSON (no 'benchmarks' list){hint}")
-    c.kind(doc.get("machine_info"), "machine_info", dict, "an object")
-    for i, b in enumerate(doc["benchmarks"]):
-        at = f"benchmarks[{i}]"
-        c.kind(b, at, dict, "an object", optional=False)
-        c.kind(b.get("fullname"), f"{at}.fullname", str, "a string", optional=False)
-        c.kind(b.get("stats"), f"{at}.stats", dict, "an object", optional=False)
-        st = b["stats"]
-        c.number(st.get("median"), f"{at}.stats.median", optional=False)
-        c.number(st.get("stddev"), f"{at}.stats.stddev")
-        c.kind(st.get("rounds"), f"{at}.stats.rounds", int, "an integer")
-        info = b.get("extra_info")
-        c.kind(info, f"{at}.extra_info", dict, "an object")
-        info = info or {}
-        if info.get("better") is not None and info["better"] not in ("lower", "higher"):
-            c.fail(f"{at}.extra_info.better", f"expected 'lower' or 'higher', found "
-                                              f"{_short(info['better'])}")
-        for key in ("unit", "metric", "nodeid"):
-            c.kind(info.get(key), f"{at}.extra_info.{key}", str, "a string")
-        c.number(info.get("limit"), f"{at}.extra_info.limit")
-        c.kind(info.get("params"), f"{at}.extra_info.params", dict, "an object")
-        rate = info.get("rate")
-        if rate is not None:
-            ra = f"{at}.extra_info.rate"
-            c.kind(rate, ra, dict, "an object")
-            c.kind(rate.get("unit"), f"{ra}.unit", str, "a string", optional=False)
-            c.number(rate.get("median"), f"{ra}.median", optional=False)
-            c.number(rate.get("limit"), f"{ra}.limit")
-            c.number(rate.get("stddev"), f"{ra}.stddev")
-            c.kind(rate.get("samples"), f"{ra}.samples", list, "a list", optional=False)
-            if not rate["samples"] or not all(_is_number(x) for x in rate["samples"]):
-                c.fail(f"{ra}.samples", "expected a non-empty list of numbers")
-    ds = doc.get("dsconform")
-    c.kind(ds, "dsconform", dict, "an object")
-    ds = ds or {}
-    for key, required in (("outcomes", ("nodeid", "outcome")), ("facts", ("nodeid", "name")),
-                          ("known_issues", ("id",))):
-        c.kind(ds.get(key), f"dsconform.{key}", list, "a list")
-        for i, entry in enumerate(ds.get(key) or []):
-            at = f"dsconform.{key}[{i}]"
-            c.kind(entry, at, dict, "an object", optional=False)
-            for name in required:
-                c.kind(entry.get(name), f"{at}.{name}", str, "a string", optional=False)
-            if key == "outcomes":
-                if entry["outcome"] not in OUTCOMES:
-                    c.fail(f"{at}.outcome", f"expected one of {', '.join(OUTCOMES)}, found "
-                                            f"{_short(entry['outcome'])}")
-                for name in ("reason", "must", "known_issue"):
-                    c.kind(entry.get(name), f"{at}.{name}", str, "a string")
 
 
 # ------------------------------------------------------------------ one run, normalised
@@ -593,7 +463,7 @@ def hardware_warnings(base: Run, new: Run) -> list[str]:
 def compare(base: dict[str, Any], new: dict[str, Any], threshold: float = 0.10, *,
             base_label: str = "BASE", new_label: str = "NEW") -> RunComparison:
     """Compare two checked results documents (``load``)."""
-    if not (_is_number(threshold) and math.isfinite(threshold) and threshold >= 0):
+    if not (is_number(threshold) and math.isfinite(threshold) and threshold >= 0):
         raise ValueError(f"threshold must be a number >= 0, not {threshold!r}")
     b, n = read_run(base, base_label), read_run(new, new_label)
     result = RunComparison(b, n, threshold, warnings=hardware_warnings(b, n))

@@ -50,8 +50,8 @@ class NvmeIOError(AssertionError):
 def open_handle(settings: AioSettings, kind: str = "aio") -> Any:
     """A DeepSpeed aio_handle (op async_io) or gds_handle (op gds) built with ``settings``.
 
-    Raises dsconform.ops.checks.OpUnavailable when the op does not build or load."""
-    from dsconform.ops.checks import require_op
+    Raises dsconform.ops.load.OpUnavailable when the op does not build or load."""
+    from dsconform.ops.load import require_op
     if kind not in ("aio", "gds"):
         raise ValueError(f"kind must be 'aio' or 'gds', not {kind!r}")
     module = require_op("gds" if kind == "gds" else "async_io").module

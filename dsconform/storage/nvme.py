@@ -38,7 +38,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-GB = 1e9
 MIB = 1 << 20
 # DeepSpeed's O_DIRECT_ALIGNMENT (csrc/aio/py_lib/deepspeed_py_io_handle.cpp): a handle's
 # get_alignment() is intra_op_parallelism * 512.

@@ -114,9 +114,9 @@ def tune(directory: str | Path, *, nbytes: int = DEFAULT_BYTES,
     Checks the path first (dsconform.storage.nvme.check_path: missing, read-only, tmpfs/overlay,
     free
     space; NvmePathError) and writes only inside one directory of its own there, removed at the
-    end. Raises dsconform.ops.checks.OpUnavailable when async_io does not load, NvmeIOError when
+    end. Raises dsconform.ops.load.OpUnavailable when async_io does not load, NvmeIOError when
     DeepNVMe fails or corrupts data."""
-    from dsconform.ops.checks import require_op
+    from dsconform.ops.load import require_op
     from dsconform.storage.io import open_handle, timed_rounds
 
     if budget_s <= 0:
@@ -210,7 +210,8 @@ def _stdout_to_stderr() -> Iterator[None]:
 def cmd_nvme_tune(args: argparse.Namespace) -> int:
     """Progress and the summary go to stderr, the aio block (JSON) to stdout. Exit 0; 2 for a
     path or size the sweep must not use; 1 when DeepNVMe does not load or moves wrong bytes."""
-    from dsconform.ops.checks import OpUnavailable, ensure_extensions_dir
+    from dsconform.ops.cache import ensure_extensions_dir
+    from dsconform.ops.load import OpUnavailable
     from dsconform.storage.io import NvmeIOError
     from dsconform.storage.nvme import NvmePathError
 

@@ -30,7 +30,7 @@ from pathlib import Path
 # a disk; 5x leaves the shared disk's noise room.
 FIO_RATIO_CEILING = 5.0
 # The same bound against dd (queue depth 1). Measured on the 2xH200 node, which has no fio
-# (22 runs of 2026-11-30, results/reference/h200-x2: 256 MiB, 3 rounds each): medians 0.96-1.35
+# (22 runs of 2026-11-30, docs/findings.md#deepnvme: 256 MiB, 3 rounds each): medians 0.96-1.35
 # (write) and 0.69-1.73 (read), rounds up to 1.88. A read served by the page cache runs at memory
 # speed, several times any single disk's; 5x leaves that node 2.9x room.
 DD_RATIO_CEILING = 5.0

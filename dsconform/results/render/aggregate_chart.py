@@ -13,9 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dsconform.results.render import plots as plotting
 from dsconform.results.aggregate import ClusterReport
-from dsconform.results.render.plots import PlotUnavailable as PlotUnavailable  # callers catch it here
+from dsconform.results.render import plots as plotting
+from dsconform.results.render.plots import (
+    PlotUnavailable as PlotUnavailable,  # callers catch it here
+)
 
 MISSING = ("dsconform aggregate: heatmap.png not written: matplotlib is not installed "
            "(pip install 'dsconform[plot]', or pip install matplotlib); the other reports are")

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsconform.results.render import plots as plotting
 from dsconform.results.compare import IMPROVEMENT, METRIC, REGRESSION, UNCHANGED, RunComparison
-from dsconform.results.render.plots import PlotUnavailable as PlotUnavailable  # callers catch it here
+from dsconform.results.render import plots as plotting
+from dsconform.results.render.plots import (
+    PlotUnavailable as PlotUnavailable,  # callers catch it here
+)
 
 COLORS = {REGRESSION: "#d62728", IMPROVEMENT: "#2ca02c", UNCHANGED: "#8c8c8c"}
 BAND_COLOR = "#dddddd"

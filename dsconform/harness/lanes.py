@@ -1,0 +1,430 @@
+"""Lanes (run_concurrently): independent calls at once over several pools per world size,
+one-rank pools on every GPU in turn; a failure kills only its own lane's ranks. Cell batches
+(dsconform.plugin.batch) use them from a background thread while the main thread runs other
+tests (their run_ranks calls and the lanes only share the pool tables' lock); they never run
+beside a measurement."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dsconform import settings
+from dsconform.harness import standby
+from dsconform.harness.api import run_ranks
+from dsconform.harness.errors import (
+    RankError,
+    check_accelerator,
+    check_timeout,
+    check_world_size,
+    resolve,
+)
+from dsconform.harness.launcher import external_rendezvous
+from dsconform.harness.pool import (
+    LANE_POOLS,
+    LANE_STATS,
+    LANE_STATS_LOCK,
+    POOL_PG_TIMEOUT_S,
+    TABLES_LOCK,
+    Pool,
+    await_start,
+    clear_build_locks,
+    close_idle,
+    gpus_for,
+    my_gpus,
+    pg_timeout_for,
+    pickle_call,
+    replies_healthy,
+    send_and_collect,
+)
+from dsconform.harness.xdist import InsufficientGPUs
+
+
+def close_lanes() -> None:
+    """Stop the idle lane pools (a cell batch that ended: its lanes' CUDA contexts and memory
+    must not stay on the GPUs through the measurements that follow)."""
+    with TABLES_LOCK:
+        idle = [p for pools in LANE_POOLS.values() for p in pools]
+        LANE_POOLS.clear()
+    close_idle(idle)
+
+
+#: How many pools per world size run_concurrently spreads independent calls over ("lanes");
+#: one-rank lanes take the GPUs in turn. "auto": LANES_AUTO on cuda machines with at least
+#: LANES_MIN_CORES cores, else 1 (every call in turn, as run_ranks). DSCONFORM_LANES=N forces N.
+#: Correctness cells are latency-bound (Python, kernel launches, engine set-up): a 2xH200 node
+#: runs several at once in about the time of one.
+LANES = settings.get("DSCONFORM_LANES")
+
+
+#: 3, not 4: on 2xH200 the batch took as long with 3 lanes per world size as with 4 (42.5 s
+#: and 43.7 s, one machine, warm), and fewer ranks starting at once left the other tests less
+#: to wait for (15 s against 21 s of rank start-up waited; the tier 77 s against 83 s).
+LANES_AUTO = 3
+
+
+LANES_MIN_CORES = 16
+
+
+@dataclass(frozen=True)
+class RankCall:
+    """One run_ranks call, to be run with others by run_concurrently. fresh: run it on new
+    processes that ran no call and built no warm-up engine (run_ranks(reuse=False)): the
+    second step of a save-then-resume-in-new-processes cell."""
+
+    fn: Callable
+    world_size: int
+    timeout_s: float
+    args: tuple = ()
+    kwargs: dict | None = None
+    accelerator: str | None = None
+    fresh: bool = False
+
+
+def _steps(entry: RankCall | list[RankCall]) -> tuple[RankCall, ...]:
+    return (entry,) if isinstance(entry, RankCall) else tuple(entry)
+
+
+def run_steps(entry: RankCall | list[RankCall]) -> Any:
+    """One run_concurrently entry through run_ranks here: a call's per-rank results, or for a
+    list of steps, one after another (a fresh step on new processes), the list of theirs."""
+    _check_steps(_steps(entry))
+    results = [run_ranks(c.fn, c.world_size, timeout_s=c.timeout_s, args=c.args,
+                         kwargs=c.kwargs, accelerator=c.accelerator, reuse=not c.fresh)
+               for c in _steps(entry)]
+    return results if isinstance(entry, list) else results[0]
+
+
+def lanes_for(accelerator: str | None = None) -> int:
+    """The number of lanes run_concurrently uses by default here (DSCONFORM_LANES)."""
+    if LANES not in ("", "auto"):
+        try:
+            return max(1, int(LANES))
+        except ValueError:
+            raise ValueError(f"DSCONFORM_LANES must be 'auto' or a number, got {LANES!r}") from None
+    if check_accelerator(accelerator) != "cuda" or (os.cpu_count() or 1) < LANES_MIN_CORES:
+        return 1
+    return LANES_AUTO
+
+
+def _lane_keys(world_size: int, accelerator: str, count: int) -> list[tuple]:
+    """The pool keys of count lanes: one-rank lanes go round this worker's GPUs, wider ones all
+    use the first world_size GPUs (their processes share them)."""
+    gpus = gpus_for(world_size, accelerator)  # raises InsufficientGPUs
+    if accelerator == "cuda" and world_size == 1:
+        mine = my_gpus()[3]
+        return [(1, accelerator, (mine[i % len(mine)],)) for i in range(count)]
+    return [(world_size, accelerator, gpus)] * count
+
+
+def _lane_threads() -> int:
+    """CPU threads per lane rank: the cores shared by every lane of one- and two-rank calls
+    (9 ranks with 3 lanes), so CPU Adam in several lanes at once does not oversubscribe them."""
+    return max(1, (os.cpu_count() or 1) // (3 * lanes_for()))
+
+
+def _new_lane(key: tuple, pg_timeout_s: float, fresh: bool = False) -> Pool:
+    """Start (without waiting) a lane pool; call with TABLES_LOCK held. fresh: for a fresh step, so
+    never warmed up (as run_ranks' fresh-process standby ranks)."""
+    clear_build_locks()
+    LANE_STATS["started"] += 1
+    return Pool(key[0], key[1], key[2], pg_timeout_s, warm=standby.RANK_WARMUP and not fresh,
+                 threads=_lane_threads())
+
+
+def start_lanes(world_sizes: list[int], accelerator: str = "cuda",
+                lanes: int | None = None) -> int:
+    """Start lane pools for these world sizes now, in the background (a GPU run calls this at
+    collection, so they start while ops build); returns how many were started. Nothing starts
+    while a measurement holds standby ranks (hold_spares), or with one lane."""
+    lanes = lanes_for(accelerator) if lanes is None else lanes
+    started = 0
+    if lanes <= 1:
+        return 0
+    with TABLES_LOCK:
+        if standby.held():
+            return 0
+        for ws in world_sizes:
+            try:
+                keys = _lane_keys(ws, accelerator, lanes)
+            except InsufficientGPUs:
+                continue
+            for key in set(keys):
+                idle = LANE_POOLS.setdefault(key, [])
+                while len(idle) < keys.count(key):
+                    try:
+                        idle.append(_new_lane(key, POOL_PG_TIMEOUT_S))
+                    except Exception as exc:  # an optimisation: calls start their own
+                        print(f"dsconform.harness: lane ranks not started ({exc})",
+                              file=sys.stderr)
+                        return started
+                    started += 1
+    return started
+
+
+class _Spawner:
+    """Starts lane pools for lane threads from the thread that runs the batch. Ranks die with
+    the *thread* that started them (PR_SET_PDEATHSIG, dist_rank._exit_when_orphaned): a pool a
+    lane thread started itself would be killed when that thread ends, and its idle ranks with it.
+    The batch's thread calls serve() while it waits for the lanes."""
+
+    def __init__(self) -> None:
+        self.requests: deque = deque()
+        self.lock = threading.Lock()
+
+    def new_lane(self, key: tuple, pg_timeout_s: float, cancel: threading.Event,
+                 fresh: bool = False) -> Pool:
+        done = threading.Event()
+        slot: list = []
+        with self.lock:
+            self.requests.append((key, pg_timeout_s, fresh, slot, done))
+        while not done.wait(0.05):
+            if cancel.is_set():
+                raise RankError("the batch was interrupted before this lane's ranks started")
+        if isinstance(slot[0], BaseException):
+            raise slot[0]
+        return slot[0]
+
+    def serve(self) -> None:
+        while True:
+            with self.lock:
+                if not self.requests:
+                    return
+                key, pg_timeout_s, fresh, slot, done = self.requests.popleft()
+            try:
+                with TABLES_LOCK:
+                    slot.append(_new_lane(key, pg_timeout_s, fresh))
+            except BaseException as exc:  # the lane's call reports it
+                slot.append(exc)
+            done.set()
+
+
+def _lane_pool(key: tuple, pg_timeout_s: float, spawner: _Spawner,
+               cancel: threading.Event, fresh: bool = False,
+               started: Pool | None = None) -> Pool:
+    """An idle lane pool for key, else a new one; fresh: always a new one, never warmed up
+    (started: one started ahead for it). Started up (RankError if it cannot start)."""
+    for attempt in range(3):  # the probed port can be taken between the probe and the bind
+        pool, started = started, None
+        with TABLES_LOCK:
+            idle = LANE_POOLS.get(key, [])
+            while idle and pool is None and not fresh:
+                pool = idle.pop()
+                if pool.closed or pool.pg_timeout_s < pg_timeout_s:
+                    pool.kill()
+                    pool = None
+        if pool is None:
+            pool = spawner.new_lane(key, pg_timeout_s, cancel, fresh)
+        t0 = time.monotonic()
+        try:
+            return await_start(pool)
+        except RankError as exc:
+            if "address already in use" not in str(exc).lower() or attempt == 2:
+                raise
+        finally:
+            with LANE_STATS_LOCK:
+                LANE_STATS["waited_s"] += time.monotonic() - t0
+    raise AssertionError("unreachable")
+
+
+def _key_of(lane_key: tuple, step: RankCall, index: int = 0) -> tuple:
+    """The pool key a step runs on: its lane's, or for a fresh step of another world size a
+    pool key of that size, one-rank ones taking the GPUs in turn by entry index
+    (InsufficientGPUs if the node has too few)."""
+    if step.world_size == lane_key[0]:
+        return lane_key
+    return _lane_keys(step.world_size, lane_key[1], index + 1)[index]
+
+
+def _check_steps(steps: tuple[RankCall, ...]) -> str:
+    """The entry's accelerator; ValueError for steps that cannot run in turn on one lane: every
+    step shares the accelerator, and only a fresh step (new ranks anyway) changes world size."""
+    if not steps:
+        raise ValueError("an entry of run_concurrently has no steps")
+    accels = {check_accelerator(step.accelerator) for step in steps}
+    if len(accels) > 1:
+        raise ValueError("the steps of one entry must share their accelerator")
+    for before, step in zip(steps, steps[1:]):
+        if step.world_size != before.world_size and not step.fresh:
+            raise ValueError(f"a step of world size {step.world_size} after one of "
+                             f"{before.world_size}: only a fresh step (fresh=True, new ranks) "
+                             "may change the world size")
+    return accels.pop()
+
+
+def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
+          qlock: threading.Lock, active: set, cancel: threading.Event, spawner: _Spawner,
+          on_done: Callable[[int, tuple, float], None] | None,
+          context: tuple[list, dict]) -> None:
+    """One lane: take calls of its world size off the shared queue until none is left; an
+    entry of several steps runs them in turn, a fresh step on ranks that ran no call (of
+    another world size, if it says so: that pool is not kept for the lane)."""
+    pool: Pool | None = None
+    ahead: Pool | None = None  # started while the step before a fresh step runs
+    try:
+        while not cancel.is_set():
+            with qlock:
+                if not queue:
+                    return
+                i = queue.popleft()
+            steps = _steps(calls[i])
+            healthy = True
+            t0 = time.monotonic()
+            try:
+                results = []
+                for j, (step, payload) in enumerate(zip(steps, pickled[i])):
+                    need = pg_timeout_for(step.timeout_s)
+                    if pool is not None and (not pool.alive() or pool.pg_timeout_s < need
+                                             or step.fresh):
+                        active.discard(pool)
+                        pool.close()
+                        pool = None
+                    if pool is None:
+                        pool, ahead = _lane_pool(_key_of(key, step, i), need, spawner, cancel,
+                                                 fresh=step.fresh, started=ahead), None
+                        active.add(pool)
+                    if j + 1 < len(steps) and steps[j + 1].fresh and ahead is None:
+                        ahead = spawner.new_lane(_key_of(key, steps[j + 1], i),
+                                                 pg_timeout_for(steps[j + 1].timeout_s),
+                                                 cancel, fresh=True)
+                        active.add(ahead)
+                    healthy = False
+                    replies = send_and_collect(pool, step.fn, payload, step.timeout_s, context)
+                    healthy = replies_healthy(replies)
+                    results.append(resolve(replies))
+                outcome: tuple = ("ok", results if isinstance(calls[i], list) else results[0])
+            except BaseException as exc:  # the call's own outcome, raised in its test
+                outcome = ("raise", exc)
+            finally:
+                with LANE_STATS_LOCK:
+                    LANE_STATS["calls"] += len(steps)
+                if not healthy and pool is not None:
+                    pool.kill()
+                    active.discard(pool)
+                    pool = None
+                if ahead is not None:  # a step before the fresh one failed: not needed
+                    ahead.kill()
+                    active.discard(ahead)
+                    ahead = None
+                if pool is not None and pool.world_size != key[0]:  # another size's ranks
+                    active.discard(pool)
+                    pool.close()
+                    pool = None
+            if cancel.is_set():  # stopped from outside: what the kill did is no outcome
+                return
+            outcomes[i] = outcome
+            if on_done is not None:
+                on_done(i, outcome, time.monotonic() - t0)
+    finally:
+        if pool is not None:
+            active.discard(pool)
+            if cancel.is_set() or not pool.alive():
+                pool.kill()
+            else:
+                with TABLES_LOCK:
+                    LANE_POOLS.setdefault(key, []).append(pool)
+
+
+def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | None = None,
+                     on_done: Callable[[int, tuple, float], None] | None = None,
+                     cancel: threading.Event | None = None) -> list[tuple]:
+    """Run independent calls at once, spread over `lanes` pools per world size (one-rank pools
+    on every GPU in turn). Each outcome is ("ok", the per-rank results) or ("raise", the
+    exception run_ranks would have raised for that call alone: RankError, RankTimeout, a
+    unanimous skip, InsufficientGPUs...). A failing call kills only its own lane's ranks; that
+    lane starts new ones for its next call. on_done(index, outcome, seconds) runs as each call
+    ends (seconds: from taking the call, its lane's start-up included).
+
+    On lanes, the calls see sys.path and the environment as they were when run_concurrently
+    was called, whatever the calling process changes meanwhile (it may run other tests: a
+    background batch); through run_ranks (one lane) they see them as each call starts.
+    cancel: setting it stops the batch from another thread: every lane's ranks are killed, the
+    calls not finished get no outcome (None) and no on_done.
+
+    With one lane, under torchrun/Slurm, or for a single call, the calls run one after another
+    through run_ranks. Ctrl-C kills every lane and re-raises.
+
+    An entry may be a list of steps (RankCalls of one accelerator): they run in turn on one
+    lane, a step with fresh=True on new processes (started while the step before it runs),
+    which may be of another world size (a save on 2 ranks, the load on 1); the outcome is
+    ("ok", the list of each step's per-rank results), or the first failing step's exception."""
+    outcomes: list = [None] * len(calls)
+    lanes = lanes_for() if lanes is None else lanes
+
+    def finish(i: int, outcome: tuple, seconds: float = 0.0) -> None:
+        outcomes[i] = outcome
+        if on_done is not None:
+            on_done(i, outcome, seconds)
+
+    if lanes <= 1 or len(calls) < 2 or external_rendezvous():
+        for i, c in enumerate(calls):
+            if cancel is not None and cancel.is_set():
+                break
+            t0 = time.monotonic()
+            try:
+                outcome: tuple = ("ok", run_steps(c))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as exc:  # the call's own outcome (a skip too)
+                outcome = ("raise", exc)
+            finish(i, outcome, time.monotonic() - t0)
+        return outcomes
+    groups: OrderedDict[tuple, deque] = OrderedDict()
+    pickled: list = [None] * len(calls)
+    for i, c in enumerate(calls):
+        try:  # what run_ranks would refuse, each call's own outcome
+            steps = _steps(c)
+            for step in steps:
+                check_world_size(step.world_size)
+                check_timeout(step.timeout_s)
+            accel = _check_steps(steps)
+            pickled[i] = [pickle_call(step.fn, tuple(step.args), dict(step.kwargs or {}))
+                          for step in steps]
+        except Exception as exc:
+            finish(i, ("raise", exc))
+            continue
+        groups.setdefault((steps[0].world_size, accel), deque()).append(i)
+    cancel = threading.Event() if cancel is None else cancel
+    qlock, active, spawner = threading.Lock(), set(), _Spawner()
+    context = (list(sys.path), dict(os.environ))
+    threads = []
+    for (ws, accel), queue in groups.items():
+        try:
+            keys = _lane_keys(ws, accel, min(lanes, len(queue)))
+        except InsufficientGPUs as exc:
+            for i in queue:
+                finish(i, ("raise", exc))
+            continue
+        for key in keys:
+            threads.append(threading.Thread(
+                target=_lane, name=f"dsconform-lane-ws{ws}",
+                args=(key, queue, calls, pickled, outcomes, qlock, active, cancel, spawner,
+                      on_done, context),
+                daemon=True))
+    for t in threads:
+        t.start()
+    def stop() -> None:
+        cancel.set()
+        for pool in list(active):
+            pool.kill()
+        for t in threads:
+            t.join(15)
+
+    try:
+        for t in threads:
+            while t.is_alive():
+                if cancel.is_set():
+                    stop()
+                    return outcomes
+                spawner.serve()
+                t.join(0.05)
+    except BaseException:
+        stop()
+        raise
+    return outcomes

@@ -1,0 +1,468 @@
+"""Pools of spawned rank processes: starting them, sending a call, collecting the replies, and
+the tables of live pools (pooled, standby and lane pools) with their lock.
+
+A failing, dying or hanging rank fails its call and tears its pool down (Pool.collect); the
+next call starts fresh processes. Ranks reply in plain pickle bytes (no tensor travels as a
+shared descriptor).
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from multiprocessing.connection import wait as _wait_any
+
+from dsconform import settings
+from dsconform.harness.errors import RankError, RankTimeout, describe, fn_name, rank_error
+from dsconform.harness.rank import RANK_OWNED_ENV, STACK_DUMP_SIGNAL, rank_main
+from dsconform.harness.xdist import (
+    InsufficientGPUs,
+    free_port,
+    gpu_slice,
+    gpus_per_worker,
+    visible_gpus,
+    xdist_worker,
+)
+
+#: Seconds allowed for spawning ranks, importing deepspeed and init_distributed. Separate from
+#: a call's timeout_s because the first init on a machine JIT-builds DeepSpeed's shm comm op
+#: (about 30 s on 2 cores), which a 10 s test timeout must not turn into a failure.
+STARTUP_TIMEOUT_S = settings.get("DSCONFORM_STARTUP_TIMEOUT_S")
+
+
+#: Once one rank skipped, how long the others may take to finish: a rank that did not skip is
+#: usually blocked in a collective waiting for the one that did.
+SKIP_GRACE_S = 10.0
+
+
+#: How long a hung rank gets to write its stacks after the dump signal.
+STACK_DUMP_WAIT_S = 1.0
+
+
+#: Pools kept alive at once (least recently used is closed first). Each holds world_size
+#: processes and, on GPUs, a CUDA context per rank.
+MAX_POOLS = settings.get("DSCONFORM_MAX_POOLS")
+
+
+#: Process-group timeout of pooled ranks: the parent enforces each call's timeout_s, so this
+#: only has to outlast the longest call; a call asking for more respawns the pool.
+POOL_PG_TIMEOUT_S = 3600.0
+
+
+def _signal_name(exitcode: int) -> str:
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+class Pool:
+    """world_size live rank processes sharing one process group."""
+
+    def __init__(self, world_size: int, accelerator: str, gpus: tuple[str, ...],
+                 pg_timeout_s: float, warm: bool = False, threads: int | None = None) -> None:
+        self.world_size = world_size
+        self.accelerator = accelerator
+        self.gpus = gpus
+        self.pg_timeout_s = pg_timeout_s
+        self.owner_pid = os.getpid()
+        self.port = free_port()
+        self.tmpdir = tempfile.mkdtemp(prefix="dsconform-ranks-")
+        self.stack_paths = [os.path.join(self.tmpdir, f"rank{i}.stacks") for i in range(world_size)]
+        self.procs: list = []
+        self.conns: list = []
+        self.pids: list[int] = []
+        self.closed = False
+        self.ready = False  # every rank said "ready" (see await_start)
+        self.started = time.monotonic()
+        # What the ranks inherited; each call forwards the parent's changes since (see env_delta).
+        self.spawn_env = dict(os.environ)
+        ctx = multiprocessing.get_context("spawn")  # never the global start method
+        base_env = {
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_SIZE": str(world_size),  # DeepSpeed's CPU accelerator and shm op read it
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(self.port),
+            "DS_ACCELERATOR": accelerator,
+            # A cpu run sees no GPU, so it cannot touch another xdist worker's devices.
+            "CUDA_VISIBLE_DEVICES": ",".join(gpus) if accelerator == "cuda" else "",
+        }
+        if threads:  # lanes share the cores (CPU Adam, torch's CPU ops), read at import
+            base_env["OMP_NUM_THREADS"] = str(threads)
+        try:
+            for index in range(world_size):
+                env = dict(base_env, RANK=str(index), LOCAL_RANK=str(index))
+                parent_conn, child_conn = ctx.Pipe(duplex=True)
+                proc = ctx.Process(
+                    target=rank_main, name=f"dsconform-rank{index}",
+                    args=(index, world_size, env, child_conn, self.stack_paths[index],
+                          accelerator, pg_timeout_s, os.getpid(), warm),
+                )
+                proc.start()
+                child_conn.close()
+                self.procs.append(proc)
+                self.conns.append(parent_conn)
+                self.pids.append(proc.pid)
+        except BaseException:
+            self.kill()
+            raise
+
+    def env_delta(self, now: dict | None = None) -> tuple[dict, list]:
+        """Variables the parent set or removed since the ranks started (a test's monkeypatch),
+        so a pooled rank sees the same environment a fresh one would. now: the environment to
+        send (a background batch's snapshot), else the parent's current one."""
+        now = os.environ if now is None else now
+        changed = {k: v for k, v in now.items()
+                   if self.spawn_env.get(k) != v and k not in RANK_OWNED_ENV}
+        removed = [k for k in self.spawn_env if k not in now and k not in RANK_OWNED_ENV]
+        return changed, removed
+
+    def alive(self) -> bool:
+        return not self.closed and all(p.is_alive() for p in self.procs)
+
+    def kill(self) -> None:
+        """SIGKILL every rank and whatever it started, reap them, remove their leftovers."""
+        if self.closed or self.owner_pid != os.getpid():
+            return  # done already, or a forked copy of the parent that must not kill its ranks
+        self.closed = True
+        descendants = []
+        try:
+            import psutil
+        except ImportError:
+            psutil = None
+        for proc in self.procs:
+            if psutil is not None and proc.exitcode is None:
+                try:
+                    descendants += psutil.Process(proc.pid).children(recursive=True)
+                except psutil.Error:
+                    pass
+            # Ranks lead their own process group; kill it before reaping so the id is not reused.
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for child in descendants:
+            try:
+                child.kill()
+            except Exception:  # already gone
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+        self._release()
+
+    def close(self) -> None:
+        """Ask healthy ranks to exit, then make sure of it."""
+        if self.closed or self.owner_pid != os.getpid():
+            return
+        for conn in self.conns:
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def _release(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.close()
+            except OSError:
+                pass
+        for proc in self.procs:
+            try:
+                proc.close()
+            except ValueError:
+                pass  # still running after SIGKILL + 10 s: leave the handle, nothing else to do
+        # DeepSpeed's shm comm op never unlinks its segments (~tens of MiB per rank, named after
+        # the port); without this /dev/shm fills up over a long session.
+        pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{self.port}_*"
+        for path in glob.glob(pattern):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+    def read_stacks(self, ranks: list[int]) -> dict[int, str]:
+        stacks = {}
+        for index in ranks:
+            try:
+                with open(self.stack_paths[index]) as handle:
+                    stacks[index] = handle.read().strip()
+            except OSError:
+                stacks[index] = ""
+        return stacks
+
+    def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
+        """Make the given live ranks write their Python stacks (faulthandler) and read them."""
+        signalled = []
+        for index in ranks:
+            try:
+                os.kill(self.pids[index], STACK_DUMP_SIGNAL)
+                signalled.append(index)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + STACK_DUMP_WAIT_S
+        while time.monotonic() < deadline:
+            if all(os.path.getsize(self.stack_paths[i]) > 0 for i in signalled
+                   if os.path.exists(self.stack_paths[i])):
+                time.sleep(0.1)  # let a dump that has started finish writing
+                break
+            time.sleep(0.05)
+        return self.read_stacks(ranks)
+
+    def collect(self, deadline: float, phase: str, limit: str) -> list[tuple]:
+        """Wait for one reply per rank; fail fast on the first error or death, dump on timeout.
+
+        phase says what the ranks were doing ("in module.fn"), limit which setting ran out.
+        """
+        replies: list[tuple | None] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        first_skip: float | None = None
+        while pending:
+            until = deadline if first_skip is None else min(deadline, first_skip + SKIP_GRACE_S)
+            remaining = until - time.monotonic()
+            if remaining <= 0:
+                break
+            waitables = [self.conns[i] for i in pending] + [self.procs[i].sentinel for i in pending]
+            _wait_any(waitables, timeout=remaining)
+            dead = self._sweep(pending, replies)
+            if first_skip is None and any(r is not None and r[0] == "skip" for r in replies):
+                first_skip = time.monotonic()
+            errors = [i for i, r in enumerate(replies) if r is not None and r[0] == "error"]
+            if dead or errors:
+                # Ranks often fail together (a dead peer makes gloo raise in the others): take
+                # one more look so the report names the cause, not only the first symptom.
+                time.sleep(0.05)
+                dead += self._sweep(pending, replies)
+                errors = [i for i, r in enumerate(replies) if r is not None and r[0] == "error"]
+                self._fail(dead, errors, replies, phase)
+        if pending:
+            self._timeout(sorted(pending), replies, deadline, first_skip, phase, limit)
+        return replies  # type: ignore[return-value]
+
+    def _sweep(self, pending: set[int], replies: list) -> list[int]:
+        dead = []
+        for index in sorted(pending):
+            conn, proc = self.conns[index], self.procs[index]
+            try:
+                if conn.poll():
+                    # Plain pickle bytes (dist_rank._reply): no tensor arrives as a shared fd.
+                    replies[index] = pickle.loads(conn.recv_bytes())
+                    pending.discard(index)
+                    continue
+            except (EOFError, OSError):
+                proc.join(timeout=2.0)  # the pipe closes a moment before the process is reaped
+            if proc.exitcode is not None:
+                pending.discard(index)
+                dead.append(index)
+        return dead
+
+    def _fail(self, dead: list[int], errors: list[int], replies: list, phase: str) -> None:
+        exitcodes = {i: self.procs[i].exitcode for i in dead}
+        crash_stacks = self.read_stacks(dead)
+        self.kill()
+        n = self.world_size
+        if dead:
+            # A dead rank comes first: the errors of its peers are usually its consequence.
+            index = min(dead)
+            code = exitcodes[index]
+            how = f"was killed by {_signal_name(code)}" if code < 0 else f"exited with code {code}"
+            text = f"rank {index} of {n} {how} {phase}"
+            for other in sorted(set(dead) - {index}):
+                text += f"\nalso rank {other}: exited ({exitcodes[other]})"
+            for other in errors:
+                text += f"\nalso rank {other}: {describe(replies[other])}"
+            if crash_stacks.get(index):
+                text += f"\n\nFatal-signal stacks of rank {index}:\n{crash_stacks[index]}"
+            else:
+                text += "\n(the rank's own stderr, in the captured output, may say why)"
+            raise RankError(text, rank=index, world_size=n, exc_type=None)
+        index = errors[0]
+        others = "\n".join(f"also rank {i}: {describe(replies[i])}" for i in errors[1:])
+        if phase.startswith("while starting"):
+            others = f"(raised {phase})\n{others}".rstrip()
+        raise rank_error(index, n, replies[index], others)
+
+    def _timeout(self, pending: list[int], replies: list, deadline: float,
+                 first_skip: float | None, phase: str, limit: str) -> None:
+        stacks = self.dump_stacks(pending)
+        self.kill()
+        n = self.world_size
+        sections = "\n\n".join(
+            f"--- rank {i} (pid {self.pids[i]}) ---\n{stacks.get(i) or '(no stack written)'}"
+            for i in pending)
+        names = ", ".join(str(i) for i in pending)
+        if first_skip is not None and time.monotonic() < deadline:
+            listing = "\n".join(f"  rank {i}: {describe(r)}" for i, r in enumerate(replies))
+            raise RankError(
+                f"the {n} ranks disagree about skipping: rank(s) {names} still running "
+                f"{SKIP_GRACE_S:g} s after another rank skipped (probably waiting in a collective "
+                f"for it); decide skips identically on every rank or gate in the parent:\n"
+                f"{listing}\n\nPython stacks of the ranks still running:\n{sections}",
+                world_size=n)
+        done = "; ".join(f"rank {i} {describe(r)}" for i, r in enumerate(replies) if r is not None)
+        raise RankTimeout(
+            f"rank(s) {names} of {n} still running {phase} after {limit}"
+            + (f" ({done})" if done else "")
+            + f"; all ranks killed. Python stacks at the timeout:\n\n{sections}",
+            stacks=stacks)
+
+
+POOLS: OrderedDict[tuple, Pool] = OrderedDict()
+
+
+TABLES_LOCK = threading.RLock()  # the pool tables (POOLS, SPARES, LANE_POOLS, _HOLD)
+
+
+CALLS_LOCK = threading.RLock()  # one run_ranks call at a time in this process
+
+
+def close_idle(pools: list[Pool]) -> None:
+    for pool in pools:
+        if pool.ready:
+            pool.close()
+        else:
+            pool.kill()  # still starting: nothing of it to flush
+
+
+def clear_build_locks() -> None:
+    """Ranks build DeepSpeed ops (shm_comm inside init_distributed on CPU) in the extensions
+    cache they inherit: a lock left there by a killed build would hold them until
+    STARTUP_TIMEOUT_S with no cause given. Remove it when provably stale, else fail now."""
+    ext = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not ext:
+        return
+    from dsconform.ops.buildlock import StaleBuildLock, clear_stale
+    try:
+        for line in clear_stale(ext):
+            print(f"dsconform.harness: {line}", file=sys.stderr)
+    except StaleBuildLock as exc:
+        raise RankError(f"ranks not started: {exc}") from None
+
+
+def await_start(pool: Pool) -> Pool:
+    """Wait for every rank of a starting pool to report ready (STARTUP_TIMEOUT_S after it was
+    started); a pool that cannot start is killed and its RankError raised."""
+    if pool.ready:
+        return pool
+    try:
+        pool.collect(pool.started + STARTUP_TIMEOUT_S,
+                     "while starting (import deepspeed, init_distributed)",
+                     f"STARTUP_TIMEOUT_S={STARTUP_TIMEOUT_S:g} s "
+                     "(env DSCONFORM_STARTUP_TIMEOUT_S)")
+    except BaseException:
+        pool.kill()
+        raise
+    pool.ready = True
+    return pool
+
+
+def start_pool(world_size: int, accelerator: str, gpus: tuple[str, ...],
+                pg_timeout_s: float) -> Pool:
+    clear_build_locks()
+    attempts = 3  # the probed port can be taken between the probe and rank 0's bind
+    for attempt in range(attempts):
+        try:
+            return await_start(Pool(world_size, accelerator, gpus, pg_timeout_s))
+        except RankError as exc:
+            if "address already in use" in str(exc).lower() and attempt + 1 < attempts:
+                continue
+            raise
+    raise AssertionError("unreachable")
+
+
+#: Rank start-ups this process waited for: how many pools, how many of them were standbys, and
+#: the seconds calls spent waiting for ranks to become ready (see startup_stats).
+STATS = {"pools": 0, "from_standby": 0, "waited_s": 0.0}
+
+
+def startup_stats() -> dict[str, float]:
+    """Rank pools started for calls in this process, how many came from standby, and the
+    seconds calls waited for start-up; lane pools started (lanes), the calls run on lanes
+    (lane_calls) and the seconds lanes waited for their ranks to start (lane_waited_s). The
+    plugin prints them after a run."""
+    return {**STATS, "lanes": LANE_STATS["started"], "lane_calls": LANE_STATS["calls"],
+            "lane_waited_s": LANE_STATS["waited_s"]}
+
+
+def my_gpus() -> tuple[int, int, list[str], list[str]]:
+    """(xdist worker index, worker count, visible GPUs, this worker's slice of them)."""
+    index, count = xdist_worker()
+    visible = visible_gpus()
+    return index, count, visible, gpu_slice(index, gpus_per_worker(len(visible), count), visible)
+
+
+def gpus_for(world_size: int, accelerator: str) -> tuple[str, ...]:
+    if accelerator != "cuda":
+        return ()
+    index, count, visible, mine = my_gpus()
+    if world_size > len(mine):
+        raise InsufficientGPUs(
+            f"run_ranks(world_size={world_size}, accelerator='cuda') needs {world_size} GPUs; "
+            f"xdist worker gw{index} of {count} owns {len(mine)} ({','.join(mine) or 'none'}) of "
+            f"{len(visible)} visible; run fewer xdist workers (-n) or set "
+            "DSCONFORM_GPUS_PER_WORKER",
+            needed=world_size, available=len(mine))
+    return tuple(mine[:world_size])
+
+
+def pickle_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
+    try:
+        # sys.path travels apart from fn: fn's module may only import with it.
+        return pickle.dumps((fn, args, kwargs))
+    except Exception as exc:  # lambdas, local functions, open files...
+        raise TypeError(
+            f"run_ranks cannot send {fn_name(fn)} or its arguments to the ranks ({exc}); "
+            "fn must be a module-level function of an importable module and args picklable"
+        ) from exc
+
+
+def send_and_collect(pool: Pool, fn: Callable, call: bytes, timeout_s: float,
+                      context: tuple[list, dict] | None = None) -> list[tuple]:
+    """Run one pickled call on a started pool; every rank's reply (collect kills the pool and
+    raises when a rank fails, dies or runs past timeout_s). context: (sys.path, environment)
+    to send, as the caller saw them when its batch started; else the parent's current ones."""
+    path, environ = context if context is not None else (list(sys.path), None)
+    payload = pickle.dumps((list(path), pool.env_delta(environ), call))
+    for conn in pool.conns:
+        conn.send_bytes(payload)
+    return pool.collect(time.monotonic() + timeout_s, f"in {fn_name(fn)}",
+                        f"timeout_s={timeout_s:g} s")
+
+
+def replies_healthy(replies: list[tuple]) -> bool:
+    """Only a clean result or a unanimous skip keeps a pool: after any failure a rank's state
+    (half-built engines, a process group out of step) must not reach the next test."""
+    kinds = {r[0] for r in replies}
+    return kinds == {"ok"} or (kinds == {"skip"} and len({r[1] for r in replies}) == 1)
+
+
+#: Idle lane pools by (world size, accelerator, GPUs), kept between batches (shutdown_pools
+#: closes them); several per key.
+LANE_POOLS: dict[tuple, list[Pool]] = {}
+
+
+LANE_STATS = {"started": 0, "calls": 0, "waited_s": 0.0}
+
+
+LANE_STATS_LOCK = threading.Lock()  # lanes update them from their threads
+
+
+def pg_timeout_for(timeout_s: float) -> float:
+    """The process-group timeout a reusable pool needs for a call of timeout_s."""
+    return max(POOL_PG_TIMEOUT_S, timeout_s + 60)

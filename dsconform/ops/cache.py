@@ -1,0 +1,86 @@
+"""The torch-extensions cache of this environment: where JIT-built ops live.
+
+torch keys its cache by directory only, so two environments sharing one rebuild each
+other's ops: the suite keeps one cache per (torch, DeepSpeed, Python) environment under
+DSCONFORM_CACHE (docs/findings.md#op-builds)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import sys
+from pathlib import Path
+
+from dsconform import settings
+from dsconform.node.detect import dist_version
+
+
+def _torch_variant(torch_version: str | None, *, installed: bool = True) -> str:
+    """cpu / cuXYZ / rocmX.Y / xpu, read without importing torch.
+
+    Wheels from download.pytorch.org carry it as the local version ("2.13.0+cpu", "2.11.0+cu130");
+    the default PyPI wheel does not ("2.11.0"), so fall back to torch/version.py, read as text.
+    """
+    if torch_version and "+" in torch_version:
+        return torch_version.split("+", 1)[1]
+    if not installed:  # a version string of some other environment, without its label
+        return "unknown"
+    try:
+        text = Path(importlib.metadata.distribution("torch")
+                    .locate_file("torch/version.py")).read_text()
+    except (importlib.metadata.PackageNotFoundError, OSError):
+        return "unknown"
+    for attr, prefix in (("hip", "rocm"), ("cuda", "cu")):
+        m = re.search(rf"^{attr}\s*(?::[^=]*)?=\s*['\"]([\d.]+)['\"]", text, re.M)
+        if m:
+            return prefix + "".join(m[1].split(".")[:2])
+    return "cpu"
+
+
+def environment_key(*, torch_version: str | None = None, deepspeed_version: str | None = None,
+                    python: tuple[int, int] | None = None) -> str:
+    """py311-torch2.13.0-ds0.19.8-cpu: what an op binary built here depends on.
+
+    The arguments describe another environment (default: this one, from package metadata, without
+    importing torch or DeepSpeed).
+    """
+    torch_v = torch_version or dist_version("torch")
+    ds_v = deepspeed_version or dist_version("deepspeed") or "none"
+    major, minor = python or sys.version_info[:2]
+    # abiflags: a free-threaded 3.13t interpreter cannot load a 3.13 build
+    py = f"py{major}{minor}{sys.abiflags}"
+    key = (f"{py}-torch{(torch_v or 'none').split('+')[0]}-ds{ds_v}-"
+           f"{_torch_variant(torch_v, installed=torch_version is None)}")
+    if deepspeed_version is None:
+        # Two installs of one version (two virtualenvs, a tox env, an offline --target site)
+        # rebuilt each other's ops and timed out at rank start-up: the install's location is
+        # part of what a build belongs to.
+        key += f"-{_install_tag('deepspeed')}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", key)
+
+
+def _install_tag(dist: str) -> str:
+    """Eight hex digits naming where ``dist`` is installed (its package directory)."""
+    import hashlib
+    import importlib.util
+
+    spec = importlib.util.find_spec(dist)
+    where = str(Path(spec.origin).resolve().parent) if spec and spec.origin else "none"
+    return hashlib.sha256(where.encode()).hexdigest()[:8]
+
+
+def extensions_dir() -> Path:
+    """$DSCONFORM_CACHE (default ~/.cache/dsconform)/torch_extensions/<environment_key()>."""
+    root = settings.get("DSCONFORM_CACHE") or Path.home() / ".cache" / "dsconform"
+    return Path(root) / "torch_extensions" / environment_key()
+
+
+def ensure_extensions_dir() -> Path:
+    """Point TORCH_EXTENSIONS_DIR at `extensions_dir()` unless the user set it; create;
+    return it."""
+    if not os.environ.get("TORCH_EXTENSIONS_DIR"):
+        os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())
+    path = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    path.mkdir(parents=True, exist_ok=True)
+    return path

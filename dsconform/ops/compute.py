@@ -1,0 +1,161 @@
+"""Functional checks of the compute ops (cpu_adam, fused_adam, cpu_adagrad, cpu_lion): a few
+real steps on real data, each compared after every step with torch's own optimizer under the
+one tolerance table (dsconform.checks.tolerances); AssertionError with values on a wrong
+result, OpUnavailable when the op does not load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from dsconform.ops.load import require_op
+
+
+def _assert_close_step(check: str, step: int, params: Sequence[Any], refs: Sequence[Any],
+                       tol: Any) -> tuple[float, float]:
+    """Compare every parameter after `step` with the one comparator (dsconform.checks.equivalence)
+    under
+    the one tolerance table's entry; AssertionError naming step, parameter and numbers."""
+    from dsconform.checks.equivalence import tensor_difference
+    worst_abs = worst_rel = 0.0
+    for i, (p, r) in enumerate(zip(params, refs)):
+        max_abs, max_rel, ok = tensor_difference(p, r, tol)
+        worst_abs, worst_rel = max(worst_abs, max_abs), max(worst_rel, max_rel)
+        if not ok:
+            raise AssertionError(f"{check}: step {step}, parameter {i} ({p.numel()} elements): "
+                                 f"max abs diff {max_abs:.3e}, max rel diff {max_rel:.3e} vs the "
+                                 f"torch reference; tolerance {tol} ({tol.why})")
+    return worst_abs, worst_rel
+
+
+def _assert_moved(check: str, params: Sequence[Any], initial: Sequence[Any]) -> float:
+    """A no-op optimizer would match a no-op reference: make sure the parameters moved."""
+    moved = max(float((p.detach().cpu() - p0).abs().max()) for p, p0 in zip(params, initial))
+    if moved == 0.0:
+        raise AssertionError(f"{check}: parameters did not change after the steps")
+    return moved
+
+
+def _gradient(n: int, gen: Any) -> Any:
+    """N(0, 1) gradients whose magnitudes span 10 decades (each element times 10**-u, u uniform
+    in [0, 10)): about a fifth of them sit at or below Adam's eps (1e-8) and Adagrad's (1e-10),
+    where the update depends on eps, so an optimizer that gets eps wrong (or drops it) fails;
+    N(0, 1) alone moves such updates by far less than the tolerance (eps 0 passed it)."""
+    import torch
+
+    return torch.randn(n, generator=gen) * torch.pow(10.0, -10.0 * torch.rand(n, generator=gen))
+
+
+def _run_optimizer_pair(check: str, make_opt: Callable[[list], Any],
+                        make_ref: Callable[[list], Any] | None,
+                        ref_step: Callable[[list, list, int], None] | None, *, steps: int,
+                        sizes: Sequence[int], device: str = "cpu", seed: int = 0) -> dict[str, Any]:
+    """Step an optimizer and its reference on identical parameters and gradients; compare each step.
+
+    Sizes default to uneven element counts so that SIMD tails and partition padding are exercised.
+    """
+    import torch
+
+    from dsconform.checks.tolerances import tolerance
+    tol = tolerance("op", "fp32", check, accelerator="cuda" if str(device).startswith("cuda")
+                    else "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    initial = [torch.randn(n, generator=gen) for n in sizes]
+    params = [torch.nn.Parameter(t.clone().to(device)) for t in initial]
+    refs = [torch.nn.Parameter(t.clone().to(device)) for t in initial]
+    opt = make_opt(params)
+    ref_opt = make_ref(refs) if make_ref else None
+    worst_abs = worst_rel = 0.0
+    for step in range(1, steps + 1):
+        grads = [_gradient(n, gen) for n in sizes]
+        for p, r, g in zip(params, refs, grads):
+            p.grad, r.grad = g.clone().to(device), g.clone().to(device)
+        opt.step()
+        if ref_opt is not None:
+            ref_opt.step()
+        else:
+            ref_step(refs, grads, step)
+        a, r = _assert_close_step(check, step, params, refs, tol)
+        worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
+    moved = _assert_moved(check, params, initial)
+    return {"steps": steps, "elements": list(sizes), "device": str(device),
+            "max_abs_diff": worst_abs, "max_rel_diff": worst_rel, "rtol": tol.rtol,
+            "atol": tol.atol, "max_param_change": moved}
+
+
+def check_cpu_adam(*, steps: int = 5, adamw_mode: bool = True, weight_decay: float = 0.01,
+                   lr: float = 1e-2, sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
+    """DeepSpeedCPUAdam against torch.optim.AdamW (adamw_mode) or Adam, same hyperparameters.
+
+    weight_decay and adamw_mode are passed explicitly on both sides: DeepSpeed defaults to
+    AdamW with
+    weight_decay 0, torch's AdamW to weight_decay 0.01.
+    """
+    import torch
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+    load = require_op("cpu_adam")
+    hp = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+    ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    result = _run_optimizer_pair(
+        "cpu_adam",
+        lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=adamw_mode, bias_correction=True, **hp),
+        lambda ps: ref_cls(ps, **hp), None, steps=steps, sizes=sizes)
+    return {"op": "cpu_adam", "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp,
+            "load_seconds": load.seconds, **result}
+
+
+def check_fused_adam(device: str = "cpu", *, steps: int = 5, adamw_mode: bool = True,
+                     weight_decay: float = 0.01,
+                     lr: float = 1e-2, sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
+    """deepspeed.ops.adam.FusedAdam on `device` against torch Adam/AdamW on the same device."""
+    import torch
+    from deepspeed.ops.adam import FusedAdam
+    load = require_op("fused_adam")
+    hp = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+    ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    result = _run_optimizer_pair(
+        "fused_adam", lambda ps: FusedAdam(ps, adam_w_mode=adamw_mode, bias_correction=True, **hp),
+        lambda ps: ref_cls(ps, **hp), None, steps=steps, sizes=sizes, device=device)
+    return {"op": "fused_adam", "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp,
+            "load_seconds": load.seconds, **result}
+
+
+def check_cpu_adagrad(*, steps: int = 5, weight_decay: float = 0.01, lr: float = 1e-2,
+                      sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
+    """DeepSpeedCPUAdagrad against torch.optim.Adagrad (lr_decay 0, initial accumulator 0)."""
+    import torch
+    from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
+    load = require_op("cpu_adagrad")
+    hp = dict(lr=lr, eps=1e-10, weight_decay=weight_decay)
+    result = _run_optimizer_pair(
+        "cpu_adagrad", lambda ps: DeepSpeedCPUAdagrad(ps, **hp),
+        lambda ps: torch.optim.Adagrad(ps, lr_decay=0, initial_accumulator_value=0, **hp), None,
+        steps=steps, sizes=sizes)
+    return {"op": "cpu_adagrad", "reference": "Adagrad", **hp, "load_seconds": load.seconds,
+            **result}
+
+
+def check_cpu_lion(*, steps: int = 5, weight_decay: float = 0.01, lr: float = 1e-3,
+                   betas: tuple[float, float] = (0.9, 0.99),
+                   sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
+    """DeepSpeedCPULion against Lion written out (Chen et al. 2023, Algorithm 2);
+    torch has no Lion."""
+    import torch
+    from deepspeed.ops.lion import DeepSpeedCPULion
+    load = require_op("cpu_lion")
+    momenta: dict[int, Any] = {}
+
+    def lion_reference(refs: list, grads: list, step: int) -> None:
+        b1, b2 = betas
+        with torch.no_grad():
+            for i, (p, g) in enumerate(zip(refs, grads)):
+                m = momenta.setdefault(i, torch.zeros_like(g))
+                update = torch.sign(b1 * m + (1 - b1) * g)
+                p.mul_(1 - lr * weight_decay).add_(update, alpha=-lr)
+                m.mul_(b2).add_(g, alpha=1 - b2)
+
+    result = _run_optimizer_pair(
+        "cpu_lion", lambda ps: DeepSpeedCPULion(ps, lr=lr, betas=betas, weight_decay=weight_decay),
+        None, lion_reference, steps=steps, sizes=sizes)
+    return {"op": "cpu_lion", "reference": "Lion (written out)", "lr": lr, "betas": betas,
+            "weight_decay": weight_decay, "load_seconds": load.seconds, **result}

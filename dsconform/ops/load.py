@@ -1,0 +1,251 @@
+"""Build and load a DeepSpeed op for real, with the compiler's output captured.
+
+ds_report's "compatible" only says a probe passed: on the reference H200 node every op printed
+[OKAY] while every JIT build failed (TORCH_CUDA_ARCH_LIST=9.0a). `load_op` builds and loads,
+never raises, and says why an op did not load (dsconform.ops.diagnose); `require_op` raises
+OpUnavailable."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsconform.node.detect import shm_bytes
+from dsconform.ops.cache import ensure_extensions_dir
+from dsconform.ops.diagnose import Diagnosis, diagnose, format_failure
+from dsconform.ops.dsreport import strip_ansi
+
+LOG_TAIL_LINES = 40
+
+
+LOG_LINE_CHARS = 600  # verbose ninja prints compiler command lines thousands of characters long
+
+
+# Lines that start the story of a failed build; not "\berror\b", which matches flags like
+# -Wno-error.
+ERROR_LINE_RE = re.compile(r"\berror:|fatal error|FAILED:|undefined reference|cannot find -l|"
+                           r": not found$", re.I)
+
+
+def op_builders() -> dict[str, str]:
+    """op name -> builder class name, for the accelerator DeepSpeed picked in this process.
+
+    From DeepSpeed's ALL_OPS, which holds what `get_accelerator().create_op_builder` gives for every
+    builder of that accelerator: on the CPU accelerator `fused_adam` is a CPU implementation and
+    there is no `gds`.
+    """
+    from deepspeed.ops.op_builder.all_ops import ALL_OPS
+    return {name: type(builder).__name__ for name, builder in ALL_OPS.items()}
+
+
+def __getattr__(name: str) -> Any:
+    # OP_BUILDERS is computed on first use: importing deepspeed (and torch) costs seconds, and
+    # extensions_dir() must work without them.
+    if name == "OP_BUILDERS":
+        return op_builders()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _create_builder(name: str) -> Any:
+    from deepspeed.accelerator import get_accelerator
+    builders = op_builders()
+    if name not in builders:
+        raise KeyError(f"op {name!r} is not provided by DeepSpeed's "
+                       f"{get_accelerator()._name} accelerator "
+                       f"(its ops: {', '.join(sorted(builders))})")
+    return get_accelerator().create_op_builder(builders[name])
+
+
+@dataclass
+class OpLoad:
+    name: str
+    compatible: bool
+    loaded: bool
+    seconds: float  # build + load wall time
+    built_now: bool  # a cold build: the cached binary did not exist before
+    module: Any = None
+    error: str | None = None
+    log_tail: str = ""
+    diagnosis: list[Diagnosis] = field(default_factory=list)
+    builder: str | None = None
+    extensions_dir: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """JSON-friendly fields for benchmark records (no module object)."""
+        return {"op": self.name, "compatible": self.compatible, "loaded": self.loaded,
+                "build_seconds": self.seconds, "built_now": self.built_now, "builder": self.builder,
+                "error": self.error, "diagnosis": [d.__dict__ for d in self.diagnosis]}
+
+
+class OpUnavailable(RuntimeError):
+    """The op did not build or load; the message is `format_failure` of the attempt."""
+
+    def __init__(self, load: OpLoad) -> None:
+        super().__init__(format_failure(load))
+        self.load = load
+
+
+class _Redirect(io.TextIOBase):
+    """A sys.stdout/sys.stderr stand-in: writes to the capture while it lasts, then to `fallback`.
+
+    Loggers created during the capture (importing DeepSpeed creates its handlers) keep a reference
+    to whatever sys.stdout was; this object stays valid after the capture ends.
+    """
+
+    def __init__(self, target: io.TextIOBase, fallback: Any, fd: int) -> None:
+        super().__init__()
+        self._target: io.TextIOBase | None = target
+        self._fallback = fallback
+        self._fd = fd
+
+    def detach_capture(self) -> None:
+        self._target = None
+
+    def _out(self) -> Any:
+        return self._target if self._target is not None else self._fallback
+
+    def write(self, s: str) -> int:
+        return self._out().write(s)
+
+    def flush(self) -> None:
+        with contextlib.suppress(Exception):
+            self._out().flush()
+
+    def fileno(self) -> int:
+        return self._fd if self._target is not None else self._fallback.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+
+class _FdCapture:
+    """Send fds 1 and 2, and sys.stdout/sys.stderr, to one temporary file.
+
+    ninja and the compiler write to fd 1 (torch runs them with stdout=1 when verbose), DeepSpeed's
+    warnings go through print(); pytest may have replaced sys.stdout, so both levels are redirected.
+    """
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        with tempfile.TemporaryFile() as sink:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            saved = [os.dup(1), os.dup(2)]
+            text = io.TextIOWrapper(os.fdopen(os.dup(sink.fileno()), "wb"), encoding="utf-8",
+                                    errors="replace", line_buffering=True)
+            out, err = _Redirect(text, sys.stdout, 1), _Redirect(text, sys.stderr, 2)
+            try:
+                os.dup2(sink.fileno(), 1)
+                os.dup2(sink.fileno(), 2)
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    yield
+            finally:
+                text.flush()
+                out.detach_capture()
+                err.detach_capture()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+                for fd in saved:
+                    os.close(fd)
+                text.close()
+                sink.seek(0)
+                self.text = sink.read().decode("utf-8", errors="replace")
+
+
+def _error_text(exc: BaseException) -> str:
+    """The exception chain, innermost cause first and the raised exception last
+    (traceback order)."""
+    chain: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and cur not in chain:
+        chain.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return "\n".join(f"{type(e).__name__}: {e}" for e in reversed(chain))
+
+
+def log_tail(text: str, n: int = LOG_TAIL_LINES) -> str:
+    """The last `n` lines; when the first compiler error is earlier, its lines lead the tail.
+
+    ninja keeps running the jobs in flight after the first failure, so the error that matters is
+    often buried under later compiler command lines.
+    """
+    lines = [ln if len(ln) <= LOG_LINE_CHARS else ln[:LOG_LINE_CHARS] + " [...]"
+             for ln in strip_ansi(text).splitlines()]
+    first_err = next((i for i, ln in enumerate(lines) if ERROR_LINE_RE.search(ln)), None)
+    if first_err is None or first_err >= len(lines) - n:
+        return "\n".join(lines[-n:])
+    head = lines[max(0, first_err - 1):first_err + n // 2]
+    rest = n - len(head) - 1
+    return "\n".join(head + ["[...]"] + lines[len(lines) - rest:])
+
+
+def _so_path(ext_dir: Path, name: str) -> Path:
+    # torch.utils.cpp_extension.load builds `name` in TORCH_EXTENSIONS_DIR/name/name.so
+    return ext_dir / name / f"{name}{'.pyd' if os.name == 'nt' else '.so'}"
+
+
+def load_op(name: str) -> OpLoad:
+    """Build (if needed) and load DeepSpeed op `name`; compiler output and failures are recorded."""
+    ext_dir = ensure_extensions_dir()
+    existed = _so_path(ext_dir, name).exists()
+    out = _FdCapture()
+    compatible, module, error, builder_name, already, seconds = False, None, None, None, False, 0.0
+    with out.capture():
+        try:
+            # A lock left by a killed build would make this build wait forever.
+            from dsconform.ops.buildlock import clear_stale
+            for line in clear_stale(ext_dir):
+                print(line)
+            builder = _create_builder(name)
+            builder_name = type(builder).__name__
+            from deepspeed.ops.op_builder.builder import OpBuilder
+            already = name in OpBuilder._loaded_ops  # loaded earlier in this process: no build
+            start = time.perf_counter()
+            try:
+                compatible = bool(builder.is_compatible(verbose=True))
+                module = builder.load(verbose=True)
+            finally:
+                seconds = time.perf_counter() - start
+        except Exception as exc:  # a build failure is a result, never an exception out of here
+            error = _error_text(exc)
+    loaded = module is not None
+    result = OpLoad(name=name, compatible=compatible, loaded=loaded, seconds=seconds,
+                    built_now=(loaded and not existed and not already
+                               and _so_path(ext_dir, name).exists()),
+                    module=module, error=error, log_tail=log_tail(out.text), builder=builder_name,
+                    extensions_dir=str(ext_dir))
+    if error is not None:
+        result.diagnosis = diagnose(error, out.text, os.environ, shm_bytes=shm_bytes())
+    return result
+
+
+_LOADED: dict[str, OpLoad] = {}
+
+
+def require_op(name: str) -> OpLoad:
+    """The loaded op `name`, built and loaded once per process (a warm load still costs seconds:
+    py-cpuinfo, probes); OpUnavailable when it does not load. For the checks, and for library
+    code that calls an op's module (dsconform.storage.io)."""
+    if name not in _LOADED:
+        load = load_op(name)
+        if not load.loaded:
+            raise OpUnavailable(load)
+        _LOADED[name] = load
+    return _LOADED[name]

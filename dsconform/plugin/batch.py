@@ -1,0 +1,385 @@
+"""Cell batches: the rank calls of many selected cells run at once, each checked by its own test.
+
+A correctness cell (ZeRO against DDP, a checkpoint round trip, a loss-scaling run) spends most of
+its second on Python, kernel launches and engine set-up, not on the GPUs. A test function marked
+``@batched(plan)`` hands its rank call to the run's cell batch: once collection ends, every
+selected, runnable cell of every batched test function is planned (``plan(params, workdir,
+run) -> RankCall``) and their calls start in a background thread through
+``dsconform.harness.lanes.run_concurrently`` (several rank pools per world size; one-rank cells on
+every
+GPU in turn). Each test then takes its own outcome with ``cell_results(request)``, waiting for
+it if need be, and checks it exactly as it would have checked a run_ranks call: the same
+results, the same RankError, RankTimeout or skip, raised in that test, and the same tolerance
+and known-issue handling.
+
+What it changes:
+* The order (``phases``): the tests that neither are batched nor measure run first, while the
+  batch runs; then the batched tests, whose outcomes are ready or nearly; then the tests that
+  measure (the ``metrics`` fixture), each of which waits for the whole batch to end
+  (``wait_for_batch``), so nothing of the batch shares the node with a measurement. The
+  profile's promise tests still come first (the plugin).
+* The time: a test that waited for the batch shows it in its duration, and in junit.xml as
+  ``dsconform_batch_wait_seconds``; each batched cell's own call seconds are in
+  ``dsconform_batch_seconds``; the summary prints the batch (cells, lanes, seconds, waits).
+* Cells that the gate will skip, or fail as a broken promise, are left out of the batch and
+  take their usual path.
+* A cell's plan gets a directory of its own under --scratch (``workdir``), removed as soon as
+  its call ends, instead of the test's ``scratch`` fixture.
+* The batch's calls see the environment and sys.path of the end of collection, whatever a test
+  running meanwhile changes.
+* A cell may be several steps (a plan returning a list of RankCalls): they run in turn on one
+  lane, and a ``fresh=True`` step on new, never warmed-up ranks, started while the step before
+  it runs (the resume in a fresh process).
+
+Batches are off (every cell runs its call in its own test, in the usual order) with one lane
+(``DSCONFORM_LANES``, "auto": only on cuda machines with >= 16 cores), under pytest-xdist
+(another worker may own a cell) and under torchrun/Slurm. A session that ends early (-x,
+Ctrl-C) stops the batch and kills its ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsconform.gate import requires as gating
+from dsconform.harness.lanes import RankCall, close_lanes, lanes_for, run_concurrently, run_steps
+from dsconform.harness.launcher import external_rendezvous
+from dsconform.harness.xdist import xdist_worker
+from dsconform.plugin.runstate import RunState, run_state
+
+__all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "enabled", "has_plan",
+           "in_batch", "measures", "phases", "start", "stop", "wait_for_batch"]
+
+#: plan(params, workdir, run) -> the cell's RankCall, or a list of RankCalls (steps run in turn on
+#: one lane, a fresh=True step on new processes; the cell's results are then the list of each
+#: step's), or either with a cleanup, (calls, cleanup), where cleanup() runs once the call ended
+#: (a directory of its own on an NVMe path). params: the cell's parametrize
+#: values (item.callspec.params); workdir: a fresh directory under --scratch, removed after the
+#: call (the test's ``scratch`` when the cell runs alone); run: this run's RunState. An exception
+#: it raises (a preflight refusal, a skip) is the cell's outcome.
+Plan = Callable[[dict, Path, RunState],
+                "RankCall | list[RankCall] | tuple[RankCall | list[RankCall], Callable[[], Any]]"]
+_PLAN_ATTR = "_dsconform_batch_plan"
+#: The user property (junit.xml) holding a batched cell's call seconds, its lane's wait included.
+BATCH_SECONDS = "dsconform_batch_seconds"
+#: The user property holding the seconds a test waited for the background batch (its cell, or,
+#: for a measuring test, the whole batch).
+BATCH_WAIT = "dsconform_batch_wait_seconds"
+
+
+def batched(plan: Plan, *, cost: float = 1.0) -> Callable:
+    """Decorate a parametrized test whose body gets its rank results from cell_results().
+    cost: about how long one cell's call takes (seconds on a GPU node); a batch starts the
+    costliest cells first, so that no long cell is left to run alone at the end."""
+    def decorate(fn: Callable) -> Callable:
+        setattr(fn, _PLAN_ATTR, (plan, float(cost)))
+        return fn
+    return decorate
+
+
+def _batched_of(item: pytest.Item) -> tuple[Plan, float] | None:
+    return getattr(getattr(item, "function", None), _PLAN_ATTR, None)
+
+
+def _plan_of(item: pytest.Item) -> Plan | None:
+    found = _batched_of(item)
+    return found[0] if found is not None else None
+
+
+def has_plan(item: pytest.Item) -> bool:
+    """Whether the item is a cell of a batched test."""
+    return _plan_of(item) is not None
+
+
+@dataclass
+class _State:
+    outcomes: dict[str, tuple] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # each batched cell's call
+    members: set[str] = field(default_factory=set)  # cells of the background batch
+    pending: set[str] = field(default_factory=set)  # members whose call has not ended
+    batches: list[dict] = field(default_factory=list)
+    waits: list[tuple[float, str]] = field(default_factory=list)  # (seconds, test) waiting for it
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+    finished: bool = False  # the batch's thread has handed over every outcome and closed lanes
+
+
+_STATE = pytest.StashKey[_State]()
+
+
+def _state(config: pytest.Config) -> _State:
+    if _STATE not in config.stash:
+        config.stash[_STATE] = _State()
+    return config.stash[_STATE]
+
+
+def batch_stats(config: pytest.Config) -> list[dict]:
+    """Each batch run so far: cells, lanes, seconds, the tests that waited for it."""
+    state = _state(config)
+    with state.cond:
+        return [dict(b, waited_s=round(sum(w for w, _ in state.waits), 1),
+                     longest_wait=max(state.waits, default=None))
+                for b in state.batches]
+
+
+def enabled(rs: RunState) -> bool:
+    """Whether this run batches cells (lanes > 1, not under xdist or torchrun/Slurm)."""
+    if xdist_worker()[1] > 1 or external_rendezvous():
+        return False
+    accel = "cuda" if rs.node.gpu_count else "cpu"
+    return lanes_for(accel) > 1
+
+
+def measures(item: pytest.Item) -> bool:
+    """Whether the test records values with the ``metrics`` fixture in its own process or
+    ranks (a batched cell's values come from the batch): it must have the node to itself."""
+    return "metrics" in getattr(item, "fixturenames", ()) and not has_plan(item)
+
+
+def _shares_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = getattr(info, "name2fixturedefs", {}) or {}
+    return any(getattr(d[-1], "scope", "function") in ("module", "class", "package")
+               for d in defs.values() if d)
+
+
+def phases(items: list[pytest.Item]) -> dict[int, int]:
+    """Where each item goes in a run with a background batch, by id(item): 0 the tests that
+    neither are batched nor measure (they run while the batch does), 1 batched cells (their
+    outcomes are ready, or soon), 2 measuring tests (after the batch, on a quiet node). The
+    items of a module with a module-scoped fixture (the ops suite's ds_report and op checks)
+    stay together, at the latest phase among them, so that fixture is set up once."""
+    phase = {id(it): 2 if measures(it) else 1 if has_plan(it) else 0 for it in items}
+    latest: dict[str, int] = {}
+    shared = set()
+    for it in items:
+        if _shares_module_fixture(it):
+            shared.add(str(it.fspath))
+        latest[str(it.fspath)] = max(latest.get(str(it.fspath), 0), phase[id(it)])
+    for it in items:
+        if str(it.fspath) in shared:
+            phase[id(it)] = latest[str(it.fspath)]
+    return phase
+
+
+def _will_run(item: pytest.Item, rs: RunState) -> bool:
+    """Whether the item's call phase will run its body: no skip or skipif that applies, no
+    xfail(run=False), and a gate that neither skips nor reports a broken promise."""
+    from _pytest.skipping import evaluate_skip_marks, evaluate_xfail_marks
+
+    try:
+        if evaluate_skip_marks(item) is not None:
+            return False
+        xfail = evaluate_xfail_marks(item)
+        if xfail is not None and not xfail.run:
+            return False
+    except Exception:  # a mark pytest cannot evaluate: let the test report it
+        return False
+    verdict = gating.item_verdict(item, rs)
+    return verdict is None or (verdict.ok and not verdict.broken_promises)
+
+
+def _split(planned: Any) -> tuple[RankCall | list[RankCall], Callable[[], Any] | None]:
+    if isinstance(planned, tuple):
+        return planned[0], planned[1]
+    return planned, None
+
+
+def _waits_for_build(item: pytest.Item, rs: RunState) -> bool:
+    """Whether the cell needs an op that this run's parallel builds have not finished."""
+    builds = rs.op_builds
+    if builds is None:
+        return False
+    return any(not builds.finished(op) for op in gating.item_ops(item))
+
+
+def _params(item: pytest.Item) -> dict:
+    callspec = getattr(item, "callspec", None)
+    return dict(callspec.params) if callspec is not None else {}
+
+
+def start(session: pytest.Session, rs: RunState) -> int:
+    """Plan every selected cell the gate will run and start their calls in a background thread
+    (the plugin calls this once collection ends, with batches enabled); returns how many cells
+    it started. The other tests run meanwhile: each batched test waits for its own cell
+    (cell_results), each measuring test for the whole batch (wait_for_batch)."""
+    state = _state(session.config)
+    if state.thread is not None:
+        return 0
+    cells = [it for it in session.items if _plan_of(it) is not None and _will_run(it, rs)]
+    if len(cells) < 2:
+        return 0
+    # Cells that load an op still building (cold cache) last: the others run meanwhile; the
+    # costliest first otherwise.
+    cells.sort(key=lambda it: (_waits_for_build(it, rs), -_batched_of(it)[1]))
+    calls: list[RankCall | list[RankCall]] = []
+    owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]] = []
+    for it in cells:
+        state.members.add(it.nodeid)
+        workdir = Path(tempfile.mkdtemp(prefix="batch-", dir=rs.scratch))
+        try:
+            call, cleanup = _split(_plan_of(it)(_params(it), workdir, rs))
+        except (KeyboardInterrupt, SystemExit):
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        except BaseException as exc:  # e.g. a preflight refusal: the cell's outcome
+            state.outcomes[it.nodeid] = ("raise", exc)
+            shutil.rmtree(workdir, ignore_errors=True)
+            continue
+        calls.append(call)
+        owners.append((it, workdir, cleanup))
+        state.pending.add(it.nodeid)
+    lanes = lanes_for("cuda" if rs.node.gpu_count else "cpu")
+    state.thread = threading.Thread(target=_run, args=(state, calls, owners, lanes),
+                                    name="dsconform-cell-batch", daemon=True)
+    state.thread.start()
+    return len(calls)
+
+
+def _run(state: _State, calls: list[RankCall | list[RankCall]],
+         owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]], lanes: int) -> None:
+    """The batch's thread: run the calls, hand each outcome to its test as it ends."""
+    t0 = time.monotonic()
+
+    def release(index: int) -> None:
+        it, workdir, cleanup = owners[index]
+        owners[index] = (it, workdir, None)
+        try:
+            if cleanup is not None:
+                cleanup()
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def done(index: int, outcome: tuple, seconds: float) -> None:
+        nodeid = owners[index][0].nodeid
+        try:
+            release(index)
+        except Exception as exc:  # a cleanup that fails is the cell's failure
+            if outcome[0] == "ok":
+                outcome = ("raise", exc)
+        with state.cond:
+            state.outcomes[nodeid] = outcome
+            state.seconds[nodeid] = seconds
+            state.pending.discard(nodeid)
+            state.cond.notify_all()
+
+    try:
+        run_concurrently(calls, lanes=lanes, on_done=done, cancel=state.cancel)
+    except BaseException as exc:  # the harness failed: each waiting cell says so
+        with state.cond:
+            for it, _, _ in owners:
+                if it.nodeid in state.pending:
+                    state.outcomes[it.nodeid] = ("raise", RuntimeError(
+                        f"the cell batch stopped before this cell's call ended: {exc!r}"))
+    finally:
+        for index in range(len(owners)):
+            try:
+                release(index)
+            except Exception:  # the session goes on; the directory stays
+                pass
+        close_lanes()
+        # The cells wrote checkpoints and files: what the page cache still holds of them goes
+        # to the disk now, not during the measurement that comes next (a checkpoint save
+        # measured at half its usual speed right after a batch on 2xH200).
+        t_sync = time.monotonic()
+        if hasattr(os, "sync"):
+            os.sync()
+        sync_s = time.monotonic() - t_sync
+        took = sorted(((state.seconds.get(it.nodeid, 0.0), it.nodeid) for it, _, _ in owners),
+                      reverse=True)
+        with state.cond:
+            state.batches.append({
+                "cells": len(calls), "lanes": lanes, "seconds": round(time.monotonic() - t0, 1),
+                "tests": sorted({it.originalname for it, _, _ in owners}),
+                "longest": [(round(sec, 1), nodeid) for sec, nodeid in took[:5]],
+                "cell_seconds": round(sum(sec for sec, _ in took), 1),
+                # Stopped early: cancelled with cells left (a session that ends right after its
+                # last cell's test also cancels, while the lanes close).
+                "stopped": state.cancel.is_set() and bool(state.pending),
+                "sync_seconds": round(sync_s, 1)})
+            state.pending.clear()  # a stopped batch: the cells left run in their own tests
+            state.finished = True
+            state.cond.notify_all()
+
+
+def in_batch(item: pytest.Item) -> bool:
+    """Whether the item's cell is (or was) in this run's background batch."""
+    return item.nodeid in _state(item.config).members
+
+
+def _wait(item: pytest.Item, ready: Callable[[_State], bool]) -> float:
+    state = _state(item.config)
+    t0 = time.monotonic()
+    with state.cond:
+        while not ready(state):
+            state.cond.wait(0.5)  # a timeout, so Ctrl-C reaches the main thread
+        waited = time.monotonic() - t0
+        if waited >= 0.05:
+            state.waits.append((round(waited, 1), item.nodeid))
+    if waited >= 0.05:
+        item.user_properties.append((BATCH_WAIT, round(waited, 2)))
+    return waited
+
+
+def wait_for_batch(item: pytest.Item) -> float:
+    """Wait until the background batch has ended (a measuring test: nothing else may run on
+    the node while it measures); returns the seconds waited, also in junit.xml as
+    dsconform_batch_wait_seconds."""
+    state = _state(item.config)
+    if state.thread is None:
+        return 0.0
+    return _wait(item, lambda s: s.finished)
+
+
+def stop(config: pytest.Config) -> None:
+    """Stop a batch still running (the session ends early: -x, Ctrl-C): its lanes' ranks are
+    killed."""
+    state = config.stash.get(_STATE, None)
+    if state is None or state.thread is None:
+        return
+    state.cancel.set()
+    state.thread.join(30)
+
+
+def cell_results(request: pytest.FixtureRequest, workdir: Path | str | None = None) -> Any:
+    """This cell's per-rank results (what run_ranks returns), from the run's cell batch; raises
+    what its call raised. Waits for the call if the batch has not reached its end yet. Not
+    batched (batches off, or the only cell): the call runs here, with workdir (the test's
+    ``scratch``) as its directory."""
+    item = request.node
+    plan = _plan_of(item)
+    if plan is None:
+        raise TypeError(f"{item.name}: cell_results() needs the test decorated with @batched(plan)")
+    rs = run_state(item.config)
+    state = _state(item.config)
+    nodeid = item.nodeid
+    if nodeid in state.members:
+        _wait(item, lambda s: nodeid in s.outcomes or nodeid not in s.pending)
+    with state.cond:
+        outcome = state.outcomes.pop(nodeid, None)
+        seconds = state.seconds.get(nodeid)
+    if seconds is not None:  # in junit.xml: what this cell's call took in the batch
+        item.user_properties.append((BATCH_SECONDS, round(seconds, 2)))
+    if outcome is None:
+        call, cleanup = _split(plan(_params(item),
+                                    Path(workdir if workdir is not None else rs.scratch), rs))
+        try:
+            return run_steps(call)
+        finally:
+            if cleanup is not None:
+                cleanup()
+    kind, value = outcome
+    if kind == "raise":
+        raise value
+    return value

@@ -1,0 +1,432 @@
+"""pytest glue: gating, report header, collection (tiers, known issues, op builds, standby
+ranks, the cell batch) and the hooks around each test.
+
+Logic lives in ``dsconform``; this module only adapts it to pytest's hooks. The command-line
+options come from the installed package's entry point (``dsconform.plugin.options``), so they
+parse before this module is loaded; suites reach this run's state through the public module
+``dsconform.suite``, never through the plugin. The checkout's ``fixtures/plugin.py`` loads it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from dsconform import __version__, settings
+from dsconform.gate import known_issues
+from dsconform.gate import requires as gating
+from dsconform.node import nccl_env
+from dsconform.plugin.hypothesis_profiles import register as _register_hypothesis_profiles
+from dsconform.plugin.keys import BROKEN_PROMISE, COVERED_BY, ITEM_CAPABILITY, RECORDER
+from dsconform.plugin.options import add_options
+from dsconform.plugin.recorder import (
+    Recorder,
+    capability_from_nodeid,
+)
+from dsconform.plugin.runstate import STATE, RunState, run_state
+from dsconform.profile.select import (
+    detected_warning,
+    is_detected,
+    rendezvous_nodes,
+    select_profile,
+)
+
+_register_hypothesis_profiles()
+
+
+
+
+
+
+
+PROMISE_MODULE = "test_profile.py"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Normally the installed entry point registered them already, before argument parsing. With
+    # PYTEST_DISABLE_PLUGIN_AUTOLOAD it did not: register them here (then only --opt=VALUE
+    # forms parse when the value is a path outside the checkout). add_options is idempotent.
+    add_options(parser)
+
+
+def _usage(msg: str) -> pytest.UsageError:
+    return pytest.UsageError(f"dsconform: {msg}")
+
+
+def _check_scratch(opt: str | None) -> tuple[Path, bool]:
+    if not opt:
+        return Path(tempfile.mkdtemp(prefix="dsconform-scratch-")), True
+    path = Path(opt).expanduser()
+    if not path.is_dir():
+        raise _usage(f"--scratch {opt}: no such directory (create it, or point --scratch at an "
+                     "existing directory on the disk under test)")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".dsconform-probe-"):
+            pass
+    except OSError as e:
+        raise _usage(f"--scratch {opt}: not writable ({e.strerror or e})") from None
+    return path.resolve(), False
+
+
+def _check_results(opt: str | None) -> Path | None:
+    if not opt:
+        return None
+    path = Path(opt).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".dsconform-probe-"):
+            pass
+    except OSError as e:
+        raise _usage(f"--results {opt}: cannot create or write it "
+                     f"({e.strerror or e})") from None
+    return path.resolve()
+
+
+def _is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+
+
+@pytest.hookimpl(tryfirst=True)  # before junitxml's configure reads xmlpath
+def pytest_configure(config: pytest.Config) -> None:
+    for name, text in _MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+    # --collect-only runs no test: writing results would replace the last real run's with an
+    # empty one.
+    results = (None if config.option.collectonly
+               else _check_results(config.getoption("--results")))
+    scratch, scratch_is_temp = _check_scratch(config.getoption("--scratch"))
+    if results is not None and not _is_xdist_worker(config) and not config.option.xmlpath:
+        config.option.xmlpath = str(results / "junit.xml")
+    try:
+        notices = _use_stable_extension_cache()
+        selection = select_profile(config.getoption("--profile"), named=_profile_named(config))
+    except (ValueError, RuntimeError) as e:  # ProfileError, StaleBuildLock: name what to fix
+        if scratch_is_temp:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise _usage(str(e).replace("\n", "\n  ")) from None
+    state = RunState(
+        selection=selection, scratch=scratch, scratch_is_temp=scratch_is_temp, results=results,
+        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), multinode=rendezvous_nodes() > 1,
+        notices=notices)
+    if is_detected(selection.profile):
+        state.notices.append(detected_warning())
+    if selection.node.unusable_gpus():
+        state.notices.append(f"GPUs not usable: {selection.node.unusable_gpus()}")
+    config.stash[STATE] = state
+    if not _is_xdist_worker(config):
+        config.pluginmanager.register(Recorder(state), "dsconform-recorder")
+
+
+def _profile_named(config: pytest.Config) -> str:
+    """How the user gave the profile, for its errors: DSCONFORM_PROFILE when it came from there,
+    not a --profile the user never typed."""
+    spec = config.getoption("--profile")
+    typed = any(str(a) == "--profile" or str(a).startswith("--profile=")
+                for a in config.invocation_params.args)
+    if typed or settings.given("DSCONFORM_PROFILE") != spec:
+        return f"--profile {spec}"
+    return f"DSCONFORM_PROFILE={spec}"
+
+
+def _use_stable_extension_cache() -> list[str]:
+    """Ops built once are reused by every later run and by every rank process (they inherit the
+    environment). Keyed per environment: two environments sharing one cache rebuild each
+    other's ops (docs/findings.md#op-builds). A lock left there by a killed build is removed
+    when provably stale; one that cannot be proven stale stops the run at once (StaleBuildLock)
+    instead of letting the next build wait for it forever."""
+    try:
+        from dsconform.ops.cache import ensure_extensions_dir
+    except ImportError:
+        return []
+    from dsconform.ops.buildlock import clear_stale
+    return clear_stale(ensure_extensions_dir())
+
+
+_MARKERS = {
+    "gpu": "needs a GPU (implies requires(min_gpus=1))",
+    "multigpu": "needs several GPUs of one node (implies requires(min_gpus=2))",
+    "nvme": "needs an NVMe path from the profile (implies requires(nvme=True))",
+    "multinode": "needs a multi-node rendezvous (torchrun/Slurm variables)",
+    "anynode": "runs on this node's own accelerator: on a GPU node it is also a `gpu` test",
+    "slow": "long-running: minutes, not seconds; nightly tier",
+    "benchmark": "measures performance against a floor",
+    "requires(**conditions)": "dsconform gate: min_gpus, bf16, fp16, op, nvme, nccl, deepspeed",
+    "one_gpu_tier": "a one-rank cell of the nightly matrix that joins the acceptance tier on a "
+                    "node with one GPU (it covers what the two-rank cells cover elsewhere)",
+    "covered_on_one_gpu": "a two-rank acceptance cell whose check one-rank cells cover on a node "
+                          "with one GPU: left out there, not skipped",
+    "run_first": "runs before every other test (the hardware gate before the run)",
+    "run_last": "runs after every other test (the hardware gate after the run)",
+}
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    state = config.stash.get(STATE, None)
+    if state is None:
+        return
+    if state.op_checks is not None:
+        state.op_checks.close()
+        shutil.rmtree(state.op_checks.scratch_root, ignore_errors=True)
+    if state.op_builds is not None:
+        state.op_builds.close()
+    if "dsconform.plugin.batch" in sys.modules:
+        sys.modules["dsconform.plugin.batch"].stop(config)
+    if "dsconform.harness.api" in sys.modules:  # only if some test started ranks
+        sys.modules["dsconform.harness.api"].shutdown_pools()
+    if state and state.scratch_is_temp:
+        shutil.rmtree(state.scratch, ignore_errors=True)
+
+
+def _not_written(config: pytest.Config) -> str:
+    return "not written (--collect-only)" if config.option.collectonly else "not written"
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    state = run_state(config)
+    n, p = state.node, state.profile
+    if n.is_gpu_node:
+        gpus = (f"{n.gpus_present}x {n.present_model or 'NVIDIA GPU'} present "
+                f"({n.hardware.source}), {n.gpu_count} usable by torch")
+    else:
+        gpus = "no GPUs"
+    lines = [
+        f"dsconform {__version__}: node {n.hostname}: {gpus}, {n.cpu_cores} cores",
+        f"dsconform versions: deepspeed {n.deepspeed_version}, torch {n.torch_version}, "
+        f"CUDA {n.cuda_version or '-'}, driver {n.driver_version or '-'}, "
+        f"NCCL {n.nccl_version or '-'}, python {n.python}",
+        f"dsconform {nccl_env.header_line(nccl_env.nccl_settings())}",
+        f"dsconform profile: {p.name} ({state.selection.how})",
+        f"dsconform scratch: {state.scratch}{' (temporary)' if state.scratch_is_temp else ''}; "
+        f"results: {state.results or _not_written(config)}",
+    ]
+    lines += [f"dsconform NOTE: {notice}" for notice in state.notices]
+    return lines
+
+
+def _capability(item: pytest.Item) -> str:
+    """The suite module's CAPABILITY, else one derived from its file name."""
+    cap = getattr(getattr(item, "module", None), "CAPABILITY", None)
+    return cap or capability_from_nodeid(item.nodeid)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects: `anynode` tests join `-m gpu` on GPU nodes
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
+                                  items: list[pytest.Item]) -> None:
+    state = run_state(config)
+    # GPUs present in hardware, not only the ones torch can use: on a node whose torch lost its
+    # GPUs the promise tests must still run under -m gpu, and fail.
+    on_gpu_node = state.node.is_gpu_node
+    for item in items:
+        item.stash[ITEM_CAPABILITY] = _capability(item)
+        if on_gpu_node and item.get_closest_marker("anynode"):
+            item.add_marker(pytest.mark.gpu)
+        _mark_known_issues(item, state)
+    _select_tier(config, items)
+    # The profile's promises are checked first: a node that breaks one is known at once. With a
+    # background cell batch, the rest goes in its phases (dsconform.plugin.batch.phases): what runs
+    # beside the batch, the batched cells, then the measurements on a quiet node.
+    from dsconform.plugin import batch
+    phase = batch.phases(items) if batch.enabled(state) else {}
+    items.sort(key=lambda it: (_run_order(it), 0, 0)
+               if Path(str(it.fspath)).name == PROMISE_MODULE
+               and Path(str(it.fspath)).parent.name == "suites"
+               else (_run_order(it), 1, phase.get(id(it), 0)))
+
+
+def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The acceptance tier leaves out `slow` tests (the full matrices) unless -m names `slow`
+    itself or --nightly asks for them: `pytest -m gpu` accepts a node in minutes, and
+    `pytest -m gpu --nightly` runs every cell.
+
+    On a node with one GPU the acceptance tier takes the one-rank cells marked `one_gpu_tier`
+    (they cover every pair of the matrix's other axes at one rank) in place of the two-rank
+    cells marked `covered_on_one_gpu`, which could only skip there."""
+    markexpr = config.option.markexpr or ""
+    if config.getoption("--nightly") or not markexpr or re.search(r"\bslow\b", markexpr):
+        return
+    state = run_state(config)
+    one_gpu = state.node.gpu_count == 1
+
+    def left_out(it: pytest.Item) -> bool:
+        if one_gpu and it.get_closest_marker("gpu"):
+            if it.get_closest_marker("one_gpu_tier"):
+                return False
+            if it.get_closest_marker("covered_on_one_gpu"):
+                return True
+        return it.get_closest_marker("slow") is not None
+
+    out = [it for it in items if left_out(it)]
+    if one_gpu:
+        replaced = sum(1 for it in out if it.get_closest_marker("covered_on_one_gpu")
+                       and not it.get_closest_marker("slow"))
+        joined = sum(1 for it in items if it.get_closest_marker("one_gpu_tier")
+                     and it.get_closest_marker("gpu"))
+        if replaced or joined:
+            state.notices.append(
+                f"one GPU: {joined} one-rank cells join the acceptance tier in place of "
+                f"{replaced} two-rank cells whose checks they cover")
+    if out:
+        config.hook.pytest_deselected(items=out)
+        items[:] = [it for it in items if not left_out(it)]
+
+
+def _run_order(item: pytest.Item) -> int:
+    """-1: `run_first` (before the profile's promises), 1: `run_last`, 0: the rest."""
+    if item.get_closest_marker("run_first"):
+        return -1
+    return 1 if item.get_closest_marker("run_last") else 0
+
+
+def _selects_ops_suite(items: list) -> bool:
+    return any(Path(str(it.fspath)).name == "test_ops.py" for it in items)
+
+
+def ops_to_build(items: list, state: RunState) -> list[str]:
+    """The ops to build in parallel when the run starts: the profile's promised ops when an ops
+    test is selected; on a GPU node also every op a selected GPU test loads in its ranks
+    (``requires(op=...)``; FastPersist's ``utils``, built inside a measuring test otherwise:
+    16 s of a cold 2xH200 run)."""
+    ops: list[str] = []
+    if _selects_ops_suite(items):
+        ops += list(state.profile.ops)
+    if state.node.gpu_count:
+        for it in items:
+            if it.get_closest_marker("gpu"):
+                ops += [op for op in gating.item_ops(it) if op not in ops]
+    return ops
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the ops' builds (ops_to_build) in parallel once the selection is known: they
+    overlap with the tests that need no op (dsconform.ops.prebuild). Under xdist every worker starts
+    them; torch's build lock makes the later ones wait and load."""
+    state = run_state(session.config)
+    if session.config.option.collectonly:
+        return
+    _start_standby_ranks(session, state)
+    ops = ops_to_build(session.items, state)
+    if ops:
+        from dsconform.ops.prebuild import ParallelBuilds
+        state.op_builds = ParallelBuilds.start(ops)
+    _start_cell_batch(session, state)
+
+
+def _start_cell_batch(session: pytest.Session, state: RunState) -> None:
+    """Start the background cell batch (dsconform.plugin.batch) and say so: the tests that wait
+    for it
+    show nothing while they wait."""
+    from dsconform.harness.lanes import lanes_for
+    from dsconform.plugin import batch
+    if not batch.enabled(state):
+        return
+    _start_ops_suite(session, state)
+    cells = batch.start(session, state)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if cells and reporter is not None:
+        lanes = lanes_for("cuda" if state.node.gpu_count else "cpu")
+        reporter.write_line(
+            f"cell batch: {cells} cells started in the background ({lanes} lanes per world "
+            "size); the tests that measure wait for it to end")
+
+
+def _start_ops_suite(session: pytest.Session, state: RunState) -> None:
+    """With a background batch, the ops suite's child processes (ds_report, each promised op's
+    check) start now too and run beside the tests that do not measure: the ops tests, which come
+    with the measuring ones, then only read their results. Their numbers (load seconds) are
+    then taken beside the batch."""
+    if not _selects_ops_suite(session.items):
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    from dsconform.ops.checks import checks_for_run
+    from dsconform.ops.dsreport import run_ds_report
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsconform-ds-report")
+    state.ds_report = pool.submit(run_ds_report)
+    pool.shutdown(wait=False)
+    state.op_checks = checks_for_run(state, tempfile.mkdtemp(prefix="ops-", dir=state.scratch))
+    state.op_checks.start_all()
+
+
+def _start_standby_ranks(session: pytest.Session, state: RunState) -> None:
+    """On a GPU node whose selection has GPU tests, start the cuda rank pools now (one GPU, and
+    two when a multi-GPU test is selected): their start-up (a CUDA context, deepspeed, NCCL;
+    8-20 s each on 2xH200) overlaps collection, the op builds and the promise tests."""
+    gpu_items = [it for it in session.items if it.get_closest_marker("gpu")]
+    if not gpu_items or state.node.gpu_count < 1:
+        return
+    from dsconform.harness import api as dist
+    if dist.external_rendezvous() or not dist.spares_enabled("cuda"):
+        return
+    sizes = [1]
+    if state.node.gpu_count >= 2 and any(it.get_closest_marker("multigpu") for it in gpu_items):
+        sizes.append(2)
+    dist.start_spares(sizes, "cuda")
+    # And the never-warmed ones fresh-process calls take (a resume, GDS): their first call in a
+    # run would otherwise start its ranks while the test waits (8-12 s on 2xH200).
+    dist.start_spares(sizes, "cuda", fresh=True)
+    from dsconform.plugin import batch
+    if batch.enabled(state) and any(batch.has_plan(it) for it in gpu_items):
+        # The cell batch's lanes (dsconform.plugin.batch), starting now with the standby ranks.
+        from dsconform.harness.lanes import start_lanes
+        start_lanes(sizes, "cuda")
+
+
+def _mark_known_issues(item: pytest.Item, state: RunState) -> None:
+    """A case covered by a known upstream issue on this DeepSpeed version becomes a strict xfail
+    that only the issue's own failure satisfies (pytest_runtest_call turns it into a
+    KnownIssueFailure; a crash, a hang or another assertion still fails)."""
+    case = known_issues.case_name(Path(str(item.fspath)).name, item.name)
+    issues = known_issues.issues_for(case, state.node.deepspeed_version)
+    for ki in issues:
+        item.add_marker(pytest.mark.xfail(reason=ki.reason, strict=True,
+                                          raises=known_issues.KnownIssueFailure))
+        state.known_issue_cases[item.nodeid] = ki.id
+    if issues:
+        item.stash[COVERED_BY] = issues
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    verdict = gating.item_verdict(item, run_state(item.config))
+    if verdict is None:
+        return
+    if verdict.broken_promises:
+        # Fail in the call phase so it counts as FAILED (a broken promise), not as an ERROR of
+        # the test's setup; pytest_pyfunc_call below raises it instead of running the test.
+        item.stash[BROKEN_PROMISE] = verdict.fail_reason
+    elif not verdict.ok:
+        raise pytest.skip.Exception(verdict.skip_reason, _use_item_location=True)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+    reason = pyfuncitem.stash.get(BROKEN_PROMISE, None)
+    if reason is not None:
+        pytest.fail(reason, pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """The recorder's limits are enforced here, once the test body returned: every value is
+    recorded first, then the test fails naming each one beyond its floor or ceiling."""
+    try:
+        result = yield
+    except AssertionError as exc:
+        issues = item.stash.get(COVERED_BY, None)
+        if issues:
+            raise known_issues.expected_failure(issues, exc) from exc
+        raise
+    recorder = item.stash.get(RECORDER, None)
+    if recorder is not None:
+        found = recorder.violations()
+        if found:
+            pytest.fail("recorded beyond its limit: " + "; ".join(found), pytrace=False)
+    return result

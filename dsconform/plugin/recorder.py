@@ -1,0 +1,263 @@
+"""The run's recorder: every test's outcome, metric and fact as it ends (records.jsonl), and at
+the session's end benchmarks.json (pytest-benchmark's format, machine_info extended),
+summary.json and summary.txt in --results."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import platform
+import re
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dsconform.gate import known_issues
+from dsconform.node import nccl_env
+from dsconform.plugin.keys import ITEM_CAPABILITY
+from dsconform.plugin.runstate import RunState, describe
+from dsconform.profile.select import (
+    rendezvous_info,
+)
+from dsconform.results import records, summary
+
+# What a finished run writes into --results; set aside when the next run starts there.
+STALE_RESULTS = ("benchmarks.json", "summary.json", "summary.txt")
+
+
+def must_statement(doc: str | None) -> str:
+    """A test's MUST statement: its docstring's first paragraph on one line (``ZERO-EQ-1: ...``;
+    a statement wrapped over several lines is kept whole)."""
+    first = inspect.cleandoc(doc or "").split("\n\n")[0]
+    return " ".join(line.strip() for line in first.splitlines() if line.strip())
+
+
+
+def _reason(report: pytest.TestReport) -> str:
+    """One line: a skip's reason, or the first line of the failure's message."""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        return re.sub(r"^Skipped: ", "", str(report.longrepr[2]))
+    if not report.failed:
+        return ""
+    crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
+    text = crash if crash else (report.longreprtext or "")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    first = re.sub(r"^(Failed|E): ", "", lines[0]) if lines else ""
+    return first[:300]
+
+
+def capability_from_nodeid(nodeid: str) -> str:
+    path = Path(nodeid.split("::", 1)[0])
+    if path.parent.name == "suites":
+        return re.sub(r"^test_|\.py$", "", path.name)
+    return "project"
+
+
+class Recorder:
+    """Collects outcomes and metrics where reports arrive (the xdist controller, or the only
+    process), and writes the results at the end. Registered as a plugin in pytest_configure."""
+
+    def __init__(self, state: RunState):
+        self.state = state
+        self.capabilities: dict[str, str] = {}
+        self.musts: dict[str, str] = {}
+        # Selected tests that need a GPU, from the reports' keywords (under xdist the controller
+        # never sees the items), and how many of them ran (not skipped).
+        self.gpu_tests: set[str] = set()
+        self.gpu_tests_ran = 0
+        if state.results is not None:  # this run's journal starts empty
+            (state.results / "records.jsonl").write_text("")
+            # And the previous run's results in this folder are set aside (renamed, not
+            # deleted): a run that dies before writing its own must not leave last night's
+            # passing summary in place for `dsconform aggregate` to read as this run's.
+            for name in STALE_RESULTS:
+                old = state.results / name
+                if old.exists():
+                    old.replace(old.with_name(old.stem + ".previous" + old.suffix))
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        for item in session.items:
+            self.capabilities[item.nodeid] = item.stash.get(ITEM_CAPABILITY, "")
+            self.musts[item.nodeid] = must_statement(
+                getattr(getattr(item, "function", None), "__doc__", None))
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        outcome = None
+        if report.when == "call" or (report.when == "setup" and not report.passed):
+            outcome = report.outcome
+            if hasattr(report, "wasxfail"):
+                outcome = "xfailed" if report.skipped else "xpassed"
+            elif report.when == "setup" and report.failed:
+                outcome = "error"
+        elif report.when == "teardown":
+            for key, value in report.user_properties:
+                if key == records.USER_PROPERTY:
+                    self.state.metrics.append(records.Metric(**value))
+                    self._journal({"metric": value})
+                elif key == records.FACT_PROPERTY:
+                    self.state.facts.append(records.Fact(**value))
+                    self._journal({"fact": value})
+            if report.failed:
+                outcome = "error"
+        if outcome is None:
+            return
+        cap = self.capabilities.get(report.nodeid) or capability_from_nodeid(report.nodeid)
+        # A known issue is "hit" by a case that ran (xfailed, or failed/xpassed), not a skip.
+        known = "" if outcome == "skipped" else self.state.known_issue_cases.get(report.nodeid, "")
+        o = records.Outcome(report.nodeid, outcome, cap, _reason(report),
+                            round(report.duration, 3), self.musts.get(report.nodeid, ""), known)
+        self.state.outcomes.append(o)
+        if "gpu" in report.keywords:
+            self.gpu_tests.add(report.nodeid)
+            if outcome != "skipped":
+                self.gpu_tests_ran += 1
+        self._journal({"outcome": asdict(o)})
+
+    def _journal(self, entry: dict) -> None:
+        """Append to records.jsonl as each test ends: if the run dies (a native crash, a kill at
+        a time limit), what was measured so far is still on disk."""
+        if self.state.results is not None:
+            with open(self.state.results / "records.jsonl", "a") as f:
+                f.write(json.dumps(entry, default=str) + "\n")
+
+    def no_gpu_test_ran(self) -> str | None:
+        """On a node with NVIDIA GPUs, a run that selected GPU tests and ran none of them is not
+        a pass: why, in one line (None when that is not the case)."""
+        node = self.state.node
+        if not node.is_gpu_node or not self.gpu_tests or self.gpu_tests_ran:
+            return None
+        why = node.unusable_gpus() or "every GPU test was skipped"
+        return (f"this node has {node.gpus_present} NVIDIA GPUs, and none of the "
+                f"{len(self.gpu_tests)} GPU tests selected ran ({why}): not a pass")
+
+    def summary(self) -> dict[str, Any]:
+        issues = {ki.id: {"title": ki.title, "link": ki.link, "deepspeed": ki.deepspeed}
+                  for ki in known_issues.KNOWN_ISSUES}
+        return summary.summarize(self.state.outcomes, issues)
+
+    def interrupted(self, session: pytest.Session) -> str:
+        ran = len({o.nodeid for o in self.state.outcomes})
+        selected = len(session.items)  # 0 on an xdist controller, which collects nothing
+        of = f" of {selected} selected" if selected >= ran and selected else ""
+        return (f"the run was interrupted after {ran}{of} tests (Ctrl-C, or SIGINT from a time "
+                "limit such as nightly-node.sh's DSCONFORM_TIME_S): the rest did not run, so "
+                "this run does not accept the node")
+
+    def lines(self, result: dict[str, Any]) -> list[str]:
+        notices = list(self.state.notices)
+        if self.no_gpu_test_ran():
+            notices.append(self.no_gpu_test_ran())
+        return summary.lines(result, profile=self.state.profile.name,
+                             host=self.state.node.hostname, notices=notices)
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus: int,
+                                config: pytest.Config) -> None:
+        if not self.state.outcomes:
+            return
+        terminalreporter.section("dsconform conformance summary")
+        for line in self.lines(self.summary()):
+            terminalreporter.write_line(line)
+        dist = sys.modules.get("dsconform.harness.api")
+        stats = dist.startup_stats() if dist is not None else None
+        if stats and stats["pools"]:
+            terminalreporter.write_line(
+                f"rank start-ups: {stats['pools']} ({stats['from_standby']} from standby ranks), "
+                f"{stats['waited_s']:.1f} s waited for them")
+        if stats and stats["lanes"]:
+            terminalreporter.write_line(
+                f"lane start-ups: {stats['lanes']}, {stats['lane_waited_s']:.1f} s waited for "
+                f"them (summed over lanes); {stats['lane_calls']} calls ran on lanes")
+        if "dsconform.plugin.batch" in sys.modules:
+            for b in sys.modules["dsconform.plugin.batch"].batch_stats(config):
+                wait = b["longest_wait"]
+                terminalreporter.write_line(
+                    f"cell batch: {b['cells']} cells of {', '.join(b['tests'])} at once "
+                    f"({b['lanes']} lanes per world size) in {b['seconds']:.1f} s (its writes "
+                    f"synced to disk in {b['sync_seconds']:.1f} s of it), in the "
+                    "background from the end of collection"
+                    + (" (stopped early)" if b["stopped"] else "")
+                    + f"; tests waited {b['waited_s']:.1f} s for it"
+                    + (f" (longest: {wait[1].split('::')[-1]} {wait[0]:.1f} s)" if wait else "")
+                    + f"; the cells' calls add up to {b['cell_seconds']:.1f} s, longest: "
+                    + ", ".join(f"{nodeid.split('::')[-1]} {sec:.1f} s"
+                                for sec, nodeid in b["longest"]))
+        if self.state.results:
+            terminalreporter.write_line(f"results: {self.state.results}/benchmarks.json, "
+                                        "summary.json, summary.txt, junit.xml, records.jsonl")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if "dsconform.plugin.batch" in sys.modules:  # -x or Ctrl-C ended the run before the batch
+            sys.modules["dsconform.plugin.batch"].stop(session.config)
+        if self.no_gpu_test_ran() and session.exitstatus in (pytest.ExitCode.OK,
+                                                              pytest.ExitCode.NO_TESTS_COLLECTED):
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        state = self.state
+        if session.exitstatus == pytest.ExitCode.INTERRUPTED:  # said in summary.json and .txt
+            state.notices.append(self.interrupted(session))
+        if state.results is None:
+            return
+        prof = describe(state)
+        result = self.summary()
+        doc = records.document(
+            state.metrics, state.outcomes, machine_info=_machine_info(state),
+            commit_info=_commit_info(), profile=prof,
+            extra_benchmarks=_pytest_benchmark_entries(session.config), started=state.started,
+            known_issues=result["known_issues"], facts=state.facts)
+        rdzv = rendezvous_info()  # which job and rank this was, for `dsconform aggregate`
+        result.update(profile=prof, node=state.node.to_dict(),
+                      exitstatus=int(session.exitstatus), notices=state.notices,
+                      rendezvous=rdzv.to_dict() if rdzv else None)
+        _write(state.results / "benchmarks.json", json.dumps(doc, indent=2, default=str))
+        _write(state.results / "summary.json", json.dumps(result, indent=2, default=str))
+        _write(state.results / "summary.txt", "\n".join(self.lines(result)) + "\n")
+
+
+def _machine_info(state: RunState) -> dict[str, Any]:
+    n, p = state.node, state.profile
+    uname = platform.uname()
+    return {
+        "node": uname.node, "processor": uname.processor, "machine": uname.machine,
+        "python_implementation": platform.python_implementation(),
+        "python_version": platform.python_version(), "release": uname.release,
+        "system": uname.system, "cpu": {"count": n.cpu_cores},
+        "gpu_model": n.gpu_model, "gpu_count": n.gpu_count, "gpus_present": n.gpus_present,
+        "gpu_bus_ids": n.hardware.bus_ids, "driver": n.driver_version,
+        "cuda": n.cuda_version, "nccl": n.nccl_version, "torch": n.torch_version,
+        "deepspeed": n.deepspeed_version, "profile": p.name,
+        "host_memory_bytes": n.host_memory_bytes, "shm_bytes": n.shm_bytes,
+        # NCCL_ALGO, NCCL_NVLS_ENABLE, ...: settings that change what collectives measure.
+        "nccl_settings": nccl_env.machine_info(nccl_env.nccl_settings()),
+    }
+
+
+def _commit_info() -> dict[str, Any]:
+    try:
+        from pytest_benchmark.utils import get_commit_info
+        return get_commit_info()
+    except Exception as e:  # no git, not a repository: the record is still useful
+        return {"error": str(e)}
+
+
+def _pytest_benchmark_entries(config: pytest.Config) -> list[dict]:
+    """Benchmarks taken with pytest-benchmark's own fixture, merged into the one file."""
+    bs = getattr(config, "_benchmarksession", None)
+    out = []
+    for b in getattr(bs, "benchmarks", []) or []:
+        try:
+            out.append(b.as_dict(include_data=False))
+        except Exception:
+            continue
+    return out
+
+
+def _write(path: Path, text: str) -> None:
+    """Write atomically: an interrupted run never leaves a half-written JSON for compare."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

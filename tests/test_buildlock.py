@@ -74,10 +74,10 @@ def test_ranks_start_despite_a_stale_shm_comm_lock(tmp_path, monkeypatch):
     within seconds."""
     from dsconform.harness import api as dist
     from dsconform.harness import pool
-    from dsconform.ops import checks as ops
+    from dsconform.ops.cache import ensure_extensions_dir
     from tests import rank_fns
 
-    ext = ops.ensure_extensions_dir()
+    ext = ensure_extensions_dir()
     lock = _plant(ext, op="deepspeed_shm_comm")
     monkeypatch.setattr(pool, "STARTUP_TIMEOUT_S", 120.0)
     try:

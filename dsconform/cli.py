@@ -1,4 +1,4 @@
-"""The ``dsconform`` command: profiles, ds_report, compare, aggregate, nvme-tune, bundle.
+"""The ``dsconform`` command: profiles, ds_report, compare, aggregate, health, nvme-tune, bundle.
 
 Exit codes: 0 success; 2 invalid input (a profile that does not validate, an unreadable file);
 1 for a command that ran and found a problem (reserved for comparisons).
@@ -32,6 +32,9 @@ def cmd_detect(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     status = 0
     for path in args.files:
+        if _is_catalogue_file(path):
+            status = max(status, _validate_catalogue(path))
+            continue
         try:
             p = profile.load(profile.resolve(path, named=path,  # an argument, not --profile
                                              hint="give a shipped NAME or a PATH"))
@@ -42,6 +45,28 @@ def cmd_validate(args: argparse.Namespace) -> int:
             continue
         print(f"{path}: valid profile {p.name!r}")
     return status
+
+
+def _is_catalogue_file(path: str) -> bool:
+    import tomllib
+
+    from dsconform.profile import catalogue
+    try:
+        return catalogue.is_catalogue(tomllib.loads(Path(path).read_text()))
+    except (OSError, ValueError):
+        return False  # the profile loader names what is wrong with it
+
+
+def _validate_catalogue(path: str) -> int:
+    from dsconform.profile import catalogue
+    try:
+        models = catalogue.load(path)
+    except catalogue.CatalogueError as e:
+        for problem in e.problems:
+            print(problem, file=sys.stderr)
+        return 2
+    print(f"{path}: valid GPU catalogue ({len(models)} models: {', '.join(models)})")
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -124,6 +149,21 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
                                  plot=not args.no_plot, expect=expect)
 
 
+def cmd_health(args: argparse.Namespace) -> int:
+    from dsconform.node import health  # NVML and dmesg only: neither torch nor DeepSpeed
+
+    thresholds = None
+    if args.profile:
+        try:
+            p = profile.load(profile.resolve(args.profile, named=f"--profile {args.profile}"))
+        except profile.ProfileError as e:
+            for problem in e.problems:
+                print(problem, file=sys.stderr)
+            return 2
+        thresholds = health.Thresholds.from_profile(p.health)
+    return health.command(as_json=args.json, thresholds=thresholds)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dsconform", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -172,6 +212,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the nodes that should have results (comma-separated, e.g. the job's "
                         "node list): one without a folder fails too")
     g.set_defaults(func=cmd_aggregate)
+    h = sub.add_parser("health", help="the hardware error gate alone, in about a second (Slurm "
+                                      "prologs, Kubernetes init containers): exit 0 healthy, 1 "
+                                      "action needed, 2 could not check")
+    h.add_argument("--json", action="store_true", help="print the report as JSON")
+    h.add_argument("--profile", metavar="NAME|PATH",
+                   help="take the limits from this profile's [health] table (default: the "
+                        "gate's own, docs/health.md)")
+    h.set_defaults(func=cmd_health)
     from dsconform.storage import tune as nvme_tune  # its command and arguments live with the sweep
     nvme_tune.add_cli(sub)
     from dsconform.tools import bundle  # air-gapped nodes: its command lives with it

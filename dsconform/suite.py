@@ -12,7 +12,7 @@ Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` 
 
 from __future__ import annotations
 
-from dsconform.checks import checkpoint_state, collective_calls, collectives
+from dsconform.checks import checkpoint_state, collective_calls, collectives, schedules
 from dsconform.checks import onebit as onebit_reference
 from dsconform.checks.dsconfig import (
     ASSUMED_DEFAULTS,
@@ -43,6 +43,7 @@ from dsconform.checks.zero_vs_ddp import (
     TORCH_DTYPES,
     ZERO_OFFLOADS,
     ZeroCase,
+    clip_problems,
     cpu_fp32,
     rank_batches,
     record_zero_comparison,
@@ -69,7 +70,7 @@ from dsconform.harness.api import (
     world,
     xdist_worker,
 )
-from dsconform.node import gpu_health, nccl_tests
+from dsconform.node import gpu_health, health, nccl_tests, neighbours
 from dsconform.node.detect import (
     NodeFacts,
     nvml_devices,
@@ -108,12 +109,13 @@ __all__ = [
     "run_state", "seed_everything",
     "tensor_difference", "tolerance", "versions", "world",
     "ModelStep", "ScalerModel", "ScalerSettings", "ScalerState", "read_scaler",
-    "collectives", "gpu_health", "nccl_tests", "worker_gpus",
+    "collectives", "gpu_health", "health", "nccl_tests", "worker_gpus",
     "ONEBIT_OPTIMIZERS", "ONEBIT_TYPES", "onebit_reference",
     "nvme", "nvme_io", "nvme_tune", "nvme_xcheck",
     "checkpoint_state", "checkpoint_storage", "compare_states",
     "ACCELERATORS", "accel_cell", "collective_calls", "compare_update", "external_rendezvous",
-    "xdist_worker", "nvml_devices", "usable_cpu_cores", "usable_memory_bytes",
+    "xdist_worker", "nvml_devices", "neighbours", "usable_cpu_cores", "usable_memory_bytes",
     "MLP", "TORCH_DTYPES", "ZERO_OFFLOADS", "ZeroCase", "cpu_fp32", "rank_batches",
-    "record_zero_comparison", "train_zero_and_ddp", "zero_check_name",
+    "record_zero_comparison", "train_zero_and_ddp", "zero_check_name", "clip_problems",
+    "schedules",
 ]

@@ -577,3 +577,123 @@ def measure_loads(case: CkptCase, ckpt_dir: str, rounds: int) -> dict[str, Any]:
         return {"rank": rank(), "seconds": seconds, "bytes": sizes, "engine": engine_class}
     finally:
         _destroy(b)
+
+
+# ---------------------------------------------------------------------------- besides tensors
+
+def client_state() -> dict[str, Any]:
+    """What a user hands save_checkpoint besides tensors: nested ints, floats, a tensor, a list.
+    The same on every rank: DeepSpeed keeps one client_state per checkpoint (rank 0's, in the
+    model states file) and gives it back to every rank."""
+    return {"epoch": 3, "samples_seen": 12_345, "best_loss": 0.1234567891234,
+            "history": [1, 2.5, {"lr": 1e-3}], "rng": torch.arange(5, dtype=torch.float64) / 7,
+            "nested": {"data_loader": {"position": 42, "shuffled": [3, 1, 2]}}}
+
+
+def _equal_state(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal_state(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_equal_state(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def client_state_round_trip(case: CkptCase, ckpt_dir: str) -> dict[str, Any]:
+    """Save with ``client_state``, load into a fresh engine: whether every value came back equal,
+    and what came back (as text, for the message)."""
+    from dsconform.suite import rank
+
+    before, _ = _batches(case)
+    given = client_state()
+    a = build(case, case.seed)
+    try:
+        train(a, before, case.dtype)
+        a.save_checkpoint(ckpt_dir, tag="client", client_state=given)
+    finally:
+        _destroy(a)
+    b = build(case, case.seed + 1)
+    try:
+        _, back = b.load_checkpoint(ckpt_dir, tag="client")
+    finally:
+        _destroy(b)
+    back = back or {}
+    missing = sorted(set(given) - set(back))
+    wrong = sorted(k for k in given if k in back and not _equal_state(given[k], back[k]))
+    return {"rank": rank(), "missing": missing, "wrong": wrong,
+            "given": {k: repr(v) for k, v in given.items()},
+            "back": {k: repr(back.get(k)) for k in given}}
+
+
+def load_latest(case: CkptCase, ckpt_dir: str, saves: int) -> dict[str, Any]:
+    """Save ``saves`` checkpoints into one directory, one step apart (tags s1, s2, ...), then
+    load_checkpoint(dir) with no tag into a fresh engine: its step counter and weights, against
+    those of every save."""
+    from dsconform.suite import rank
+
+    before, after = _batches(case)
+    a = build(case, case.seed)
+    saved = []
+    try:
+        train(a, before, case.dtype)
+        for i in range(1, saves + 1):
+            if i > 1:
+                train(a, after[i - 2:i - 1], case.dtype)
+            a.save_checkpoint(ckpt_dir, tag=f"s{i}")
+            saved.append({"tag": f"s{i}", "steps": a.global_steps, "params": final_params(a)})
+    finally:
+        _destroy(a)
+    b = build(case, case.seed + 1)
+    try:
+        load_path, _ = b.load_checkpoint(ckpt_dir)
+        loaded = {"steps": b.global_steps, "params": final_params(b)}
+    finally:
+        _destroy(b)
+    return {"rank": rank(), "load_path": load_path, "saved": saved, "loaded": loaded}
+
+
+def load_missing_latest(case: CkptCase, ckpt_dir: str, missing: str) -> dict[str, Any]:
+    """Save one checkpoint, then point ``latest`` at the tag ``missing`` (a preempted save that
+    wrote ``latest`` but not its tag, or a deleted tag): what load_checkpoint(dir) with no tag
+    does with it, what DeepSpeed said about it (its exception or its log), and whether the fresh
+    engine's weights stayed its own."""
+    import logging
+
+    from dsconform.suite import rank
+
+    before, _ = _batches(case)
+    a = build(case, case.seed)
+    try:
+        train(a, before, case.dtype)
+        a.save_checkpoint(ckpt_dir, tag="s1")
+    finally:
+        _destroy(a)
+    if rank() == 0:
+        Path(ckpt_dir, "latest").write_text(missing)
+    import torch.distributed as dist
+    dist.barrier()
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    from deepspeed.utils import logger
+    handler = Keep(logging.WARNING)
+    logger.addHandler(handler)
+    b = build(case, case.seed + 1)
+    try:
+        fresh = final_params(b)
+        raised, load_path = None, None
+        try:
+            load_path, _ = b.load_checkpoint(ckpt_dir)
+        except Exception as e:
+            raised = f"{type(e).__name__}: {e}"
+        untouched = all(torch.equal(fresh[k], v) for k, v in final_params(b).items())
+    finally:
+        logger.removeHandler(handler)
+        _destroy(b)
+    return {"rank": rank(), "load_path": load_path, "raised": raised, "said": said,
+            "untouched": untouched}

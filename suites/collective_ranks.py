@@ -26,21 +26,25 @@ from dsconform.suite import (
     device,
     gather,
     gpu_health,
-    nvml_devices,
     rank,
     world,
 )
 
 # ------------------------------------------------------------------ exactness
 
-def all_reduce_is_exact(numel: int) -> float:
+def all_reduce_is_exact(numel: int) -> dict[str, float]:
     """Sum of rank+1 over ranks, in fp32: small integers, so every backend must be exact.
-    Returns the largest deviation seen on this rank (0.0 when correct)."""
-    dev = device()
-    t = torch.full((numel,), float(rank() + 1), dtype=torch.float32, device=dev)
-    dist.all_reduce(t)
-    n = world()
-    return float((t - n * (n + 1) / 2).abs().max())
+    Through deepspeed.comm (the API training uses) and torch.distributed beside it: the largest
+    deviation each showed on this rank (0.0 when correct), by API."""
+    import deepspeed.comm as dc
+
+    dev, n = device(), world()
+    worst = {}
+    for api, call in (("deepspeed.comm", dc.all_reduce), ("torch.distributed", dist.all_reduce)):
+        t = torch.full((numel,), float(rank() + 1), dtype=torch.float32, device=dev)
+        call(t)
+        worst[api] = float((t - n * (n + 1) / 2).abs().max())
+    return worst
 
 
 # ------------------------------------------------------------------ bandwidth
@@ -114,18 +118,8 @@ class ClockEvents:
         self._nvml = contextlib.ExitStack()
 
     def __enter__(self) -> ClockEvents:
-        if self.bus_id is None:
-            self.why = "no PCI bus id for this rank's device"
-            return self
-        try:
-            nvml, handles = self._nvml.enter_context(nvml_devices())
-        except Exception as e:  # NVML missing: say so, do not fail the rank
-            self.why = f"NVML unavailable: {e}"
-            return self
-        mine = gpu_health.canonical_bus_id(self.bus_id)
-        handle = next((h for h in handles if gpu_health.nvml_bus_id(nvml, h) == mine), None)
+        nvml, handle, self.why = gpu_health.nvml_handle(self._nvml, self.bus_id)
         if handle is None:
-            self.why = f"NVML lists no GPU at {self.bus_id}"
             return self
         read = gpu_health.clock_event_reader(nvml)
         self.mask = 0

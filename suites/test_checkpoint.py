@@ -33,7 +33,8 @@ continue exactly as if it had never stopped.
   checkpoint MUST fail before anything is written.
 
 Everything is written under the run's --scratch directory (the ``scratch`` fixture) and removed
-after each test, also when it fails.
+after each test, also when it fails. A node with one GPU runs every check of the acceptance tier
+at one rank (the cells ``...-ws1``), but resharding (CKPT-UCP-1), which needs two ranks.
 
 Upstream: https://deepspeed.readthedocs.io/en/latest/model-checkpointing.html ,
 https://www.deepspeed.ai/tutorials/universal-checkpointing/ ,
@@ -61,7 +62,6 @@ from dsconform.suite import (
     RankCall,
     RankError,
     accel_cell,
-    accel_params,
     batched,
     cell_results,
     checkpoint_state,
@@ -115,7 +115,9 @@ def _params(cells: list[dict], *, cpu_tier: set[tuple], gpu_tier: list[dict], bu
             prefix=lambda cell: (), world_size: int = 2) -> list:
     """One pytest.param (accelerator, *prefix(cell), build(cell)) per accelerator and cell: cpu
     cells outside ``cpu_tier`` and cuda cells outside ``gpu_tier`` (the pairwise acceptance
-    tier) are marked ``slow``."""
+    tier) are marked ``slow``. Then, for a node with one GPU, the cuda cells of ``gpu_tier`` once
+    more at one rank (id ``<cell>-ws1``): the acceptance tier there, in their place; nightly
+    elsewhere."""
     out = []
     for accel in ACCELERATORS:
         for cell in cells:
@@ -123,8 +125,18 @@ def _params(cells: list[dict], *, cpu_tier: set[tuple], gpu_tier: list[dict], bu
             key = tuple(cell.values())
             tier = key in cpu_tier if accel == "cpu" else cell in gpu_tier
             out.append(accel_cell(accel, *prefix(cell), case, id="-".join(map(str, key)),
-                                  world_size=world_size, marks=_needs(case), slow=not tier))
+                                  world_size=world_size, marks=_needs(case), slow=not tier,
+                                  one_gpu="covered" if tier else None))
+    for cell in gpu_tier:
+        case = build(cell).with_(world_size=1)
+        out.append(accel_cell("cuda", *prefix(cell), case, id=_ws1_id(*cell.values()),
+                              world_size=1, marks=_needs(case), slow=True, one_gpu="tier"))
     return out
+
+
+def _ws1_id(*values) -> str:
+    """The id of a two-rank cell's one-rank twin."""
+    return "-".join(map(str, (*values, "ws1")))
 
 
 def _timeout(case: CkptCase) -> int:
@@ -427,10 +439,14 @@ def _ucp_steps(params: dict, workdir: Path, run) -> list[RankCall]:
 
 
 @pytest.mark.parametrize("accelerator, case, target_ws", _ucp_params())
+@requires(two_ranks="a universal checkpoint reshards between world sizes")
 @batched(_ucp_steps, cost=13)  # ds_to_universal's own start-up dominates (13 s on 2xH200)
 def test_universal_reshard(accelerator, case, target_ws, scratch, profile, request):
     """CKPT-UCP-1: a universal checkpoint MUST carry weights, fp32 masters, Adam moments, step
-    and lr to another world size bit for bit."""
+    and lr to another world size bit for bit.
+
+    Needs two ranks: it reshards between one and two ranks, so a node with one GPU skips it
+    (GPUs>=2)."""
     saved, loaded = cell_results(request, scratch)  # run at once with other cells
     source = saved[0]["state"]
     tol = tolerance("checkpoint", case.dtype, case.optimizer, profile.tolerances,
@@ -496,27 +512,33 @@ def _stage_params() -> list:
                                f"checkpoint into stage {b}: {why}. If this passes, it does now: "
                                f"add the pair to SUPPORTED_STAGE_CHANGES"))
                 tier = (a, b) in (STAGE_CPU_TIER if accel == "cpu" else STAGE_GPU_TIER)
-                out.append(accel_cell(accel, a, b, id=f"z{a}-to-z{b}", world_size=2, marks=marks,
-                                      slow=not tier))
+                out.append(accel_cell(accel, a, b, 2, id=f"z{a}-to-z{b}", world_size=2,
+                                      marks=marks, slow=not tier,
+                                      one_gpu="covered" if tier else None))
+    # A stage change at one rank (the same check): a node with one GPU's tier, nightly elsewhere.
+    for a, b in sorted(STAGE_GPU_TIER):
+        out.append(accel_cell("cuda", a, b, 1, id=f"z{a}-to-z{b}-ws1", world_size=1,
+                              slow=True, one_gpu="tier"))
     return out
 
 
-def _stage_case(source_stage: int) -> CkptCase:
-    return CkptCase(stage=source_stage, dtype="fp32", optimizer="sgd")
+def _stage_case(source_stage: int, world_size: int = 2) -> CkptCase:
+    return CkptCase(stage=source_stage, dtype="fp32", optimizer="sgd", world_size=world_size)
 
 
 def _stage_plan(params: dict, workdir: Path, run) -> RankCall:
     """Save at the source stage, load into the target stage, on the same ranks (a refused
     load is the cell's RankError: its lane's ranks are replaced, as run_ranks' would be)."""
-    case = _stage_case(params["source_stage"])
+    case = _stage_case(params["source_stage"], params["world_size"])
     return RankCall(ranks.round_trip, case.world_size, TIMEOUT_S,
                     args=(case, ckpt_dir(workdir, case), case.with_(stage=params["target_stage"])),
                     accelerator=params["accelerator"])
 
 
-@pytest.mark.parametrize("accelerator, source_stage, target_stage", _stage_params())
+@pytest.mark.parametrize("accelerator, source_stage, target_stage, world_size", _stage_params())
 @batched(_stage_plan, cost=3)
-def test_stage_change(accelerator, source_stage, target_stage, scratch, profile, request):
+def test_stage_change(accelerator, source_stage, target_stage, world_size, scratch, profile,
+                      request):
     """CKPT-STAGE-1: a checkpoint loaded into another ZeRO stage MUST give the saved weights,
     masters, scheduler and counters and the same next steps (fp32 SGD: bit-exact across
     stages)."""
@@ -555,6 +577,9 @@ def damage(ckpt: Path, kind: str) -> tuple[str, str]:
     raise ValueError(f"unknown damage {kind!r}; known: {', '.join(DAMAGE)}")
 
 
+CORRUPT_GPU_TIER = (3, "wrong_tag")
+
+
 def _corrupt_params() -> list:
     out = []
     for accel in ACCELERATORS:
@@ -566,9 +591,15 @@ def _corrupt_params() -> list:
                 # a CUDA context and NCCL set-up each), so the GPU acceptance tier refuses a
                 # wrong tag and the missing rank file is nightly there.
                 tier = (stage, kind) == ((2, "missing_rank_file") if accel == "cpu"
-                                         else (3, "wrong_tag"))
-                out.append(accel_cell(accel, stage, kind, id=f"z{stage}-{kind}", world_size=2,
-                                      slow=not tier))
+                                         else CORRUPT_GPU_TIER)
+                out.append(accel_cell(accel, stage, kind, 2, id=f"z{stage}-{kind}",
+                                      world_size=2, slow=not tier,
+                                      one_gpu="covered" if tier else None))
+    # The wrong tag refused at one rank: a node with one GPU's tier (a missing or truncated rank
+    # file is another rank's: two ranks), nightly elsewhere.
+    stage, kind = CORRUPT_GPU_TIER
+    out.append(accel_cell("cuda", stage, kind, 1, id=f"z{stage}-{kind}-ws1", world_size=1,
+                          slow=True, one_gpu="tier"))
     return out
 
 
@@ -587,11 +618,11 @@ def expect_refusal(case: CkptCase, d: str, tag: str, accelerator: str, what: str
                          f"{[r['load_path'] for r in results]}")
 
 
-@pytest.mark.parametrize("accelerator, stage, kind", _corrupt_params())
-def test_damaged_checkpoint_is_refused(accelerator, stage, kind, scratch, profile):
+@pytest.mark.parametrize("accelerator, stage, kind, world_size", _corrupt_params())
+def test_damaged_checkpoint_is_refused(accelerator, stage, kind, world_size, scratch, profile):
     """CKPT-CORRUPT-1: a truncated file, a missing rank file or a wrong tag MUST give an error,
     never a load, and the previous good checkpoint MUST still load bit for bit."""
-    case = CkptCase(stage=stage, dtype="fp32")
+    case = CkptCase(stage=stage, dtype="fp32", world_size=world_size)
     d = ckpt_dir(scratch, case, tags=2)
     good = run_ranks(ranks.save_good_then_bad, case.world_size, args=(case, d),
                      accelerator=accelerator, timeout_s=TIMEOUT_S)
@@ -621,11 +652,21 @@ class FlipLoadedSilently(AssertionError):
     satisfies the strict xfail; a rank that crashed while saving or loading still fails."""
 
 
+def _two_rank_params(*values, id: str | None = None) -> list:
+    """(accelerator, *values, world_size) for a two-rank check: its cpu and cuda cells at two
+    ranks, and its cuda cell at one rank (id ``<id>-ws1``), which a node with one GPU runs in
+    place of the two-rank one (nightly elsewhere)."""
+    return [*(accel_cell(accel, *values, 2, id=id, world_size=2, one_gpu="covered")
+              for accel in ACCELERATORS),
+            accel_cell("cuda", *values, 1, id=_ws1_id(id) if id else "ws1", world_size=1,
+                       slow=True, one_gpu="tier")]
+
+
 @pytest.mark.xfail(strict=True, raises=FlipLoadedSilently, reason=FLIP_LIMITATION)
-@pytest.mark.parametrize("accelerator", accel_params(2))
-def test_flipped_bit_is_detected(accelerator, scratch, profile):
+@pytest.mark.parametrize("accelerator, world_size", _two_rank_params())
+def test_flipped_bit_is_detected(accelerator, world_size, scratch, profile):
     """CKPT-CORRUPT-2: a checkpoint whose tensor bytes changed on disk MUST NOT load silently."""
-    case = CkptCase(stage=2, dtype="fp32")
+    case = CkptCase(stage=2, dtype="fp32", world_size=world_size)
     d = ckpt_dir(scratch, case, tags=2)
     good = run_ranks(ranks.save_good_then_bad, case.world_size, args=(case, d),
                      accelerator=accelerator, timeout_s=TIMEOUT_S)
@@ -654,14 +695,15 @@ def test_flipped_bit_is_detected(accelerator, scratch, profile):
 STORE_CASE = CkptCase(stage=2, dtype="fp32", width=1024)
 
 
-@pytest.mark.parametrize("accelerator", accel_params(2))
-def test_storage_returns_written_bytes(accelerator, scratch, metrics):
+@pytest.mark.parametrize("accelerator, world_size", _two_rank_params())
+def test_storage_returns_written_bytes(accelerator, world_size, scratch, metrics):
     """CKPT-STORE-1: every checkpoint file read back from the device MUST match the sha256
     manifest written right after the save (hashed from the bytes the save left in the page
     cache, then fsynced, dropped and read again). What the writer was handed is CKPT-RT-1's
     concern; a read-back that memory served is no check of a device and skips saying so."""
-    d = ckpt_dir(scratch, STORE_CASE)
-    run_ranks(ranks.measure_saves, STORE_CASE.world_size, args=(STORE_CASE, d, 1),
+    case = STORE_CASE.with_(world_size=world_size)
+    d = ckpt_dir(scratch, case)
+    run_ranks(ranks.measure_saves, case.world_size, args=(case, d, 1),
               accelerator=accelerator, timeout_s=TIMEOUT_S)
     tag_dir = Path(d) / "r0"
     checkpoint_storage.write_manifest(tag_dir)
@@ -696,17 +738,25 @@ def _engine_params() -> list:
             if engine == "fast":  # FastPersist's writer: DeepNVMe, and on GPUs the utils op
                 marks.append(requires(op=["async_io", "utils"] if accel == "cuda"
                                       else "async_io"))
-            out.append(accel_cell(accel, engine, id=engine, world_size=2, marks=marks))
+            out.append(accel_cell(accel, engine, 2, id=engine, world_size=2, marks=marks,
+                                  one_gpu="covered"))
+            if accel == "cuda":  # a node with one GPU measures one rank's checkpoint instead
+                out.append(accel_cell(accel, engine, 1, id=_ws1_id(engine), world_size=1,
+                                      marks=marks, slow=True, one_gpu="tier"))
     return out
 
 
-def _floor(profile, engine: str, kind: str):
-    """The profile's ``[[checkpoint.floors]]`` entry for ``engine`` and its save/load floor."""
+def _floor(profile, engine: str, kind: str, world_size: int = 2):
+    """The profile's ``[[checkpoint.floors]]`` entry for ``engine`` and its save/load floor.
+    The floors hold the two-rank checkpoint, and the one-rank one only under a profile of one
+    GPU: elsewhere a one-rank cell records its rate with no floor."""
     entry = next((fl for fl in profile.checkpoint_floors if fl.engine == engine), None)
-    return entry, (getattr(entry, f"{kind}_gbps") if entry else None)
+    if entry is None or (world_size < 2 and profile.gpus_promised != 1):
+        return entry, None
+    return entry, getattr(entry, f"{kind}_gbps")
 
 
-def _engine_case(accelerator: str, engine: str, profile, node) -> CkptCase:
+def _engine_case(accelerator: str, engine: str, world_size: int, profile, node) -> CkptCase:
     promised, _ = _floor(profile, engine, "save")
     if promised is not None and engine == "fast" and not node.is_gpu_node:
         pytest.fail(f"profile {profile.name} promises checkpoint.floors engine {engine!r}, "
@@ -716,7 +766,7 @@ def _engine_case(accelerator: str, engine: str, profile, node) -> CkptCase:
                     "Tensor.pin_memory() (RuntimeError 'Cannot access accelerator device when "
                     "none is available' on the CPU accelerator, DeepSpeed 0.19.8)")
     return CkptCase(stage=3, dtype="fp32", width=PERF_WIDTH[accelerator],
-                    writer="fast" if engine == "fast" else None)
+                    writer="fast" if engine == "fast" else None, world_size=world_size)
 
 
 def _perf_dir(scratch: Path, case: CkptCase, engine: str) -> str:
@@ -732,7 +782,7 @@ def _record(metrics, name: str, result: dict, case: CkptCase, engine: str, accel
             profile, kind: str) -> None:
     assert result["engine"] == _ENGINE_CLASS[engine], (
         f"asked for the {engine} checkpoint engine, DeepSpeed built {result['engine']}")
-    entry, floor = _floor(profile, engine, kind)
+    entry, floor = _floor(profile, engine, kind, case.world_size)
     # The recorder holds the median of the rounds to the profile's floor, if it sets one.
     metrics.record_rate(name, result["seconds"], amount=result["bytes"][0], unit="GB/s",
                         scale=GB, floor=floor, engine=engine, stage=case.stage,
@@ -741,22 +791,22 @@ def _record(metrics, name: str, result: dict, case: CkptCase, engine: str, accel
                         source=(entry.source or "profile") if floor else "recorded")
 
 
-@pytest.mark.parametrize("accelerator, engine", _engine_params())
-def test_save_throughput(accelerator, engine, scratch, metrics, profile, node):
+@pytest.mark.parametrize("accelerator, engine, world_size", _engine_params())
+def test_save_throughput(accelerator, engine, world_size, scratch, metrics, profile, node):
     """CKPT-PERF-1: save GB/s (bytes until durable on every rank, median of 3 rounds, per
     engine) MUST be at least the profile's checkpoint floor."""
-    case = _engine_case(accelerator, engine, profile, node)
+    case = _engine_case(accelerator, engine, world_size, profile, node)
     d = _perf_dir(scratch, case, engine)
     result = run_ranks(ranks.measure_saves, case.world_size, args=(case, d, ROUNDS),
                        accelerator=accelerator, timeout_s=TIMEOUT_S)[0]
     _record(metrics, "checkpoint.save", result, case, engine, accelerator, profile, "save")
 
 
-@pytest.mark.parametrize("accelerator, engine", _engine_params())
-def test_load_throughput(accelerator, engine, scratch, metrics, profile, node):
+@pytest.mark.parametrize("accelerator, engine, world_size", _engine_params())
+def test_load_throughput(accelerator, engine, world_size, scratch, metrics, profile, node):
     """CKPT-PERF-2: load GB/s (bytes read from the device, median of 3 rounds, per engine) MUST
     be at least the profile's checkpoint floor."""
-    case = _engine_case(accelerator, engine, profile, node)
+    case = _engine_case(accelerator, engine, world_size, profile, node)
     d = _perf_dir(scratch, case, engine)
     run_ranks(ranks.measure_saves, case.world_size, args=(case, d, ROUNDS),
               accelerator=accelerator, timeout_s=TIMEOUT_S)
@@ -790,3 +840,71 @@ def test_preflight_refuses_before_writing(problem, scratch):
     assert sorted(Path(scratch).rglob("*")) == before, "the preflight wrote into scratch"
     message = str(err.value)
     assert str(target / name) in message and "--scratch" in message, message
+
+
+# ------------------------------------------------------------------ client state and `latest`
+
+def _state_params(stage: int) -> list:
+    """One cell per accelerator (fp32 SGD, stage ``stage``): two ranks, and on a node with one
+    GPU its one-rank twin in its place."""
+    case = CkptCase(stage=stage, dtype="fp32", world_size=2)
+    return [accel_cell("cpu", case, id=f"z{stage}", world_size=2),
+            accel_cell("cuda", case, id=f"z{stage}", world_size=2, one_gpu="covered"),
+            accel_cell("cuda", case.with_(world_size=1), id=f"z{stage}-ws1", world_size=1,
+                       slow=True, one_gpu="tier")]
+
+
+@pytest.mark.parametrize("accelerator, case", _state_params(2))
+def test_client_state_comes_back(accelerator, case, scratch):
+    """CKPT-CLIENT-1: the client_state passed to save_checkpoint (nested ints, floats, a tensor,
+    a list) MUST come back equal from load_checkpoint, on every rank."""
+    d = ckpt_dir(scratch, case)
+    results = run_ranks(ranks.client_state_round_trip, case.world_size, timeout_s=TIMEOUT_S,
+                        args=(case, d), accelerator=accelerator)
+    bad = [f"rank {r['rank']}: {k}: saved {r['given'][k]}, loaded {r['back'][k]}"
+           for r in results for k in r["missing"] + r["wrong"]]
+    assert not bad, "client_state did not come back equal:\n  " + "\n  ".join(bad)
+
+
+LATEST_SAVES = 3
+
+
+@pytest.mark.parametrize("accelerator, case", _state_params(3))
+def test_load_without_a_tag_takes_the_newest(accelerator, case, scratch):
+    """CKPT-LATEST-1: after several saves into one directory, load_checkpoint(dir) with no tag
+    (how a job resumes after preemption) MUST load the newest: its step counter and weights."""
+    d = ckpt_dir(scratch, case, tags=LATEST_SAVES)
+    results = run_ranks(ranks.load_latest, case.world_size, timeout_s=TIMEOUT_S,
+                        args=(case, d, LATEST_SAVES), accelerator=accelerator)
+    bad = []
+    for r in results:
+        newest = r["saved"][-1]
+        same = [s["tag"] for s in r["saved"] if s["steps"] == r["loaded"]["steps"]
+                and all(torch.equal(s["params"][k], v) for k, v in r["loaded"]["params"].items())]
+        if r["load_path"] is None or r["loaded"]["steps"] != newest["steps"] \
+                or same != [newest["tag"]]:
+            bad.append(f"rank {r['rank']}: loaded {r['load_path']} at step "
+                       f"{r['loaded']['steps']} (weights of {same or 'no save'}); the newest is "
+                       f"{newest['tag']} at step {newest['steps']}")
+    assert not bad, "load_checkpoint(dir) did not resume from the newest save:\n  " + \
+        "\n  ".join(bad)
+
+
+@pytest.mark.parametrize("accelerator, case", _state_params(2))
+def test_a_latest_naming_a_missing_tag_is_refused(accelerator, case, scratch):
+    """CKPT-LATEST-2: a `latest` file that names a tag the directory does not hold MUST be
+    refused, the error (or DeepSpeed's warning) naming the tag, and MUST leave the engine's
+    weights its own."""
+    missing = "s9-never-written"
+    d = ckpt_dir(scratch, case)
+    results = run_ranks(ranks.load_missing_latest, case.world_size, timeout_s=TIMEOUT_S,
+                        args=(case, d, missing), accelerator=accelerator)
+    bad = []
+    for r in results:
+        named = missing in (r["raised"] or "") or any(missing in s for s in r["said"])
+        if r["load_path"] is not None or not r["untouched"] or not named:
+            bad.append(f"rank {r['rank']}: load_checkpoint returned {r['load_path']!r}, "
+                       f"raised {r['raised']!r}, weights {'kept' if r['untouched'] else 'changed'}"
+                       f", said {r['said'][-3:]!r}")
+    assert not bad, (f"a `latest` naming the missing tag {missing!r} was not refused by "
+                     f"name:\n  " + "\n  ".join(bad))

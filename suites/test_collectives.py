@@ -2,11 +2,15 @@
 MUST reach the bus bandwidth floors the profile promises at the size each floor states, and no
 GPU, link or rank of the node MUST lag its peers.
 
-- Exactness (COLL-EXACT-0, COLL-EXACT-1). all_reduce, all_gather, reduce_scatter, broadcast and
-  all_to_all, called through ``deepspeed.comm`` the way ZeRO calls them (``all_reduce``,
-  ``allgather_fn``, ``reduce_scatter_fn``, ``broadcast``, ``all_to_all_single``), MUST return
-  exactly the expected result on known data, in fp32, bf16 and fp16, at sizes 1, 53 and 65537
-  elements (and 2**24 + 3 on GPUs; 2**20 + 3 on CPUs). The data of each dtype is exact in it,
+- Exactness (COLL-EXACT-0, COLL-EXACT-1, COLL-EXACT-2). all_reduce, all_gather, reduce_scatter,
+  broadcast and all_to_all, called through ``deepspeed.comm`` the way ZeRO calls them
+  (``all_reduce``, ``allgather_fn``, ``reduce_scatter_fn``, ``broadcast``,
+  ``all_to_all_single``), and through torch.distributed beside it, MUST return exactly the
+  expected result on known data, in fp32, bf16 and fp16, at the odd sizes 1, 53 and 65537
+  elements (and 2**24 + 3 on GPUs; 2**20 + 3 on CPUs; COLL-EXACT-1) and at the aligned sizes 64,
+  4096, 2**20 and 129 x 8 x the world size (and 2**24 on GPUs; COLL-EXACT-2), where kernels
+  take their vectorised paths and a wrong tail hides from odd sizes. The sweep's timed calls are
+  checked through both APIs too. The data of each dtype is exact in it,
   every partial sum too, and mostly not exact in a narrower type, so a collective that carries
   fp32 in bf16 or fp16, or fp16 in bf16, fails. Odd sizes, not multiples of the world
   size, padded as ZeRO pads partitions, all_to_all with uneven splits
@@ -74,8 +78,15 @@ from dsconform.suite import (
 from suites import collective_ranks
 
 CAPABILITY = "collectives"
+# A collective runs between ranks: its GPU cells skip on a node of one GPU, and say why.
+pytestmark = requires(two_ranks="a collective runs between ranks")
 
 EXACT_SIZES = {"cpu": (1, 53, 65537, (1 << 20) + 3), "cuda": (1, 53, 65537, (1 << 24) + 3)}
+# COLL-EXACT-2: sizes that are multiples of 8 (and of 64), plus aligned_sizes()'s multiple of
+# the world size; the CPU tier stops at 2**20 elements.
+ALIGNED_SIZES = {"cpu": (64, 4096, 1 << 20), "cuda": (64, 4096, 1 << 20, 1 << 24)}
+# Both APIs every exactness check goes through: deepspeed.comm first (what training calls).
+EXACT_APIS = tuple(collective_calls.APIS)
 P2P_BYTES, P2P_ITERS = 256 << 20, 20  # ~0.7 ms per transfer over NVLink
 MATMUL_SIZE, MATMUL_ITERS = 8192, 50
 #: COLL-XCHECK-1: torch.distributed may lose at most 10% to raw NCCL at a floor size (on 2xH200
@@ -139,16 +150,24 @@ def test_all_reduce_is_exact(accel):
     worst = run_ranks(collective_ranks.all_reduce_is_exact, 2, timeout_s=120,
                       args=(1 << 20,), accelerator=accel)
     # Every rank's own: max() would let a NaN on rank 1 through (NaN compares False).
-    assert all(w == 0.0 for w in worst), \
-        f"all_reduce deviates from the exact sum by {worst} (per rank)"
+    assert all(w == 0.0 for per_rank in worst for w in per_rank.values()), \
+        f"all_reduce deviates from the exact sum by {worst} (per rank, by API)"
+
+
+def aligned_sizes(accel: str, world_size: int) -> tuple[int, ...]:
+    """COLL-EXACT-2's sizes: ALIGNED_SIZES and 129 x 8 x the world size (129: odd, so not a
+    power of two)."""
+    return (*ALIGNED_SIZES[accel], 129 * 8 * world_size)
 
 
 def check_exact(collective: str, dtype: str, accel: str, world_size: int, node,
-                perturb: dict[str, int] | None = None) -> list[collectives.Mismatch]:
-    """Run the exactness check on the ranks; the mismatches, each naming its rank's device."""
+                perturb: dict[str, int] | None = None,
+                sizes: tuple[int, ...] | None = None) -> list[collectives.Mismatch]:
+    """Run the exactness check on the ranks through every API of EXACT_APIS, at ``sizes``
+    (None: EXACT_SIZES); the mismatches, each naming its rank's device and API."""
     results = run_ranks(collective_calls.check_exact, world_size, timeout_s=TIMEOUT_S,
-                        args=(collective, dtype, EXACT_SIZES[accel]),
-                        kwargs={"perturb": perturb}, accelerator=accel)
+                        args=(collective, dtype, EXACT_SIZES[accel] if sizes is None else sizes),
+                        kwargs={"perturb": perturb, "apis": EXACT_APIS}, accelerator=accel)
     ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
     found = collectives.mismatches_from_ranks([r["mismatches"] for r in results])
     return [dataclasses.replace(m, where=ids[m.rank].label) for m in found]
@@ -158,6 +177,14 @@ def check_exact(collective: str, dtype: str, accel: str, world_size: int, node,
 def test_collective_is_exact(accel: str, collective: str, dtype: str, node):
     """COLL-EXACT-1: every collective through deepspeed.comm MUST return the exact result."""
     mismatches = check_exact(collective, dtype, accel, _world(accel), node)
+    assert not mismatches, collectives.exactness_message(mismatches)
+
+
+@pytest.mark.parametrize("accel, collective, dtype", _exact_params())
+def test_collective_is_exact_at_aligned_sizes(accel: str, collective: str, dtype: str, node):
+    """COLL-EXACT-2: every collective MUST be exact at sizes that are multiples of 8, too."""
+    n = _world(accel)
+    mismatches = check_exact(collective, dtype, accel, n, node, sizes=aligned_sizes(accel, n))
     assert not mismatches, collectives.exactness_message(mismatches)
 
 
@@ -189,10 +216,12 @@ def record_point(metrics, collective: str, point: dict[str, Any],
         metrics.record(f"{collective}.waited_for_pct", [w[r] for w in waited], unit="%",
                        better="lower", limit=straggler_pct if long_enough else None, **where)
     # The timed collective at the timed size, checked once on known data: a fast but wrong
-    # collective (part of the work at large sizes) must not pass its floor.
-    wrong = collectives.wrong_output_message(collective, nbytes, point["wrong"],
-                                             [ident.label for ident in ids])
-    assert not wrong, wrong
+    # collective (part of the work at large sizes) must not pass its floor. The same call
+    # through deepspeed.comm, too.
+    who = [ident.label for ident in ids]
+    wrong = [collectives.wrong_output_message(collective, nbytes, point[key], who, api=api)
+             for key, api in (("wrong", "torch.distributed"), ("wrong_ds", "deepspeed.comm"))]
+    assert not any(wrong), "; ".join(w for w in wrong if w)
 
 
 @pytest.mark.benchmark

@@ -146,7 +146,7 @@ def scaler_settings(draw: st.DrawFn) -> ScalerSettings:
     lowest_power = math.ceil(math.log2(floor))
     return ScalerSettings(initial_scale_power=draw(st.integers(lowest_power, lowest_power + 6)),
                           loss_scale_window=draw(st.integers(1, 4)),
-                          hysteresis=draw(st.integers(1, 3)),
+                          hysteresis=draw(st.integers(1, 4)),
                           consecutive_hysteresis=draw(st.booleans()),
                           min_loss_scale=float(floor))
 
@@ -210,6 +210,63 @@ def run_scaler_machine(machine: type[RuleBasedStateMachine] = ScalerMachine, *,
 def test_scaler_follows_model():
     """LOSS-SCALE-1: DeepSpeed's ZeRO loss scaler MUST follow the documented model every step."""
     run_scaler_machine()
+
+
+def _hysteresis(h: int, consecutive: bool = False, *, window: int = 4, power: int = 8,
+                floor: float = 1.0) -> ScalerSettings:
+    return ScalerSettings(initial_scale_power=power, loss_scale_window=window, hysteresis=h,
+                          consecutive_hysteresis=consecutive, min_loss_scale=floor)
+
+
+# The sequences the state machine must never miss, replayed every run whatever the hypothesis
+# profile or example database (X = overflow): hysteresis 1-4, with and without
+# consecutive_hysteresis, clean steps between overflows (which refill the budget only with
+# consecutive_hysteresis), the window's raise that refills it without, and the floor reached
+# with a budget left.
+SCALER_SEQUENCES: dict[str, tuple[ScalerSettings, str]] = {
+    # every overflow lowers
+    "h1-clean-between": (_hysteresis(1), "X.X..X"),
+    # one clean step refills nothing: the second and third overflows lower
+    "h2-clean-between": (_hysteresis(2), "X.X.X"),
+    # each clean step refills: isolated overflows never lower, two in a row do
+    "h2c-clean-between": (_hysteresis(2, True), "X.X.XX.X"),
+    # the third overflow lowers, and so does the fourth (the budget stays spent)
+    "h3-clean-between": (_hysteresis(3), "X..X..X.X"),
+    # two in a row never lower, three do
+    "h3c-clean-between": (_hysteresis(3, True), "XX.XX.XXX.X"),
+    "h4-clean-between": (_hysteresis(4), "X.X.X.X.X"),
+    "h4c-clean-between": (_hysteresis(4, True), "XXX.XXX.XXXX.X"),
+    # the window's raise (third clean step after an overflow) refills the budget
+    "h3-raise-refills": (_hysteresis(3, window=2), "XX...XX.X"),
+    "h4c-raise": (_hysteresis(4, True, window=2), "XXX...XXXX"),
+    # at the floor with the budget spent: the error, not another skip
+    "h2-floor": (_hysteresis(2, window=1000, power=1), "XX.XX"),
+    "h3c-floor": (_hysteresis(3, True, window=1000, power=1), "XXX.XXX"),
+}
+
+
+def replay_sequence(s: ScalerSettings, pattern: str,
+                    machine: type[ScalerMachine] = ScalerMachine) -> list[str]:
+    """``pattern`` (X overflow, . clean) on a fresh DeepSpeed scaler in one rank (the machine's
+    trace function), checked against the model after every step as the state machine checks
+    it; the problems of the first step that leaves the model."""
+    flags = [c == "X" for c in pattern]
+    expected = ScalerModel(s).run(flags)
+    trace = run_ranks(machine.trace_fn, 1, args=(asdict(s), flags), kwargs=machine.trace_kwargs,
+                      timeout_s=TIMEOUT_S)[0]
+    for i, step in enumerate(expected):
+        problems = check_scaler_step(s, flags[:i + 1], trace[:i + 1], step)
+        if problems:
+            return problems
+    return []
+
+
+@pytest.mark.anynode  # the installed scaler, on any node: on a GPU node it joins `-m gpu`
+@pytest.mark.parametrize("name", sorted(SCALER_SEQUENCES))
+def test_scaler_follows_model_on_sequence(name: str):
+    """LOSS-SCALE-1: DeepSpeed's ZeRO loss scaler MUST follow the model on these sequences."""
+    problems = replay_sequence(*SCALER_SEQUENCES[name])
+    assert not problems, "\n".join(problems)
 
 
 # docs/findings.md#loss-scaling: measured on ZeRO stages 1, 2 and 3 alike (initial 2**8, window
@@ -287,17 +344,62 @@ def engine_tier() -> set[str]:
     return {ScalingCase(**cell).id for cell in pairwise(ACCEPTANCE_AXES, must=ACCEPTANCE_MUST)}
 
 
-def _scaling_params(matrix: list[ScalingCase], tier: set[str]) -> list:
+def one_rank(axes: dict) -> dict:
+    """``axes`` with the world size fixed at one rank: the axes of a one-GPU node's tier."""
+    return {**axes, "world_size": [1]}
+
+
+# On a node with one GPU the engine tier runs at one rank (stage 0's static skip path among its
+# cells), in place of the two-rank cells but one per stage (consensus_cells).
+ONE_RANK_MUST = tuple({**cell, "world_size": 1} for cell in ACCEPTANCE_MUST)
+
+
+def engine_one_rank_tier() -> set[str]:
+    """The acceptance tier of a node with one GPU (``one_gpu_tier``): every pair of the values
+    of ``ACCEPTANCE_AXES`` other than the world size, at one rank: 12 cells."""
+    return {ScalingCase(**cell).id
+            for cell in pairwise(one_rank(ACCEPTANCE_AXES), must=ONE_RANK_MUST)}
+
+
+def consensus_cells() -> set[str]:
+    """The two-rank acceptance cells a node with one GPU keeps, and skips (GPUs>=2): overflow
+    consensus across ranks needs two ranks. The first two-rank cell of each stage in the
+    acceptance tier (stage 0's is ``ACCEPTANCE_MUST``'s): each stage agrees on an overflow in
+    code of its own."""
+    first: dict[int, str] = {}
+    for cell in pairwise(ACCEPTANCE_AXES, must=ACCEPTANCE_MUST):
+        if cell["world_size"] > 1:
+            first.setdefault(cell["stage"], ScalingCase(**cell).id)
+    return set(first.values())
+
+
+def _one_gpu_role(case: ScalingCase, tier: set[str], one_rank_tier: set[str],
+                  keep: set[str]) -> str | None:
+    if case.id in one_rank_tier:
+        return "tier"
+    if case.id in tier and case.world_size > 1 and case.id not in keep:
+        return "covered"
+    return None
+
+
+def _scaling_params(matrix: list[ScalingCase], tier: set[str],
+                    one_rank_tier: set[str] = frozenset(),
+                    keep: set[str] = frozenset()) -> list:
     """A ScalingCase matrix as pytest params on each accelerator: fp16 (and FusedAdam's op)
-    required, the cells outside ``tier`` marked slow (nightly)."""
+    required, the cells outside ``tier`` marked slow (nightly). On a node with one GPU the cuda
+    cells of ``one_rank_tier`` join the acceptance tier, in place of the two-rank cells of
+    ``tier`` but those of ``keep``."""
     params = []
     for accel in ACCELERATORS:
         for case in matrix:
             marks = [requires(fp16=True)]
             if case.optimizer == "fused_adam":
                 marks.append(requires(op="fused_adam"))
+            if case.id in keep:
+                marks.append(requires(two_ranks="overflow consensus across ranks"))
             params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
-                                     marks=marks, slow=case.id not in tier))
+                                     marks=marks, slow=case.id not in tier,
+                                     one_gpu=_one_gpu_role(case, tier, one_rank_tier, keep)))
     return params
 
 
@@ -405,10 +507,14 @@ def engine_call(case: ScalingCase, accelerator: str) -> RankCall:
                     accelerator=accelerator)
 
 
-@pytest.mark.parametrize("accelerator, case", _scaling_params(engine_matrix(), engine_tier()))
+@pytest.mark.parametrize("accelerator, case", _scaling_params(
+    engine_matrix(), engine_tier(), engine_one_rank_tier(), consensus_cells()))
 @batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]))
 def test_overflow_handling(accelerator: str, case: ScalingCase, request):
-    """LOSS-SCALE-4: every step MUST scale, skip and apply as the model says, on every rank."""
+    """LOSS-SCALE-4: every step MUST scale, skip and apply as the model says, on every rank.
+
+    A node with one GPU runs the one-rank tier and skips the two-rank cells of
+    ``consensus_cells`` (GPUs>=2): they need two ranks, for overflow consensus across ranks."""
     problems = check_engine_run(case, cell_results(request))
     assert not problems, (f"{accelerator}-{case.id} ({case.settings.describe()}, overflow "
                           f"pattern {_flags(list(case.pattern))}):\n  " + "\n  ".join(problems))
@@ -437,6 +543,13 @@ STEP_SIZE_AXES = {"stage": list(STAGES), "world_size": [2, 1], "scaler": ["h1", 
 def step_size_tier() -> set[str]:
     """The acceptance tier of LOSS-SCALE-7: every pair of ``STEP_SIZE_AXES`` values."""
     return {ScalingCase(**cell).id for cell in pairwise(STEP_SIZE_AXES)}
+
+
+def step_size_one_rank_tier() -> set[str]:
+    """The acceptance tier of LOSS-SCALE-7 on a node with one GPU: every pair of the values of
+    ``STEP_SIZE_AXES`` other than the world size, at one rank (the loss scale undone is the
+    same check there; the two-rank cells are left out)."""
+    return {ScalingCase(**cell).id for cell in pairwise(one_rank(STEP_SIZE_AXES))}
 
 
 def check_step_sizes(case: ScalingCase, results: list[dict], tol: Any
@@ -505,8 +618,8 @@ def _step_problem(cmp: Any, where: str) -> str:
             f"({tol.why})")
 
 
-@pytest.mark.parametrize("accelerator, case", _scaling_params(step_size_matrix(),
-                                                               step_size_tier()))
+@pytest.mark.parametrize("accelerator, case", _scaling_params(
+    step_size_matrix(), step_size_tier(), step_size_one_rank_tier()))
 @batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]))
 def test_applied_steps_match_fp32(accelerator: str, case: ScalingCase, profile, metrics,
                                   request):
@@ -529,9 +642,11 @@ def test_applied_steps_match_fp32(accelerator: str, case: ScalingCase, profile, 
 # ---------------------------------------------------------------------------------------------
 
 def _bf16_params() -> list:
-    """Acceptance (and CPU) tier: every stage on two ranks; one rank nightly."""
+    """Acceptance (and CPU) tier: every stage on two ranks, one rank nightly; a node with one
+    GPU runs every stage on one rank instead."""
     return [accel_cell(accel, stage, ws, id=f"z{stage}-ws{ws}", world_size=ws,
-                       marks=[requires(bf16=True)], slow=ws != 2)
+                       marks=[requires(bf16=True)], slow=ws != 2,
+                       one_gpu="tier" if ws == 1 else "covered")
             for accel in ACCELERATORS for stage in STAGES for ws in WORLD_SIZES]
 
 
@@ -602,7 +717,13 @@ def _curve_params() -> list:
                 # 2x200 steps take minutes on 2 CPU cores: the CPU runs them nightly only.
                 nightly = accel == "cpu" or (stage, dtype) not in CURVE_TIER
                 params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
-                                         marks=[requires(**{dtype: True})], slow=nightly))
+                                         marks=[requires(**{dtype: True})], slow=nightly,
+                                         one_gpu="covered" if not nightly else None))
+    # A node with one GPU runs the acceptance tier's curves on one rank (nightly elsewhere).
+    for stage, dtype in sorted(CURVE_TIER):
+        case = CurveCase(stage=stage, dtype=dtype, world_size=1)
+        params.append(accel_cell("cuda", case, id=case.id, world_size=1,
+                                 marks=[requires(**{dtype: True})], slow=True, one_gpu="tier"))
     return params
 
 

@@ -73,6 +73,7 @@ from suites import onebit_ranks
 from suites.onebit_ranks import OnebitRun
 
 CAPABILITY = "onebit"
+pytestmark = requires(two_ranks="1-bit optimizers compress an allreduce between ranks")
 TIMEOUT_S = 300
 STEPS = 200
 FREEZE_STEP = 40

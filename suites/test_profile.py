@@ -17,6 +17,7 @@ from dsconform.suite import (
     GIB,
     external_rendezvous,
     gpu_health,
+    neighbours,
     usable_cpu_cores,
     usable_memory_bytes,
     versions,
@@ -91,6 +92,47 @@ def test_gpus_free_at_start(profile, node):
             if used > IDLE_GPU_MEMORY_GIB * GIB]
     assert not busy, (f"GPUs held by other processes before the run started (more than "
                       f"{IDLE_GPU_MEMORY_GIB:g} GiB): {'; '.join(busy)}")
+
+
+@pytest.mark.gpu
+def test_no_neighbour_at_start(profile, node):
+    """PROF-GPU-8: No other process MAY compute on a GPU when the run starts, and every GPU MUST
+    be idle then (a neighbour holding little memory still halves every measurement). Read
+    from NVML before this run created any CUDA context: the running compute processes, and
+    each GPU's utilization sampled idle."""
+    _promised(profile.gpu_count, "gpus.count", profile)
+    if not node.utilization_at_start:
+        pytest.fail("NVML could not be read at the start of the run: whether another process "
+                    "computes on the GPUs is unknown", pytrace=False)
+    bus = [gpu_health.canonical_bus_id(b) or b for b in node.hardware.bus_ids]
+    others = neighbours.neighbours(node.compute_at_start,
+                                   neighbours.own_pids(neighbours.run_root()))
+    found = [f"GPU {p.gpu}{f' ({bus[p.gpu]})' if p.gpu < len(bus) else ''}: {p.describe()}"
+             for p in others]
+    found += [f"GPU {i}{f' ({bus[i]})' if i < len(bus) else ''}: {pct}% utilization while "
+              f"this run had not started on it" for i, pct in
+              neighbours.busy_at_start(node.utilization_at_start)]
+    assert not found, ("another process computes on the GPUs this run measures (it takes "
+                       "their time, and every floor with it):\n  " + "\n  ".join(found))
+
+
+@pytest.mark.gpu
+@pytest.mark.run_last
+def test_no_neighbour_during_the_run(profile, node, run):
+    """PROF-GPU-9: No other process MAY compute on a GPU while the run runs: NVML's running
+    compute processes, polled every second from the start, list only this run's own."""
+    _promised(profile.gpu_count, "gpus.count", profile)
+    watch = run.neighbours
+    if watch is None:
+        pytest.fail("the GPUs were not watched during the run", pytrace=False)
+    seen = watch.found()
+    if watch.polls == 0:
+        pytest.fail(f"NVML's compute processes could not be read during the run: "
+                    f"{watch.why or 'no poll completed'}", pytrace=False)
+    assert not seen, (f"other processes computed on the GPUs during the run ({watch.polls} "
+                      f"polls):\n  " + "\n  ".join(
+                          s.describe([gpu_health.canonical_bus_id(b) or b
+                                      for b in node.hardware.bus_ids]) for s in seen))
 
 
 @pytest.mark.gpu

@@ -12,7 +12,10 @@ fp32 SGD bit for bit; bf16 and fp16 also the whole update (final minus initial p
 one vector) within a norm-relative bound and with a gain within 1% of DDP's. The semantics are
 pinned by ``dsconform.checks.dsconfig.ds_config`` (gradient_clipping 0, Adam not AdamW, no weight
 decay, static fp16 loss scale), and DeepSpeed's own defaults MUST be the ones the suite assumes,
-so an upgrade that moves one is named.
+so an upgrade that moves one is named. Beside the matrix, the Adam-with-L2 cells
+(``z2-off_opt-fp32-cpu_adam_l2-gas1-ws2``) train ZeRO-Offload's DeepSpeedCPUAdam in Adam mode
+with weight decay 0.01, an L2 term of the gradient, against torch Adam(weight_decay=0.01), on
+every offload placement.
 
 Upstream: https://www.deepspeed.ai/tutorials/zero/ ,
 https://www.deepspeed.ai/tutorials/zero-offload/ , https://www.deepspeed.ai/docs/config-json/ ,
@@ -40,6 +43,7 @@ from dsconform.suite import (
     accel_params,
     batched,
     cell_results,
+    clip_problems,
     compare_rank_results,
     defaults_mismatches,
     pairwise,
@@ -51,7 +55,7 @@ from dsconform.suite import (
     train_zero_and_ddp,
     zero_check_name,
 )
-from suites.zero_ranks import matrix, read_effective_defaults
+from suites.zero_ranks import l2_matrix, matrix, read_effective_defaults
 
 CAPABILITY = "zero"
 # Per call. DeepSpeed's FusedAdam/CPU Adam JIT-build inside the first call that uses them
@@ -141,16 +145,62 @@ def _world_sizes(accel: str, gpus: int) -> tuple:
     return (1, 2, "all") if gpus > 2 else (1, 2)
 
 
+def one_rank_tier(cases: list[ZeroCase]) -> list[ZeroCase]:
+    """The acceptance tier of a node with one GPU (``one_gpu_tier``): ``gpu_tier`` over the
+    one-rank cells, so every pair of the other axes' values, every known-issue cell and every
+    tolerance entry runs at one rank. ZeRO against DDP means as much there (the optimizer
+    wrappers, offload, mixed precision, accumulation); the two-rank acceptance cells it stands
+    for are left out on such a node (``covered_on_one_gpu``). What only two ranks show,
+    partition padding across ranks, is ZERO-EQ-2."""
+    return gpu_tier([c for c in cases if c.world_size == 1])
+
+
+def _one_gpu_role(case: ZeroCase, tier: set[int], one_rank: set[int]) -> str | None:
+    if id(case) in one_rank:
+        return "tier"
+    return "covered" if id(case) in tier and case.world_size != 1 else None
+
+
 def _matrix_params(gpus: int) -> list:
     params = []
     for accel in ACCELERATORS:
         cases = matrix(world_sizes=_world_sizes(accel, gpus))
         tier = set(map(id, gpu_tier(cases))) if accel == "cuda" else set()
+        one_rank = set(map(id, one_rank_tier(cases))) if accel == "cuda" else set()
         for case in cases:
             in_tier = in_cpu_tier(case) if accel == "cpu" else id(case) in tier
             params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
-                                     marks=_needs(case), slow=not in_tier))
+                                     marks=_needs(case), slow=not in_tier,
+                                     one_gpu=_one_gpu_role(case, tier, one_rank)))
+        params += _l2_params(accel, gpus)
     return params
+
+
+def in_l2_tier(case: ZeroCase, accel: str) -> bool:
+    """The Adam-with-L2 cells' tiers, apart from the matrix's: CPU one cell (ZeRO-2, optimizer
+    offloaded, fp32, 2 ranks); GPUs every offload placement in fp32 at 1 and 2 ranks, and bf16
+    and fp16 once each. The rest is nightly."""
+    cell = (case.stage, case.offload, case.dtype, case.world_size)
+    if accel == "cpu":
+        return cell == (2, "opt", "fp32", 2)
+    return (case.dtype == "fp32" and case.world_size in (1, 2)) or cell in {
+        (3, "param+opt", "bf16", 2), (2, "opt", "fp16", 2)}
+
+
+def _l2_one_gpu_role(case: ZeroCase, accel: str) -> str | None:
+    """A node with one GPU runs the one-rank twin of every two-rank cell of the L2 tier in its
+    place."""
+    if accel != "cuda" or case.world_size not in (1, 2):
+        return None
+    if case.world_size == 1:
+        return "tier" if in_l2_tier(case.with_(world_size=2), accel) else None
+    return "covered" if in_l2_tier(case, accel) else None
+
+
+def _l2_params(accel: str, gpus: int) -> list:
+    return [accel_cell(accel, case, id=case.id, world_size=case.world_size, marks=_needs(case),
+                       slow=not in_l2_tier(case, accel), one_gpu=_l2_one_gpu_role(case, accel))
+            for case in l2_matrix(world_sizes=_world_sizes(accel, gpus))]
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -207,11 +257,15 @@ WIDTHS = st.one_of(st.sampled_from([1, 53, 64]), st.integers(min_value=2, max_va
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("accelerator", accel_params(2))
+@requires(two_ranks="ZeRO pads each partition across ranks")
 @given(width=WIDTHS, seed=st.integers(min_value=0, max_value=2**31 - 1),
        lr=st.floats(min_value=1e-3, max_value=0.2, allow_nan=False, allow_infinity=False))
 def test_zero_partition_padding(accelerator: str, stage: int, width: int, seed: int, lr: float,
                                 profile):
-    """ZERO-EQ-2: fp32 SGD on 2 ranks MUST stay bit-exact with DDP for any width, seed and lr."""
+    """ZERO-EQ-2: fp32 SGD on 2 ranks MUST stay bit-exact with DDP for any width, seed and lr.
+
+    Needs two ranks: partitions are padded only where a tensor is split across ranks, so a
+    node with one GPU skips it (GPUs>=2)."""
     # Drawn here, in the parent: every rank gets the same example.
     case = ZeroCase(stage=stage, dtype="fp32", optimizer="sgd", grad_accum=1, world_size=2,
                     width=width, seed=seed, lr=lr, steps=5)
@@ -233,3 +287,65 @@ def test_effective_defaults(facts):
         f"DeepSpeed {deepspeed.__version__} changed defaults the suite assumes "
         f"(dsconform/checks/dsconfig.py ASSUMED_DEFAULTS); configs built by ds_config pin them, "
         f"user configs that omit them now train differently:\n  " + "\n  ".join(mismatches))
+
+
+# ------------------------------------------------------------------ gradient clipping
+
+#: Clips about half the steps of the suite's data: its global gradient norms run 0.31-0.57 over
+#: the 20 steps (2 ranks, fp32 SGD); DeepSpeed's default 1.0 never clips there.
+CLIP = 0.4
+
+
+def clip_matrix(world_sizes: tuple[int, ...]) -> list[ZeroCase]:
+    """Every stage and offload placement, fp32 and bf16, SGD (torch Adam where the optimizer
+    is offloaded: DeepSpeed's CPU Adam), one accumulation step, with clipping on."""
+    return [c.with_(clip=CLIP) for c in matrix(world_sizes=world_sizes)
+            if c.grad_accum == 1 and c.dtype in ("fp32", "bf16")
+            and c.optimizer == ("cpu_adam" if c.offload_optimizer else "sgd")]
+
+
+#: The acceptance cells: one per stage, at two ranks (the norm across partitions) and, on a node
+#: with one GPU, their one-rank twins.
+CLIP_TIER = {(0, "none", "fp32"), (1, "opt", "bf16"), (2, "none", "bf16"), (3, "param+opt", "fp32")}
+CLIP_CPU_TIER = {(0, "none", "fp32", 2), (2, "none", "fp32", 2), (3, "none", "fp32", 2),
+                 (2, "opt", "fp32", 2)}
+
+
+def _clip_params() -> list:
+    params = []
+    for accel in ACCELERATORS:
+        for case in clip_matrix((1, 2)):
+            cell = (case.stage, case.offload, case.dtype)
+            if accel == "cpu":
+                in_tier, role = cell + (case.world_size,) in CLIP_CPU_TIER, None
+            else:
+                in_tier = cell in CLIP_TIER and case.world_size == 2
+                role = ("covered" if in_tier else "tier" if cell in CLIP_TIER
+                        and case.world_size == 1 else None)
+            params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
+                                     marks=_needs(case), slow=not in_tier, one_gpu=role))
+    return params
+
+
+@pytest.mark.parametrize("accelerator, case", _clip_params())
+@batched(_plan)
+def test_zero_clipping_matches_ddp(accelerator: str, case: ZeroCase, profile, metrics, facts,
+                                   request):
+    """ZERO-CLIP-1: with gradient clipping on, ZeRO MUST clip by the global norm over every
+    partition of every rank (offloaded ones too) as DDP's clip_grad_norm_ does over the full
+    gradient: the same norm each step, and DDP's losses, gradients and parameters."""
+    results = cell_results(request)
+    cmp = compare_rank_results(results, tolerance("zero_clip", case.dtype, case.optimizer,
+                                                  profile.tolerances, accelerator=accelerator),
+                               label=f"{accelerator}-{case.id}")
+    record_zero_comparison(metrics, cmp, case, accelerator)
+    norm_tol = tolerance("zero_clip_norm", case.dtype, case.optimizer, profile.tolerances,
+                         accelerator=accelerator)
+    problems, clipped, worst = clip_problems(results, case, norm_tol.rtol)
+    facts.record("zero.clipped_steps", clipped)
+    metrics.record("zero.clip_norm_rel_diff", worst, unit="1", better="lower",
+                   **case.params(), accelerator=accelerator, rtol=norm_tol.rtol)
+    assert not problems, (f"{accelerator}-{case.id}: gradient clipping at {case.clip:g} "
+                          f"({clipped} of {case.steps} steps clip):\n  " + "\n  ".join(problems)
+                          + f"\n  tolerance: {norm_tol}")
+    cmp.assert_ok()

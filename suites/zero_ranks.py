@@ -36,6 +36,25 @@ def matrix(world_sizes: tuple[int | str, ...] = (1, 2)) -> list[ZeroCase]:
             for ws in world_sizes]
 
 
+# Adam with L2 weight decay: ZeRO-Offload's ``"type": "Adam"`` with ``"weight_decay"`` and
+# adam_w_mode false runs DeepSpeedCPUAdam's Adam mode, the decay added to the gradient; DDP's
+# reference is torch Adam(weight_decay=...). 0.01 is torch AdamW's default decay.
+L2_WEIGHT_DECAY = 0.01
+
+
+def l2_matrix(world_sizes: tuple[int | str, ...] = (1, 2)) -> list[ZeroCase]:
+    """The Adam-with-L2 cells (``...-cpu_adam_l2-...``): DeepSpeedCPUAdam on every ZeRO-Offload
+    placement (stages 1-3 with the optimizer offloaded, stage 3 with the parameters too), fp32,
+    bf16 and fp16, one micro-batch per step, beside the matrix (whose cells carry no decay)."""
+    return [ZeroCase(stage=stage, dtype=dtype, optimizer="cpu_adam", grad_accum=1,
+                     world_size=ws, offload_optimizer=True, offload_param=off_param,
+                     weight_decay=L2_WEIGHT_DECAY)
+            for stage, offloads in ZERO_OFFLOADS.items()
+            for off_opt, off_param in offloads if off_opt
+            for dtype in ("fp32", "bf16", "fp16")
+            for ws in world_sizes]
+
+
 def read_effective_defaults() -> dict[str, Any]:
     """Rank entry point (world size 1): what DeepSpeed does when a config says nothing.
 
@@ -101,5 +120,44 @@ def read_effective_defaults() -> dict[str, Any]:
                                    "zero_optimization": {"stage": 1}}).zero_config
     for key in ("zero_quantized_weights", "zero_quantized_gradients"):
         found[f"zero.{key}"] = getattr(zero, key)
+    found.update(_zero_defaults())
     gc.collect()
+    return found
+
+
+# The zero_optimization keys that change what a checkpoint holds or restores, or what is reduced
+# and gathered and how (deepspeed/runtime/zero/config.py). overlap_comm's default depends on the
+# stage (true on stage 3 only): it is read per stage.
+ZERO_STATE_KEYS = (
+    "load_from_fp32_weights", "elastic_checkpoint", "gather_16bit_weights_on_model_save",
+    "pipeline_loading_checkpoint", "legacy_stage1", "sub_group_size",
+    "param_persistence_threshold", "model_persistence_threshold", "parameter_alignment",
+    "reduce_scatter", "reduce_bucket_size", "use_multi_rank_bucket_allreduce",
+    "allgather_partitions", "allgather_bucket_size", "contiguous_gradients",
+    "round_robin_gradients", "compute_grad_norm", "zero_hpz_partition_size",
+    "zero_quantized_nontrainable_weights", "use_all_reduce_for_fetch_params",
+    "allgather_sequential", "ignore_unused_parameters")
+# Keys a supported release (0.19.6) does not have yet, and what that release does without them:
+# it always computes the gradient norm and never pads parameters to alignment.
+ZERO_KEYS_ADDED = {"compute_grad_norm": True, "parameter_alignment": False}
+
+
+def _zero_defaults() -> dict[str, Any]:
+    """What DeepSpeed's parsed zero_optimization section holds for ZERO_STATE_KEYS when a config
+    gives only the stage, and the offloaded optimizer's share of the work when it gives only the
+    device."""
+    from deepspeed.runtime import config as ds_cfg
+
+    def parsed(zero: dict[str, Any]) -> Any:
+        return ds_cfg.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1,
+                                       "zero_optimization": zero}).zero_config
+
+    found: dict[str, Any] = {}
+    by_stage = {stage: parsed({"stage": stage}) for stage in (1, 2, 3)}
+    for key in ZERO_STATE_KEYS:
+        found[f"zero.{key}"] = getattr(by_stage[1], key, ZERO_KEYS_ADDED.get(key, "<missing>"))
+    for stage, zero in by_stage.items():
+        found[f"zero.stage{stage}.overlap_comm"] = zero.overlap_comm
+    offloaded = parsed({"stage": 2, "offload_optimizer": {"device": "cpu"}}).offload_optimizer
+    found["zero.offload_optimizer.ratio"] = offloaded.ratio
     return found

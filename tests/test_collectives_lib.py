@@ -415,7 +415,7 @@ def test_waits_are_held_to_the_threshold_only_where_a_call_is_long_enough():
     for per_call, held in ((4e-5, False), (1e-3, True)):
         point = {"bytes": MIB, "seconds": [per_call] * 3,
                  "inside": [[per_call] * 3, [per_call * 0.2] * 3],  # rank 1 arrives late
-                 "wrong": [0, 0]}
+                 "wrong": [0, 0], "wrong_ds": [0, 0]}
         metrics = MetricsRecorder("t", "collectives", lambda m: None)
         record_point(metrics, "all_reduce", point, ids, 20.0, bytes=MIB)
         waits = [m for m in metrics.recorded if m.name == "all_reduce.waited_for_pct"]

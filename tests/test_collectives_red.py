@@ -64,7 +64,8 @@ def test_one_wrong_element_fails_naming_rank_collective_dtype_size_index(collect
     assert m.found == m.expected + 1
     text = m.describe()
     assert text.startswith(f"{collective} {dtype} numel=53 (")
-    assert f"rank 1 on rank 1 (cpu): element 17 is {m.found:g}, expected {m.expected:g}" in text
+    assert f"rank 1 on rank 1 (cpu): element 17 is {m.found:.9g}, expected {m.expected:.9g}" \
+           in text
 
 
 @pytest.mark.parametrize("collective, dtype, narrow", [

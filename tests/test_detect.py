@@ -81,10 +81,34 @@ def test_auto_select_picks_shipped_or_detected():
     assert p.name == "h200-x2" and "matches shipped" in how
     p, how = auto_select(fake_node(0))
     assert p.name == "cpu-ci"
-    p, how = auto_select(fake_node(4))
-    assert p.name == "detected-h200-x4" and "no floors" in how and not p.nccl_floors
     p, _ = auto_select(fake_node(8, "NVIDIA H100 80GB HBM3", mem=81559 << 20))
     assert p.name == "h100-x8"
+
+
+def test_auto_composes_a_catalogued_model_with_its_floors_and_the_ops_training_needs():
+    """A node of a catalogued model that no shipped profile describes gets the model's floors
+    (and says which entry), never a profile without floors; the ops training needs on a GPU
+    node are promised (async_io only where libaio is there, gds only with nvidia-fs)."""
+    from dsconform.profile import catalogue
+    node = fake_node(4)
+    node.libaio = True
+    p, how = auto_select(node)
+    h200 = catalogue.shipped()["h200"]
+    assert p.name == "auto-h200-x4" and p.source == "catalogue:h200" and p.gpu_catalogue == "h200"
+    assert "h200 (NVIDIA H200)" in how and "no floors" not in how
+    assert (p.matmul_bf16_tflops, p.matmul_fp16_tflops, p.hbm_gbps, p.h2d_gbps, p.d2h_gbps) == \
+        tuple(h200.floor(f) for f in catalogue.FLOOR_FIELDS)
+    assert p.ops == ("fused_adam", "cpu_adam", "async_io") and not p.nccl_floors
+    node.libaio, node.nvidia_fs = False, True
+    assert auto_select(node)[0].ops == ("fused_adam", "cpu_adam", "gds")
+
+
+def test_auto_keeps_the_detected_profile_for_a_model_not_in_the_catalogue():
+    p, how = auto_select(fake_node(2, "NVIDIA RTX 6000 Ada Generation", cc="8.9"))
+    assert p.name == "detected-rtx-6000-ada-generation-x2" and "no floors" in how
+    assert p.matmul_bf16_tflops is None and p.hbm_gbps is None
+    assert p.ops == ("fused_adam", "cpu_adam")  # what training needs, whatever the model
+    assert auto_select(fake_node(0))[0].ops != ()  # cpu-ci names what CI builds
 
 
 def test_rendezvous_nodes():
@@ -174,10 +198,10 @@ def test_auto_is_not_self_fulfilling_on_a_broken_node(monkeypatch):
 
 
 def test_detected_fallback_promises_the_hardware_count():
-    """A 4-GPU node matches no shipped profile; with 3 usable its detected profile still
+    """A 4-GPU node matches no shipped profile; with 3 usable its composed profile still
     promises 4, so the promise test fails instead of passing what is left."""
     p, how = auto_select(broken_node(4, 3))
-    assert p.source == "detected" and p.gpu_count == 4 and p.name == "detected-h200-x4"
+    assert p.source == "catalogue:h200" and p.gpu_count == 4 and p.name == "auto-h200-x4"
     assert "no shipped profile matches (4x NVIDIA H200 present (nvml), 3 usable)" in how
     p = roundtrip(broken_node(2, 0))  # torch sees none: the hardware's model is promised
     assert (p.gpu_count, p.gpu_model) == (2, "NVIDIA H200")

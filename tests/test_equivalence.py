@@ -393,14 +393,16 @@ def test_profile_override_of_the_whole_update_bounds():
 
 def test_every_low_precision_zero_entry_bounds_the_whole_update():
     for (check, dtype, _opt), entry in tolerances.TABLE.items():
-        if check in ("zero", "zero_accum", "zero_infinity") and dtype in ("bf16", "fp16"):
+        if check in ("zero", "zero_accum", "zero_infinity", "zero_clip") \
+                and dtype in ("bf16", "fp16"):
             for accel, tol in entry.items():
                 assert tol.update is not None and tol.gain is not None, (check, dtype, accel)
                 assert tol.gain <= 0.01 and "gain" in tol.why, (check, dtype, accel)
         elif check == "loss_scaling":  # whole-update bounds only (check_step_sizes)
             for tol in entry.values():
                 assert tol.update is not None and tol.gain is not None and tol.gain <= 0.01
-        elif dtype == "fp32" or check not in ("zero", "zero_accum", "zero_infinity"):
+        elif dtype == "fp32" or check not in ("zero", "zero_accum", "zero_infinity",
+                                              "zero_clip"):
             for tol in entry.values():
                 assert tol.update is None and tol.gain is None
 

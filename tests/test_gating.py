@@ -28,6 +28,14 @@ def test_unpromised_need_skips_with_found_values():
     assert v.skip_reason == "Requires: [GPUs>=2 (found 1)]"
 
 
+def test_a_check_that_needs_two_ranks_by_nature_says_why_it_skips():
+    one = Profile(name="x", source="t", gpu_count=1)
+    v = verdict({"min_gpus": 2, "two_ranks": "a collective runs between ranks"}, fake_node(1), one)
+    assert v.skip_reason == ("Requires: [GPUs>=2 (found 1; needs two ranks by nature: a "
+                             "collective runs between ranks)]")
+    assert verdict({"min_gpus": 1, "two_ranks": "x"}, fake_node(1), one).ok  # one-rank cells run
+
+
 def test_only_unmet_conditions_are_listed():
     v = verdict({"min_gpus": 1, "bf16": True, "nccl": "2.30"}, fake_node(2), H200X2)
     assert v.skip_reason == "Requires: [NCCL>=2.30 (found 2.28.9)]"

@@ -1,5 +1,6 @@
-"""The collectives as ranks run them: exact results on known data through deepspeed.comm
-(``check_exact``), and timed back-to-back calls through torch.distributed (``measure``).
+"""The collectives as ranks run them: exact results on known data through deepspeed.comm, the
+API training uses, and torch.distributed beside it (``check_exact``), and timed back-to-back
+calls through torch.distributed whose output is then checked through both (``measure``).
 
 Shared by suites/test_collectives.py (one node) and suites/test_multinode.py (across nodes); every
 function runs inside the ranks (module-level: picklable by reference), on real collectives (gloo
@@ -10,7 +11,7 @@ tests, off by default:
   deepspeed.comm call for size m returns its output with element i off by one (a wrapper around
   the real call); ``{"rank": r, "numel": m, "narrow": "bf16"}`` rounds it through bf16 instead.
 - ``measure(..., delay_rank=r, delay_s=d)``: rank r sleeps d seconds before every call it starts
-  (it arrives late); ``partial_rank=r``: the output of rank r's checked call has its last
+  (it arrives late); ``partial_rank=r``: the output of rank r's checked calls has its last
   quarter zeroed (a collective that did only part of the work).
 """
 
@@ -87,6 +88,17 @@ def _ds_calls() -> dict[str, Callable]:
             "all_to_all": dc.all_to_all_single}
 
 
+def _torch_calls() -> dict[str, Callable]:
+    """The torch.distributed calls beneath them, with the same arguments."""
+    return {"all_reduce": dist.all_reduce, "all_gather": dist.all_gather_into_tensor,
+            "reduce_scatter": dist.reduce_scatter_tensor, "broadcast": dist.broadcast,
+            "all_to_all": dist.all_to_all_single}
+
+
+#: The APIs an exactness check can go through, by the name its messages give them.
+APIS = {"deepspeed.comm": _ds_calls, "torch.distributed": _torch_calls}
+
+
 def _run_exact(collective: str, case: Any, dtype: torch.dtype, call: Callable,
                dev: torch.device) -> torch.Tensor:
     inp = case.as_float(case.input, dtype)
@@ -107,26 +119,30 @@ def _run_exact(collective: str, case: Any, dtype: torch.dtype, call: Callable,
 
 
 def check_exact(collective: str, dtype: str, sizes: Sequence[int],
-                perturb: dict[str, int] | None = None) -> dict[str, Any]:
-    """Run ``collective`` through deepspeed.comm on known data at every size; this rank's
-    identity and the mismatches it saw (every size runs on every rank, so no rank is left
-    waiting in a collective when another one found a wrong value)."""
+                perturb: dict[str, int] | None = None,
+                apis: Sequence[str] = ("deepspeed.comm",)) -> dict[str, Any]:
+    """Run ``collective`` on known data at every size through each of ``apis`` (``APIS``: the
+    fault injection acts on the deepspeed.comm call only); this rank's identity and the
+    mismatches it saw (every size runs on every rank, so no rank is left waiting in a
+    collective when another one found a wrong value)."""
     dev, n, me = device(), world(), rank()
     mismatches = []
     for numel in sizes:
-        call = _ds_calls()[collective]
-        if perturb and perturb["rank"] == me and perturb["numel"] == numel:
-            call = (_narrowed(call, DTYPES[perturb["narrow"]]) if "narrow" in perturb
-                    else _with_fault(call, perturb["index"]))
-        case = collectives.exact_case(collective, me, n, numel, dev, dtype)
-        out = _run_exact(collective, case, DTYPES[dtype], call, dev)
-        found = collectives.find_mismatch(out, case.as_float(case.expected, DTYPES[dtype]))
-        if found is not None:
-            index, expected, value, wrong = found
-            mismatches.append(dict(collective=collective, dtype=dtype, numel=numel, rank=me,
-                                   index=index, expected=expected, found=value, wrong=wrong,
-                                   total=out.numel(), layout=case.layout))
-        del out, case
+        for api in apis:
+            call = APIS[api]()[collective]
+            if api == "deepspeed.comm" and perturb and perturb["rank"] == me \
+                    and perturb["numel"] == numel:
+                call = (_narrowed(call, DTYPES[perturb["narrow"]]) if "narrow" in perturb
+                        else _with_fault(call, perturb["index"]))
+            case = collectives.exact_case(collective, me, n, numel, dev, dtype)
+            out = _run_exact(collective, case, DTYPES[dtype], call, dev)
+            found = collectives.find_mismatch(out, case.as_float(case.expected, DTYPES[dtype]))
+            if found is not None:
+                index, expected, value, wrong = found
+                mismatches.append(dict(collective=collective, dtype=dtype, numel=numel, rank=me,
+                                       index=index, expected=expected, found=value, wrong=wrong,
+                                       total=out.numel(), layout=case.layout, api=api))
+            del out, case
     return {"identity": identity(), "mismatches": mismatches}
 
 
@@ -160,6 +176,16 @@ def _op(collective: str, nbytes: int,
         buf = torch.empty(count, dtype=torch.float32, device=dev)
         return buf, buf, lambda: dist.broadcast(buf, src=0)
     raise ValueError(f"unknown collective {collective!r}")
+
+
+def _ds_op(collective: str, inp: torch.Tensor, out: torch.Tensor) -> Callable:
+    """The same call as ``_op``'s on the same buffers, through deepspeed.comm (``_ds_calls``)."""
+    call = _ds_calls()[collective]
+    if collective == "all_reduce":
+        return lambda: call(inp)
+    if collective == "broadcast":
+        return lambda: call(inp, src=0)
+    return lambda: call(out, inp)
 
 
 def _wrong_after_one_call(collective: str, inp: torch.Tensor, out: torch.Tensor,
@@ -220,7 +246,8 @@ def measure(collective: str, points: Sequence[tuple[int, int]], rounds: int = 3,
             warmup: int = 5, delay_rank: int | None = None,
             delay_s: float = 0.0, partial_rank: int | None = None) -> dict[str, Any]:
     """For each (bytes, iters) point: ``rounds`` rounds of ``iters`` back-to-back calls, then
-    one call on known data whose output is checked (``wrong[r]``: rank r's wrong elements).
+    one call on known data whose output is checked (``wrong[r]``: rank r's wrong elements), and
+    the same call through deepspeed.comm, checked the same way (``wrong_ds[r]``).
 
     ``seconds[k]``: round k's time per call, the slowest rank's (as in nccl-tests, the job is
     as fast as its slowest rank), the same on every rank. ``inside[r][k]``: the time per call
@@ -253,7 +280,10 @@ def measure(collective: str, points: Sequence[tuple[int, int]], rounds: int = 3,
             seconds.append(float(elapsed.item()))
             inside.append(timer.total() / iters)
         wrong = _wrong_after_one_call(collective, buf, result, op, rank() == partial_rank)
+        wrong_ds = _wrong_after_one_call(collective, buf, result,
+                                         _ds_op(collective, buf, result), rank() == partial_rank)
         del buf, result, op, timer
         out.append({"bytes": nbytes, "iters": iters, "seconds": seconds,
-                    "inside": gather(inside), "wrong": gather(wrong)})
+                    "inside": gather(inside), "wrong": gather(wrong),
+                    "wrong_ds": gather(wrong_ds)})
     return {"identities": gather(identity()), "points": out, "world_size": world()}

@@ -245,12 +245,16 @@ class Mismatch:
     total: int       # output elements
     layout: str = ""
     where: str = ""  # the rank's device, e.g. "GPU 1 (PCI 0000:2a:00.0)"
+    api: str = "deepspeed.comm"  # what the collective was called through
 
     def describe(self) -> str:
+        """One line; values with 9 significant digits, enough to tell any two fp32 (and so
+        bf16 and fp16) values apart, and the difference itself."""
         at = f" on {self.where}" if self.where else ""
         return (f"{self.collective} {self.dtype} numel={self.numel} ({self.layout}): rank "
-                f"{self.rank}{at}: element {self.index} is {self.found:g}, expected "
-                f"{self.expected:g} ({self.wrong} of {self.total} elements wrong)")
+                f"{self.rank}{at}: element {self.index} is {self.found:.9g}, expected "
+                f"{self.expected:.9g} ({self.wrong} of {self.total} elements wrong), off by "
+                f"{self.found - self.expected:+.9g}, through {self.api}")
 
 
 def find_mismatch(found: Any, expected: Any) -> tuple[int, float, float, int] | None:
@@ -274,14 +278,16 @@ def mismatches_from_ranks(per_rank: Sequence[Sequence[Mapping[str, Any]]]) -> li
 
 
 def wrong_output_message(collective: str, nbytes: int, wrong: Sequence[int],
-                         who: Sequence[str]) -> str:
+                         who: Sequence[str], api: str | None = None) -> str:
     """The failure of a timed bandwidth point whose checked call (every rank's input rank + 1)
-    returned wrong elements (``wrong[r]`` on the rank named ``who[r]``); "" when none did."""
+    returned wrong elements (``wrong[r]`` on the rank named ``who[r]``), called through ``api``
+    where given; "" when none did."""
     bad = [f"{name}: {count} elements" for name, count in zip(who, wrong) if count]
     if not bad:
         return ""
-    return (f"{collective} at {nbytes} bytes returned wrong values after the timed calls "
-            f"(input rank + 1 on every rank): " + ", ".join(bad))
+    through = f" through {api}" if api else ""
+    return (f"{collective} at {nbytes} bytes returned wrong values{through} after the timed "
+            f"calls (input rank + 1 on every rank): " + ", ".join(bad))
 
 
 def exactness_message(mismatches: Sequence[Mismatch]) -> str:

@@ -12,10 +12,12 @@ Upstream reference: https://www.deepspeed.ai/docs/config-json/
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dsconform.checks.schedules import SCHEDULES, Schedule
 from dsconform.storage.nvme import AioSettings
 
 STAGES = (0, 1, 2, 3)
@@ -98,6 +100,10 @@ class DsSettings:
     lr_warmup_steps: int = 0
     checkpoint_writer: str | None = None
     load_universal: bool = False
+    # The "scheduler" section as a user writes it: one of dsconform.checks.schedules' dataclasses
+    # (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle), every parameter written out; None adds
+    # none (lr_warmup_steps may add the checkpoint suite's WarmupLR instead).
+    scheduler: Schedule | None = None
 
 
 def _validate_onebit(s: DsSettings) -> None:
@@ -248,6 +254,12 @@ def _validate_checkpoint(s: DsSettings) -> None:
               f"below it DeepSpeed's writer splits files load_checkpoint cannot read")
     if not isinstance(s.load_universal, bool):
         _fail("load_universal", s.load_universal, "must be True or False")
+    if s.scheduler is not None and not isinstance(s.scheduler, tuple(SCHEDULES.values())):
+        _fail("scheduler", s.scheduler, f"must be one of dsconform.checks.schedules' "
+              f"{', '.join(SCHEDULES)} (or None)")
+    if s.scheduler is not None and s.lr_warmup_steps:
+        _fail("scheduler", s.scheduler, f"lr_warmup_steps={s.lr_warmup_steps} adds a scheduler "
+              f"too: give one of them")
 
 
 def _validate_nvme(s: DsSettings) -> None:
@@ -371,6 +383,8 @@ def ds_config(**kwargs: Any) -> dict[str, Any]:
         cfg["scheduler"] = {"type": "WarmupLR", "params": {
             "warmup_min_lr": 0.0, "warmup_max_lr": s.lr, "warmup_num_steps": s.lr_warmup_steps,
             "warmup_type": "linear"}}
+    if s.scheduler is not None:
+        cfg["scheduler"] = s.scheduler.section()
     if s.checkpoint_writer or s.load_universal:
         checkpoint: dict[str, Any] = {"load_universal": s.load_universal}
         if s.checkpoint_writer == "fast":
@@ -437,6 +451,44 @@ ASSUMED_DEFAULTS: dict[str, Any] = {
     "bf16.check_grad_overflow": True,
     "zero.zero_quantized_weights": False,
     "zero.zero_quantized_gradients": False,
+    # zero_optimization keys that change what a checkpoint holds or restores (suites/
+    # zero_ranks.py ZERO_STATE_KEYS): a load initialises the fp32 masters from the checkpoint's
+    # fp32 copies, not from the 16-bit weights; no legacy elastic layout; no 16-bit consolidation
+    # at save; stage 3's optimizer sub-groups, the parameters small enough to stay whole, and no
+    # alignment padding in the flat buffers of stages 1 and 2.
+    "zero.load_from_fp32_weights": True,
+    "zero.elastic_checkpoint": False,
+    "zero.gather_16bit_weights_on_model_save": False,
+    "zero.pipeline_loading_checkpoint": False,
+    "zero.legacy_stage1": False,
+    "zero.sub_group_size": 1_000_000_000,
+    "zero.param_persistence_threshold": 100_000,
+    "zero.model_persistence_threshold": sys.maxsize,
+    "zero.parameter_alignment": False,
+    # ...and what is reduced and gathered, and how: reduce-scatter into buckets of 5e8 elements,
+    # the ranks' buckets combined into one all-reduce, partitions all-gathered (not broadcast),
+    # gradients copied to a contiguous buffer, no round-robin partitioning of offloaded
+    # gradients, the global norm computed, no hierarchical (hpZ) partitions, no quantized frozen
+    # weights, stage 3 fetching by all-gather, in buckets, unused parameters ignored.
+    "zero.reduce_scatter": True,
+    "zero.reduce_bucket_size": 500_000_000,
+    "zero.use_multi_rank_bucket_allreduce": True,
+    "zero.allgather_partitions": True,
+    "zero.allgather_bucket_size": 500_000_000,
+    "zero.contiguous_gradients": True,
+    "zero.round_robin_gradients": False,
+    "zero.compute_grad_norm": True,
+    "zero.zero_hpz_partition_size": 1,
+    "zero.zero_quantized_nontrainable_weights": False,
+    "zero.use_all_reduce_for_fetch_params": False,
+    "zero.allgather_sequential": False,
+    "zero.ignore_unused_parameters": True,
+    # Communication overlaps the backward pass on stage 3 only.
+    "zero.stage1.overlap_comm": False,
+    "zero.stage2.overlap_comm": False,
+    "zero.stage3.overlap_comm": True,
+    # An offloaded optimizer steps every partition on the CPU (ratio 1: no partial offload).
+    "zero.offload_optimizer.ratio": 1.0,
 }
 
 

@@ -66,6 +66,14 @@ class ZeroCase:
     # whose partitions are that large (1024 on 2 ranks), or nothing reaches the disk.
     offload_device: str = "cpu"
     nvme_path: str | None = None
+    # Weight decay on both sides: Adam's is an L2 term of the gradient (ds_config writes
+    # adam_w_mode false; DDP's reference is torch Adam(weight_decay=...)), as SGD's. 0: none,
+    # and the id and records stay as they were; > 0 adds "_l2" to the optimizer in the id.
+    weight_decay: float = 0.0
+    # gradient_clipping on both sides: 0 pins DeepSpeed's default (1.0) off, which keeps fp32 SGD
+    # bit-exact; > 0 clips DeepSpeed's global norm and DDP's torch.nn.utils.clip_grad_norm_
+    # over the full gradient, and adds "-clip<v>" to the id.
+    clip: float = 0.0
 
     def __post_init__(self) -> None:
         sgd = self.optimizer == "sgd"
@@ -80,9 +88,11 @@ class ZeroCase:
 
     @property
     def id(self) -> str:
-        return (f"z{self.stage}-off_{self.offload}-{self.dtype}-{self.optimizer}"
+        l2 = "_l2" if self.weight_decay else ""
+        return (f"z{self.stage}-off_{self.offload}-{self.dtype}-{self.optimizer}{l2}"
                 f"-gas{self.grad_accum}-ws{self.world_size}"
-                + ("" if self.offload_device == "cpu" else f"-{self.offload_device}"))
+                + ("" if self.offload_device == "cpu" else f"-{self.offload_device}")
+                + (f"-clip{self.clip:g}" if self.clip else ""))
 
     def with_(self, **changes: Any) -> ZeroCase:
         return replace(self, **changes)
@@ -96,8 +106,8 @@ class ZeroCase:
         return ds_config(stage=self.stage, dtype=self.dtype, optimizer=self.optimizer,
                          lr=self.lr, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
                          world_size=self.world_size, offload_optimizer=self.offload_optimizer,
-                         offload_param=self.offload_param, gradient_clipping=0.0,
-                         weight_decay=0.0, momentum=self.momentum,
+                         offload_param=self.offload_param, gradient_clipping=self.clip,
+                         weight_decay=self.weight_decay, momentum=self.momentum,
                          loss_scale=FP16_STATIC_LOSS_SCALE if self.dtype == "fp16" else 0.0,
                          **nvme)
 
@@ -108,6 +118,10 @@ class ZeroCase:
         del p["nvme_path"]
         if self.offload_device == "cpu":
             del p["offload_device"]
+        if not self.weight_decay:
+            del p["weight_decay"]
+        if not self.clip:
+            del p["clip"]
         return p
 
 
@@ -152,14 +166,15 @@ def _train_ddp(model: nn.Module, case: ZeroCase, data, dev: torch.device) -> dic
     model = model.to(dev)
     ddp = DDP(model, device_ids=[dev.index] if dev.type == "cuda" else None)
     if case.optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=case.lr, momentum=case.momentum)
-    else:  # torch Adam is the reference for every Adam implementation
+        opt = torch.optim.SGD(model.parameters(), lr=case.lr, momentum=case.momentum,
+                              weight_decay=case.weight_decay)
+    else:  # torch Adam (L2 weight decay) is the reference for every Adam implementation
         opt = torch.optim.Adam(model.parameters(), lr=case.lr, betas=(0.9, 0.999), eps=1e-8,
-                               weight_decay=0.0)
+                               weight_decay=case.weight_decay)
     scale = FP16_STATIC_LOSS_SCALE if case.dtype == "fp16" else 1.0
     autocast = (torch.autocast(device_type=dev.type, dtype=TORCH_DTYPES[case.dtype])
                 if case.dtype != "fp32" else contextlib.nullcontext())
-    losses, grads = [], []
+    losses, grads, norms = [], [], []
     for batches in data:
         opt.zero_grad(set_to_none=True)
         step_loss = 0.0
@@ -176,11 +191,14 @@ def _train_ddp(model: nn.Module, case: ZeroCase, data, dev: torch.device) -> dic
             for p in model.parameters():
                 p.grad.div_(scale)
         grads.append({n: cpu_fp32(p.grad) for n, p in model.named_parameters()})
+        if case.clip:  # the norm before clipping, over the whole (reduced) gradient
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), case.clip)))
         opt.step()
         losses.append(step_loss / case.grad_accum)
     params = {n: cpu_fp32(p) for n, p in model.named_parameters()}
     del ddp, opt
-    return {"losses": losses, "grads": grads, "params": params, "param_source": "ddp"}
+    return {"losses": losses, "grads": grads, "params": params, "param_source": "ddp",
+            "grad_norms": norms}
 
 
 def _perturb_backward(engine: Any, factor: float, from_step: int) -> None:
@@ -281,6 +299,15 @@ def _scale_gradient(engine: Any, name: str, factor: float) -> None:
     param.register_hook(lambda grad: grad * factor)
 
 
+def _global_norm(engine: Any) -> float | None:
+    """The global gradient norm the engine clipped with at its last step (unscaled), or None
+    where this engine does not keep it (stage 0 without mixed precision clips in place)."""
+    norm = engine.get_global_grad_norm()
+    if norm is None:
+        return None
+    return float(norm.item() if hasattr(norm, "item") else norm)
+
+
 def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
                      perturb: float, perturb_from_step: int,
                      inspect: Callable[[Any], Any] | None = None,
@@ -292,8 +319,8 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
                                            config=case.config())
     try:
         # The pinned semantics reached the engine (DeepSpeed's own default is 1.0).
-        assert engine.gradient_clipping() == 0.0, \
-            f"gradient_clipping: expected 0.0, found {engine.gradient_clipping()}"
+        assert engine.gradient_clipping() == case.clip, \
+            f"gradient_clipping: expected {case.clip}, found {engine.gradient_clipping()}"
         layout = layout_problems(engine, case)
         if perturb != 1.0:
             _perturb_backward(engine, perturb, perturb_from_step)
@@ -304,7 +331,7 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
         # still multiplied by the loss scale.
         scale = FP16_STATIC_LOSS_SCALE if case.dtype == "fp16" else 1.0
         named = list(engine.module.named_parameters())
-        losses, grads = [], []
+        losses, grads, norms = [], [], []
         for batches in data:
             step_loss = 0.0
             for x, y in batches:
@@ -312,11 +339,14 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
                 loss = F.mse_loss(out.float(), y.to(dev))
                 step_loss += loss.item()
                 engine.backward(loss)
-                if engine.is_gradient_accumulation_boundary():
+                boundary = engine.is_gradient_accumulation_boundary()
+                if boundary:
                     # Collective on stage 3: every rank gathers every parameter, same order.
                     grads.append({n: cpu_fp32(safe_get_full_grad(p)) / scale
                                   for n, p in named})
                 engine.step()
+                if boundary and case.clip:
+                    norms.append(_global_norm(engine))
             losses.append(step_loss / case.grad_accum)
         # What a suite wants to know about the trained engine before it is destroyed.
         inspected = inspect(engine) if inspect is not None else None
@@ -330,7 +360,7 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
                     full = p.data
             params[n] = cpu_fp32(full)
         result = {"losses": losses, "grads": grads, "params": params, "param_source": source,
-                  "layout_problems": layout}
+                  "layout_problems": layout, "grad_norms": norms}
         if inspect is not None:
             result["inspected"] = inspected
         return result
@@ -380,6 +410,44 @@ def train_zero_and_ddp(case: ZeroCase, perturb: float = 1.0, perturb_from_step: 
         gc.collect()
     ddp["init"] = ds["init"] = init
     return {"rank": rank(), "ds": ds, "ddp": ddp}
+
+
+def clip_problems(results: list[dict[str, Any]], case: ZeroCase, rtol: float
+                  ) -> tuple[list[str], int, float]:
+    """Gradient clipping judged from both traces of every rank: (problems, the steps whose
+    global norm exceeded the clip, the worst relative difference of the two norms). DDP's norm
+    is clip_grad_norm_'s over the full reduced gradient; DeepSpeed's, what the engine clipped
+    with (get_global_grad_norm). A norm taken over one rank's partition only still trains, but
+    differs from DDP's on more than one rank. The data must clip on some steps, or the cell
+    could not fail; an engine that keeps no norm fails, except stage 0 without mixed precision,
+    which clips in place and keeps none (its parameters still show the clipping)."""
+    problems: list[str] = []
+    reference = results[0]["ddp"]["grad_norms"]
+    clipped = sum(1 for n in reference if n > case.clip)
+    if not clipped:
+        problems.append(f"no step's gradient norm exceeds {case.clip:g} (norms "
+                        f"{min(reference):.3g}-{max(reference):.3g}): the cell cannot show "
+                        f"clipping")
+    worst = 0.0
+    kept_none = case.stage == 0 and case.dtype == "fp32"
+    for r, res in enumerate(results):
+        ds, ddp = res["ds"]["grad_norms"], res["ddp"]["grad_norms"]
+        if len(ds) != len(ddp):
+            problems.append(f"rank {r}: {len(ds)} DeepSpeed norms for {len(ddp)} steps")
+            continue
+        for step, (d, ref) in enumerate(zip(ds, ddp), start=1):
+            if d is None:
+                if not kept_none:
+                    problems.append(f"rank {r} step {step}: the engine kept no global gradient "
+                                    f"norm (get_global_grad_norm() is None) while clipping")
+                continue
+            rel = abs(d - ref) / ref if ref else abs(d)
+            worst = max(worst, rel)
+            if rel > rtol:
+                problems.append(f"rank {r} step {step}: DeepSpeed's global gradient norm "
+                                f"{d:.9g}, DDP's {ref:.9g} (off by {d - ref:+.3g}, relative "
+                                f"{rel:.3g} > rtol {rtol:g})")
+    return problems, clipped, worst
 
 
 def zero_check_name(case: ZeroCase) -> str:

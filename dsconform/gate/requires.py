@@ -24,7 +24,7 @@ from dsconform.profile.schema import Profile
 
 MARK = "requires"
 CONDITIONS = ("min_gpus", "bf16", "fp16", "op", "nvme", "nccl", "deepspeed", "multinode",
-              "onebit")
+              "onebit", "two_ranks")
 # Markers that imply a condition, so `@pytest.mark.gpu` alone already gates correctly.
 IMPLIED = {"gpu": {"min_gpus": 1}, "multigpu": {"min_gpus": 2}, "nvme": {"nvme": True},
            "multinode": {"multinode": True}}
@@ -35,7 +35,8 @@ def requires(**conditions: Any) -> pytest.MarkDecorator:
 
     min_gpus=int, bf16=True, fp16=True, op="name" or ["a", "b"], nvme=True, nccl="2.21",
     deepspeed=">=0.19,<0.19.7", multinode=True, onebit="OneBitAdam" or [...] (a 1-bit optimizer
-    DeepSpeed removed in 0.19.7: dsconform/gate/removed.py).
+    DeepSpeed removed in 0.19.7: dsconform/gate/removed.py), two_ranks="why" (what makes the
+    check need two ranks by nature: its skip for too few GPUs says so).
     """
     unknown = set(conditions) - set(CONDITIONS)
     if unknown:
@@ -48,25 +49,48 @@ def requires(**conditions: Any) -> pytest.MarkDecorator:
 ACCELERATORS = ("cpu", "cuda")
 
 
+# A CUDA cell's part on a node with exactly one GPU (dsconform.plugin.hooks selects by them).
+ONE_GPU_MARKS = {"tier": "one_gpu_tier", "covered": "covered_on_one_gpu"}
+
+
 def accel_cell(accelerator: str, *values: Any, id: str | None = None,
                world_size: int | str = 1, marks: Iterable[Any] = (),
-               slow: bool = False) -> Any:
+               slow: bool = False, one_gpu: str | None = None) -> Any:
     """One accelerator x cell parameter: ``pytest.param(accelerator, *values)`` with the id
     ``<accelerator>-<id>`` (``<accelerator>`` without one). Its marks, in this order: the
     accelerator's (CUDA: ``gpu``, ``multigpu`` above one rank, ``requires(min_gpus=...)``; the
-    CPU accelerator: none), then ``marks``, then ``slow`` where ``slow`` is true (a cell outside
-    this accelerator's tier: nightly).
+    CPU accelerator: none), then ``marks``, then the ``one_gpu`` mark, then ``slow`` where
+    ``slow`` is true (a cell outside this accelerator's tier: nightly).
 
     world_size: the ranks the cell runs on; "all" (every GPU of the node) needs one GPU to run.
+    one_gpu: on a node with exactly one GPU, "tier" (one rank only) puts the cell in the
+    acceptance tier even where it is ``slow`` (``one_gpu_tier``: the one-rank tier that covers
+    the matrix's other axes pairwise); "covered" (more than one rank) leaves an acceptance cell
+    out there, not skipped, because one-rank cells cover its check (``covered_on_one_gpu``).
+    CUDA cells only: the CPU accelerator's cells take no such mark; nodes of 2+ GPUs ignore it.
     """
     if accelerator not in ACCELERATORS:
         raise ValueError(f"accel_cell(): unknown accelerator {accelerator!r}; "
                          f"known: {', '.join(ACCELERATORS)}")
     every = [*_accelerator_marks(accelerator, world_size), *marks]
+    if one_gpu is not None:
+        every += _one_gpu_marks(accelerator, one_gpu, world_size, id)
     if slow:
         every.append(pytest.mark.slow)
     return pytest.param(accelerator, *values, marks=every,
                         id=accelerator if id is None else f"{accelerator}-{id}")
+
+
+def _one_gpu_marks(accelerator: str, role: str, world_size: int | str,
+                   id: str | None) -> list[pytest.MarkDecorator]:
+    if role not in ONE_GPU_MARKS:
+        raise ValueError(f"accel_cell(one_gpu={role!r}) for cell {id!r}; known: "
+                         f"{', '.join(ONE_GPU_MARKS)}")
+    if (role == "tier") != (world_size == 1):
+        raise ValueError(f"accel_cell(one_gpu={role!r}) for cell {id!r} of world size "
+                         f"{world_size!r}: 'tier' is for one-rank cells, 'covered' for cells of "
+                         f"more ranks")
+    return [getattr(pytest.mark, ONE_GPU_MARKS[role])] if accelerator == "cuda" else []
 
 
 def _accelerator_marks(accelerator: str, world_size: int | str) -> list[pytest.MarkDecorator]:
@@ -169,6 +193,8 @@ def evaluate(conditions: Mapping[str, Any], node: NodeFacts, profile: Profile, *
             found = (f"{node.gpu_count}: this xdist worker's share of the node's "
                      f"{whole_node.gpu_count}; run fewer workers (-n) or set "
                      "DSCONFORM_GPUS_PER_WORKER")
+        if conditions.get("two_ranks") and n >= 2:
+            found += f"; needs two ranks by nature: {conditions['two_ranks']}"
         unmet.append(Unmet("min_gpus", f"GPUs>={n}", found, promised,
                            f"expected {p.gpus_promised} GPUs" if promised else ""))
     for dtype in ("bf16", "fp16"):

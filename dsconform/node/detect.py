@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsconform.node import buildenv
 from dsconform.units import GIB
 
 
@@ -65,6 +66,20 @@ class NvmeDevice:
     mounts: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class GpuProcess:
+    """A process NVML lists as running compute on a GPU."""
+
+    gpu: int  # NVML index
+    pid: int
+    name: str  # the process name, or why it has none here
+    used_bytes: int | None = None
+
+    def describe(self) -> str:
+        mem = f", {self.used_bytes / 2**20:.0f} MiB" if self.used_bytes else ""
+        return f"pid {self.pid} ({self.name}{mem})"
+
+
 @dataclass
 class NodeFacts:
     hostname: str
@@ -88,6 +103,13 @@ class NodeFacts:
     # Per NVML index, read before this process touched CUDA: (bytes in use, the pids NVML lists
     # on the GPU). Empty where NVML could not be read.
     gpu_memory_at_start: list[tuple[int, list[int]]] = field(default_factory=list)
+    # Read at the same moment: the processes running compute on each GPU, and each GPU's highest
+    # utilization (%) over a short idle sample (None where NVML could not read it).
+    compute_at_start: list[GpuProcess] = field(default_factory=list)
+    utilization_at_start: list[int | None] = field(default_factory=list)
+    # What DeepSpeed's JIT builds of async_io and gds need on this machine.
+    libaio: bool = False  # libaio's header and library (libaio-dev)
+    nvidia_fs: bool = False  # the nvidia-fs kernel module GPUDirect Storage needs
 
     @property
     def gpu_count(self) -> int:
@@ -435,10 +457,61 @@ def gpu_memory_in_use() -> list[tuple[int, list[int]]]:
         return []
 
 
+def process_name(pid: int) -> str:
+    """A process's name, or why it has none from here (another container's PID namespace)."""
+    try:
+        import psutil
+        return psutil.Process(pid).name()
+    except Exception:
+        return "not visible from here: another container or user"
+
+
+def compute_processes(nvml: Any, handles: list[Any]) -> list[GpuProcess]:
+    """Every process NVML lists as running compute, on every GPU (NVML index order)."""
+    found = []
+    for index, handle in enumerate(handles):
+        try:
+            procs = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        except Exception:
+            continue
+        for proc in procs:
+            used = getattr(proc, "usedGpuMemory", None)
+            found.append(GpuProcess(index, int(proc.pid), process_name(int(proc.pid)),
+                                    int(used) if isinstance(used, int) else None))
+    return found
+
+
+#: Idle-utilization sampling at the start of a run: how many reads, how far apart.
+UTILIZATION_SAMPLES, UTILIZATION_EVERY_S = 5, 0.1
+
+
+def gpu_activity() -> tuple[list[GpuProcess], list[int | None]]:
+    """The compute processes on each GPU and each GPU's highest utilization over a short sample
+    (UTILIZATION_SAMPLES reads UTILIZATION_EVERY_S apart); ([], []) without NVML."""
+    import time
+    try:
+        with nvml_devices() as (nvml, handles):
+            procs = compute_processes(nvml, handles)
+            highest: list[int | None] = [None] * len(handles)
+            for k in range(UTILIZATION_SAMPLES):
+                for i, h in enumerate(handles):
+                    try:
+                        util = int(nvml.nvmlDeviceGetUtilizationRates(h).gpu)
+                    except Exception:
+                        continue
+                    highest[i] = util if highest[i] is None else max(highest[i], util)
+                if k + 1 < UTILIZATION_SAMPLES:
+                    time.sleep(UTILIZATION_EVERY_S)
+            return procs, highest
+    except Exception:
+        return [], []
+
+
 def probe() -> NodeFacts:
     """Probe this node (imports torch; does not import DeepSpeed or create CUDA contexts
     beyond what torch.cuda.get_device_properties needs)."""
     at_start = gpu_memory_in_use()  # before torch initialises CUDA in this process
+    compute, utilization = gpu_activity()
     tf = _torch_facts()
     gpus = tf.get("gpus", [])
     hardware = probe_gpu_hardware()
@@ -458,6 +531,10 @@ def probe() -> NodeFacts:
         cpu_fp16=tf.get("cpu_fp16", False),
         hardware=hardware,
         gpu_memory_at_start=at_start,
+        compute_at_start=compute,
+        utilization_at_start=utilization,
+        libaio=buildenv.libaio_present(),
+        nvidia_fs=buildenv.nvidia_fs_loaded(),
     )
 
 

@@ -112,6 +112,26 @@ def nvml_bus_id(nvml: Any, handle: Any) -> str | None:
     return canonical_bus_id(nvml_text(nvml.nvmlDeviceGetPciInfo(handle).busId))
 
 
+def nvml_handle(stack: Any, bus_id: str | None) -> tuple[Any, Any, str]:
+    """(nvml, the handle of the GPU at ``bus_id``, "") with NVML opened on ``stack`` (an
+    ExitStack the caller closes), else (None, None, why not): no bus id, no NVML, or no GPU of
+    NVML's at that address. For samplers inside a rank, which must say why they read nothing
+    rather than fail the rank."""
+    from dsconform.node.detect import nvml_devices
+
+    if bus_id is None:
+        return None, None, "no PCI bus id for this rank's device"
+    try:
+        nvml, handles = stack.enter_context(nvml_devices())
+    except Exception as e:  # NVML missing: say so, do not fail the rank
+        return None, None, f"NVML unavailable: {e}"
+    mine = canonical_bus_id(bus_id)
+    handle = next((h for h in handles if nvml_bus_id(nvml, h) == mine), None)
+    if handle is None:
+        return None, None, f"NVML lists no GPU at {bus_id}"
+    return nvml, handle, ""
+
+
 def canonical_bus_id(text: str | None) -> str | None:
     """A PCI address in sysfs form, ``0000:2a:00.0``, from NVML's ``00000000:2A:00.0``, the
     driver's ``0000:2a:00.0``, nccl-tests' ``0000:2a:00`` or a bare ``2a:00.0``; None when

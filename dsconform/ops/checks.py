@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsconform.ops.compute import (
+    check_adam_modes,
     check_cpu_adagrad,
     check_cpu_adam,
     check_cpu_lion,
@@ -30,9 +31,10 @@ def _needs_scratch(name: str, scratch_dir: str | os.PathLike[str] | None) -> str
     return scratch_dir
 
 
+# The Adam ops run in both of their modes: AdamW, and Adam with L2 weight decay.
 FUNCTIONAL_CHECKS: dict[str, Callable[[str, Any], dict[str, Any]]] = {
-    "cpu_adam": lambda device, scratch: check_cpu_adam(),
-    "fused_adam": lambda device, scratch: check_fused_adam(device),
+    "cpu_adam": lambda device, scratch: check_adam_modes(check_cpu_adam),
+    "fused_adam": lambda device, scratch: check_adam_modes(check_fused_adam, device),
     "cpu_adagrad": lambda device, scratch: check_cpu_adagrad(),
     "cpu_lion": lambda device, scratch: check_cpu_lion(),
     "async_io": lambda device, scratch: check_async_io(_needs_scratch("async_io", scratch)),

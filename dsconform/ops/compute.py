@@ -83,13 +83,27 @@ def _run_optimizer_pair(check: str, make_opt: Callable[[list], Any],
             "atol": tol.atol, "max_param_change": moved}
 
 
+def _tampered(make: Callable[[list], Any],
+              tamper: Callable[[Any], None] | None) -> Callable[[list], Any]:
+    """The optimizer ``make`` builds, then ``tamper(optimizer)`` before its first step (the
+    project's red tests perturb the real DeepSpeed optimizer there, e.g. drop its weight decay)."""
+    def build(ps: list) -> Any:
+        opt = make(ps)
+        if tamper is not None:
+            tamper(opt)
+        return opt
+    return build
+
+
 def check_cpu_adam(*, steps: int = 5, adamw_mode: bool = True, weight_decay: float = 0.01,
-                   lr: float = 1e-2, sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
-    """DeepSpeedCPUAdam against torch.optim.AdamW (adamw_mode) or Adam, same hyperparameters.
+                   lr: float = 1e-2, sizes: Sequence[int] = (53, 4103),
+                   tamper: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """DeepSpeedCPUAdam against torch.optim.AdamW (adamw_mode: decoupled weight decay) or
+    torch.optim.Adam (adamw_mode=False: weight decay as an L2 term added to the gradient), same
+    hyperparameters.
 
     weight_decay and adamw_mode are passed explicitly on both sides: DeepSpeed defaults to
-    AdamW with
-    weight_decay 0, torch's AdamW to weight_decay 0.01.
+    AdamW with weight_decay 0, torch's AdamW to weight_decay 0.01.
     """
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -98,7 +112,8 @@ def check_cpu_adam(*, steps: int = 5, adamw_mode: bool = True, weight_decay: flo
     ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     result = _run_optimizer_pair(
         "cpu_adam",
-        lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=adamw_mode, bias_correction=True, **hp),
+        _tampered(lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=adamw_mode, bias_correction=True,
+                                              **hp), tamper),
         lambda ps: ref_cls(ps, **hp), None, steps=steps, sizes=sizes)
     return {"op": "cpu_adam", "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp,
             "load_seconds": load.seconds, **result}
@@ -106,18 +121,37 @@ def check_cpu_adam(*, steps: int = 5, adamw_mode: bool = True, weight_decay: flo
 
 def check_fused_adam(device: str = "cpu", *, steps: int = 5, adamw_mode: bool = True,
                      weight_decay: float = 0.01,
-                     lr: float = 1e-2, sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
-    """deepspeed.ops.adam.FusedAdam on `device` against torch Adam/AdamW on the same device."""
+                     lr: float = 1e-2, sizes: Sequence[int] = (53, 4103),
+                     tamper: Callable[[Any], None] | None = None) -> dict[str, Any]:
+    """deepspeed.ops.adam.FusedAdam on `device` against torch AdamW (adam_w_mode) or Adam with
+    L2 weight decay (adam_w_mode=False) on the same device."""
     import torch
     from deepspeed.ops.adam import FusedAdam
     load = require_op("fused_adam")
     hp = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
     ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     result = _run_optimizer_pair(
-        "fused_adam", lambda ps: FusedAdam(ps, adam_w_mode=adamw_mode, bias_correction=True, **hp),
+        "fused_adam",
+        _tampered(lambda ps: FusedAdam(ps, adam_w_mode=adamw_mode, bias_correction=True, **hp),
+                  tamper),
         lambda ps: ref_cls(ps, **hp), None, steps=steps, sizes=sizes, device=device)
     return {"op": "fused_adam", "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp,
             "load_seconds": load.seconds, **result}
+
+
+def check_adam_modes(check: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``check`` (check_cpu_adam or check_fused_adam, with ``args``) in both of its modes, each
+    with weight decay 0.01: AdamW (decoupled decay) against torch AdamW, and Adam with the decay
+    as an L2 term of the gradient (what ZeRO-Offload's ``"type": "Adam"`` with
+    ``"weight_decay"`` runs) against torch Adam(weight_decay=...). The result is the AdamW run's
+    keys with the worst differences of both, and each run under ``modes``."""
+    runs = [check(*args, adamw_mode=True), check(*args, adamw_mode=False)]
+    return {**runs[0], "reference": " and ".join(r["reference"] for r in runs),
+            "adamw_mode": [r["adamw_mode"] for r in runs],
+            "max_abs_diff": max(r["max_abs_diff"] for r in runs),
+            "max_rel_diff": max(r["max_rel_diff"] for r in runs),
+            "max_param_change": min(r["max_param_change"] for r in runs),
+            "load_seconds": sum(r["load_seconds"] for r in runs), "modes": runs}
 
 
 def check_cpu_adagrad(*, steps: int = 5, weight_decay: float = 0.01, lr: float = 1e-2,

@@ -121,6 +121,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if selection.node.unusable_gpus():
         state.notices.append(f"GPUs not usable: {selection.node.unusable_gpus()}")
     config.stash[STATE] = state
+    if selection.node.is_gpu_node and not config.option.collectonly:
+        from dsconform.node.neighbours import NeighbourWatch
+        state.neighbours = NeighbourWatch.on_this_node().start()
     if not _is_xdist_worker(config):
         config.pluginmanager.register(Recorder(state), "dsconform-recorder")
 
@@ -172,6 +175,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
     if state is None:
         return
+    if state.neighbours is not None:
+        state.neighbours.stop()
     if state.op_checks is not None:
         state.op_checks.close()
         shutil.rmtree(state.op_checks.scratch_root, ignore_errors=True)

@@ -44,6 +44,9 @@ class RunState:
     # ds_report (a concurrent.futures.Future of the text), started after collection too.
     op_checks: Any = None
     ds_report: Any = None
+    # On a GPU node: the watch of other processes computing on the GPUs while the run runs
+    # (dsconform.node.neighbours.NeighbourWatch), from configure to the end.
+    neighbours: Any = None
 
     @property
     def node(self) -> NodeFacts:

@@ -111,6 +111,14 @@ class Profile:
     # Dense matmul floors per GPU, TFLOPS = 1e12 flop/s (M = N = K = 8192).
     matmul_bf16_tflops: float | None = None
     matmul_fp16_tflops: float | None = None
+    # Per-GPU copy floors, GB/s = 1e9 B/s: device-to-device counting read and write, and pinned
+    # host transfers each way (suites/test_gpu.py).
+    hbm_gbps: float | None = None
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
+    # The GPU catalogue entry the floors above come from where the profile did not set them
+    # (dsconform/profile/gpu_models.toml); None: none named.
+    gpu_catalogue: str | None = None
     nccl_min_version: str | None = None
     nccl_floors: tuple[NcclFloor, ...] = ()
     nvme_paths: tuple[NvmePath, ...] = ()
@@ -123,6 +131,9 @@ class Profile:
     min_host_memory_gib: float | None = None
     check_cuda_driver: bool = False
     tolerances: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    # [health]: limits of the hardware error gate (dsconform/node/severity.py Thresholds); an
+    # absent key keeps the gate's default.
+    health: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def gpus_promised(self) -> int:
@@ -164,6 +175,13 @@ def _collective(v: str) -> str | None:
     return None if v in COLLECTIVES else f"must be one of {', '.join(COLLECTIVES)}"
 
 
+def _catalogue_key(v: str) -> str | None:
+    from dsconform.profile import catalogue
+    models = catalogue.shipped()
+    return None if v in models else (f"no such entry in {catalogue.CATALOGUE_FILE.name} "
+                                     f"(entries: {', '.join(models)})")
+
+
 def _nonempty(v: str) -> str | None:
     return None if v.strip() else "must not be empty"
 
@@ -187,6 +205,10 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "straggler_pct": (_NUM, False, _percent),  # percent slower than the peers' median
         "matmul_bf16_tflops": (_NUM, False, _positive),  # TFLOPS = 1e12 flop/s, per GPU
         "matmul_fp16_tflops": (_NUM, False, _positive),
+        "hbm_gbps": (_NUM, False, _positive),  # GB/s, a device copy counting read and write
+        "h2d_gbps": (_NUM, False, _positive),  # GB/s, pinned host memory to one GPU
+        "d2h_gbps": (_NUM, False, _positive),
+        "catalogue": (str, False, _catalogue_key),  # an entry of dsconform/profile/gpu_models.toml
     },
     "nccl": {"min_version": (str, False, _version_field), "floors": (list, False, None)},
     "nccl.floors": {
@@ -224,6 +246,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
         "check_cuda_driver": (bool, False, None),
     },
     "tolerances": {},  # free keys, checked against the tolerance table
+    "health": {  # the hardware error gate's limits (docs/health.md)
+        "max_corrected_ecc_per_hour": (_NUM, False, _non_negative),
+        "max_pcie_replays_per_minute": (_NUM, False, _non_negative),
+        "max_nvlink_crc_errors_per_second": (_NUM, False, _non_negative),
+        "max_nvlink_replay_errors": (int, False, _non_negative),
+    },
 }
 REQUIRED_TABLES = ("profile", "gpus")
 
@@ -271,7 +299,8 @@ def validate_data(data: Mapping[str, Any], src: str = "<profile>") -> list[str]:
     for top in REQUIRED_TABLES:
         if top not in data:
             problems.append(f"{src}: [{top}]: required table is missing")
-    for top in ("profile", "gpus", "nccl", "nvme", "checkpoint", "deepspeed", "system"):
+    for top in ("profile", "gpus", "nccl", "nvme", "checkpoint", "deepspeed", "system",
+                "health"):
         if top in data:
             _check_fields(top, data[top], top, problems, src)
     for parent, child in (("nccl", "floors"), ("nvme", "paths"), ("checkpoint", "floors")):
@@ -291,7 +320,7 @@ def validate_data(data: Mapping[str, Any], src: str = "<profile>") -> list[str]:
     if isinstance(gpus, dict) and gpus.get("count") == 0:
         # straggler_pct stays meaningful without GPUs: it also holds CPU ranks to each other.
         for key in ("model", "min_memory_gib", "compute_capability", "matmul_bf16_tflops",
-                    "matmul_fp16_tflops"):
+                    "matmul_fp16_tflops", "hbm_gbps", "h2d_gbps", "d2h_gbps", "catalogue"):
             if key in gpus:
                 problems.append(f"{src}: gpus.{key}: makes no sense with gpus.count = 0")
     floors = data.get("nccl", {}).get("floors", []) if isinstance(data.get("nccl"), dict) else []
@@ -410,6 +439,7 @@ def from_data(data: Mapping[str, Any], source: str) -> Profile:
         raise ProfileError(problems)
     p, g = data["profile"], data["gpus"]
     nccl, nvme, ds, system = (data.get(k, {}) for k in ("nccl", "nvme", "deepspeed", "system"))
+    g = _with_catalogue_floors(g)
     return Profile(
         name=p["name"],
         source=source,
@@ -423,6 +453,10 @@ def from_data(data: Mapping[str, Any], source: str) -> Profile:
         straggler_pct=g.get("straggler_pct"),
         matmul_bf16_tflops=g.get("matmul_bf16_tflops"),
         matmul_fp16_tflops=g.get("matmul_fp16_tflops"),
+        hbm_gbps=g.get("hbm_gbps"),
+        h2d_gbps=g.get("h2d_gbps"),
+        d2h_gbps=g.get("d2h_gbps"),
+        gpu_catalogue=g.get("catalogue"),
         nccl_min_version=nccl.get("min_version"),
         nccl_floors=tuple(NcclFloor(**f) for f in nccl.get("floors", [])),
         nvme_paths=tuple(NvmePath(**n) for n in nvme.get("paths", [])),
@@ -436,7 +470,20 @@ def from_data(data: Mapping[str, Any], source: str) -> Profile:
         min_host_memory_gib=system.get("min_memory_gib"),
         check_cuda_driver=system.get("check_cuda_driver", False),
         tolerances=dict(data.get("tolerances", {})),
+        health=dict(data.get("health", {})),
     )
+
+
+def _with_catalogue_floors(gpus: Mapping[str, Any]) -> dict[str, Any]:
+    """[gpus] with the floors of its catalogue entry filled in where the profile sets none (a
+    value the profile sets wins: it was measured on that node type)."""
+    out = dict(gpus)
+    if "catalogue" in gpus:
+        from dsconform.profile import catalogue
+        model = catalogue.shipped()[gpus["catalogue"]]
+        for name in catalogue.FLOOR_FIELDS:
+            out.setdefault(name, model.floor(name))
+    return out
 
 
 def load(path: str | os.PathLike) -> Profile:

@@ -9,6 +9,7 @@ from typing import Any
 
 from dsconform.node import detect
 from dsconform.node.detect import NodeFacts
+from dsconform.profile import catalogue
 from dsconform.profile import schema as profiles
 from dsconform.profile.schema import Profile, ProfileError
 
@@ -53,11 +54,38 @@ def auto_select(node: NodeFacts) -> tuple[Profile, str]:
     if len(candidates) == 1:
         p = candidates[0]
         return p, f"auto: node matches shipped {p.source} ({what})"
-    data = detect.profile_data(node)
-    p = profiles.from_data(data, "detected")
     why = ("several shipped profiles match: " + ", ".join(c.name for c in candidates)
            if candidates else f"no shipped profile matches ({what})")
-    return p, f"auto: {why}; using the detected profile, which has no floors"
+    data = detect.profile_data(node)
+    ops = training_ops(node)
+    if ops:
+        data["deepspeed"] = {"ops": ops}
+    promised = f"; it promises the ops training needs here: {', '.join(ops)}" if ops else ""
+    model = catalogue.find(node.hardware.models or [g.name for g in node.gpus])
+    if model is not None:
+        data["gpus"]["catalogue"] = model.key
+        data["profile"]["name"] = f"auto-{model.key}-x{node.gpus_present}"
+        p = profiles.from_data(data, f"catalogue:{model.key}")
+        return p, (f"auto: {why}; composed from the detected hardware and the GPU catalogue's "
+                   f"entry {model.describe()}: its floors for matmul, HBM and host transfers"
+                   f"{promised}")
+    p = profiles.from_data(data, "detected")
+    return p, f"auto: {why}; using the detected profile, which has no floors{promised}"
+
+
+def training_ops(node: NodeFacts) -> list[str]:
+    """The DeepSpeed ops training on this node needs, promised under auto: FusedAdam and CPU
+    Adam (ZeRO-Offload) on a GPU node, async_io where libaio is there to build it (ZeRO-Infinity,
+    DeepNVMe), gds where the nvidia-fs module is loaded. A CPU machine promises none: its
+    profile (cpu-ci) names what CI builds."""
+    if not node.is_gpu_node:
+        return []
+    ops = ["fused_adam", "cpu_adam"]
+    if node.libaio:
+        ops.append("async_io")
+    if node.nvidia_fs:
+        ops.append("gds")
+    return ops
 
 
 def is_detected(p: Profile) -> bool:

@@ -57,6 +57,10 @@ EXIT_STATUS = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usa
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 DRAIN_REASON_CHARS = 100
 _RANK_SUFFIX = re.compile(r"-rank\d+$")
+#: The hardware error gate's actions that fail a node, most severe first
+#: (dsconform/node/severity.py FAILING): its failure reasons start with one.
+HARDWARE_ACTIONS = ("ISOLATE", "REBOOT", "RESET")
+_HARDWARE_REASON = re.compile(rf"^\d+ x ({'|'.join(HARDWARE_ACTIONS)}) \(")
 
 
 class AggregateInputError(ValueError):
@@ -441,6 +445,14 @@ def cell(counts: dict[str, int] | None) -> str:
 
 # ------------------------------------------------------------------ draining (printed only)
 
+def drain_problem(problems: list[str]) -> str:
+    """The problem a drain reason names: a hardware action when the node has one (the most
+    severe), so the reason says ISOLATE, REBOOT or RESET; else the first problem."""
+    actions = [(HARDWARE_ACTIONS.index(m.group(1)), i) for i, p in enumerate(problems)
+               if (m := _HARDWARE_REASON.match(p))]
+    return problems[min(actions)[1]] if actions else problems[0]
+
+
 def _drain_reason(problem: str) -> str:
     text = re.sub(r'["`$\\\n\r\t]+', " ", problem)
     text = re.sub(r"\s+", " ", text).strip()
@@ -462,7 +474,7 @@ def drain_commands(report: ClusterReport) -> list[str]:
                 continue
             drained.add(name)
             if _NODE_NAME.match(name):
-                why = _drain_reason(f"job {n.job} rank {n.name}: {n.problems[0]}")
+                why = _drain_reason(f"job {n.job} rank {n.name}: {drain_problem(n.problems)}")
                 lines.append(f'scontrol update nodename={name} state=drain reason="{why}"')
             else:
                 lines.append(f"# {name!r} (job {n.job}): not a valid Slurm node name")
@@ -475,5 +487,5 @@ def drain_commands(report: ClusterReport) -> list[str]:
         elif n.name not in drained:
             drained.add(n.name)
             lines.append(f'scontrol update nodename={n.name} state=drain '
-                         f'reason="{_drain_reason(n.problems[0])}"')
+                         f'reason="{_drain_reason(drain_problem(n.problems))}"')
     return lines

@@ -146,7 +146,7 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
 
     expect = [n for n in (args.expect or "").replace(",", " ").split() if n]
     return aggregate_report.main(args.dirs, out=args.out, outlier_pct=args.outlier_pct,
-                                 plot=not args.no_plot, expect=expect)
+                                 plot=not args.no_plot, expect=expect, scheduler=args.scheduler)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -211,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--expect", metavar="NODES",
                    help="the nodes that should have results (comma-separated, e.g. the job's "
                         "node list): one without a folder fails too")
+    from dsconform.results.aggregate import SCHEDULERS
+    g.add_argument("--scheduler", choices=SCHEDULERS, default="slurm",
+                   help="whose commands to print for the failing nodes: slurm (scontrol ... "
+                        "state=drain, the default) or k8s (kubectl cordon, taint, label, "
+                        "annotate); printed, never run")
     g.set_defaults(func=cmd_aggregate)
     h = sub.add_parser("health", help="the hardware error gate alone, in about a second (Slurm "
                                       "prologs, Kubernetes init containers): exit 0 healthy, 1 "
@@ -224,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
     nvme_tune.add_cli(sub)
     from dsconform.tools import bundle  # air-gapped nodes: its command lives with it
     bundle.add_cli(sub)
+    from dsconform.ops import build_cli  # dsconform build-ops: lives with the op builds
+    build_cli.add_cli(sub)
+    from dsconform.results.render import timeline  # the radar's timeline and verdict
+    from dsconform.tools import radar  # the upgrade radar: one run per DeepSpeed release
+    radar.add_cli(sub, timeline.report)
     return ap
 
 

@@ -50,8 +50,8 @@ from dsconform.checks.zero_vs_ddp import (
     train_zero_and_ddp,
     zero_check_name,
 )
-from dsconform.gate import versions
-from dsconform.gate.known_issues import KNOWN_ISSUES, KnownIssue
+from dsconform.gate import compat, versions
+from dsconform.gate.known_issues import KNOWN_ISSUES, KnownIssue, KnownIssueFailure
 from dsconform.gate.removed import ONEBIT_OPTIMIZERS
 from dsconform.gate.requires import ACCELERATORS, accel_cell, accel_params, requires
 from dsconform.gate.tiers import pairwise, uncovered_pairs
@@ -100,14 +100,15 @@ from dsconform.units import GB, GIB, TFLOPS
 __all__ = [
     "ASSUMED_DEFAULTS", "GB", "GIB", "TFLOPS", "KNOWN_ISSUES", "OPTIMIZER_OPS", "Comparison",
     "FactsRecorder", "Rendezvous", "rendezvous_info",
-    "InsufficientGPUs", "KnownIssue", "MetricsRecorder", "NcclFloor", "NodeFacts", "NvmePath",
+    "InsufficientGPUs", "KnownIssue", "KnownIssueFailure", "MetricsRecorder", "NcclFloor",
+    "NodeFacts", "NvmePath",
     "OpChecks", "OpCrashed", "RankCall", "batched", "cell_results", "checks_for_run",
     "OpUnavailableText", "Profile", "check_op_isolated", "parse_ds_report",
     "run_ds_report", "RankError", "RankTimeout", "RunState", "Tol", "accel_params", "all_agree",
     "compare_rank_results", "compare_traces", "defaults_mismatches", "device", "ds_config",
     "gather", "non_finite", "pairwise", "rank", "uncovered_pairs", "requires", "run_ranks",
     "run_state", "seed_everything",
-    "tensor_difference", "tolerance", "versions", "world",
+    "tensor_difference", "tolerance", "versions", "world", "compat",
     "ModelStep", "ScalerModel", "ScalerSettings", "ScalerState", "read_scaler",
     "collectives", "gpu_health", "health", "nccl_tests", "worker_gpus",
     "ONEBIT_OPTIMIZERS", "ONEBIT_TYPES", "onebit_reference",

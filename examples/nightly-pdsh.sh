@@ -2,6 +2,8 @@
 # Nightly cluster acceptance without Slurm: pdsh starts the suite on every node, torchrun runs
 # the multi-node tier. Run it on a login node that reaches the nodes by ssh:
 #   NODES=gpu-a01,gpu-a02,gpu-a03 examples/nightly-pdsh.sh
+# Stage 0: `dsconform build-ops` on the first node builds the ops into the shared op cache
+#          (CACHE), once for every node.
 # Stage 1: the single-node suite (`pytest suites -m gpu`) on every node at once, each node into
 #          its own folder under a shared results directory.
 # Stage 2: the multi-node tier (`pytest suites -m multinode`): one torchrun agent per node,
@@ -20,6 +22,7 @@ SHARED=${SHARED:-/shared/dsconform-results}  # results, the same path on every n
 PROFILE=${PROFILE:-h200-x8}                # the node type's hardware profile
 BUNDLE=${BUNDLE:-}                         # air-gapped nodes: the `dsconform bundle` folder
 PYTHON=${PYTHON:-python3}                  # the nodes' Python that holds torch
+CACHE=${CACHE:-$SHARED/op-cache}           # the op cache, on a filesystem every node mounts
 PORT=${PORT:-29400}                        # torchrun's rendezvous port on the first node
 STAGE1_S=${STAGE1_S:-3600}
 STAGE2_S=${STAGE2_S:-1800}
@@ -27,7 +30,7 @@ OUTLIER_PCT=${OUTLIER_PCT:-90}
 export PDSH_RCMD_TYPE=${PDSH_RCMD_TYPE:-ssh}
 # Site NCCL settings (NCCL_SOCKET_IFNAME, NCCL_IB_HCA, ...) go into ENV below: pdsh does not
 # carry this shell's environment to the nodes.
-ENV="DSCONFORM_PROFILE=$PROFILE DSCONFORM_BUNDLE=$BUNDLE PYTHON=$PYTHON"
+ENV="DSCONFORM_PROFILE=$PROFILE DSCONFORM_BUNDLE=$BUNDLE DSCONFORM_CACHE=$CACHE PYTHON=$PYTHON"
 # ----------------------------------------------------------------------------------------------
 
 run=$SHARED/$(date +%Y-%m-%d-%H%M)
@@ -35,6 +38,10 @@ mkdir -p "$run/single" "$run/multinode" || exit 2
 head=${NODES%%,*}
 nnodes=$(tr ',' '\n' <<< "$NODES" | grep -c .)
 echo "dsconform nightly: $nnodes nodes ($NODES); results in $run"
+
+# Stage 0: the ops, built once into the shared cache (a failed build is reported in stage 1).
+pdsh -w "$head" "env $ENV $SUITE/examples/nightly-node.sh build-ops $run"
+echo "dsconform nightly: stage 0 (build-ops) done (pdsh exit $?)"
 
 # Stage 1: every node at once; a failing node must not stop the others.
 pdsh -w "$NODES" "env $ENV DSCONFORM_TIME_S=$STAGE1_S $SUITE/examples/nightly-node.sh single \

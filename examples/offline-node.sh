@@ -12,8 +12,12 @@
 #
 # VERSION picks one of the bundle's deepspeed/<version>/ wheels (default: the newest). Sourcing
 # again with another version replaces the first install.
-# What it does: pip installs the wheels with --no-index --no-deps into $DSCONFORM_SITE (default
-# /tmp/dsconform-site; nothing is fetched, the node's own site-packages are not touched); unpacks
+# What it does: from a bundle, first checks every file against MANIFEST.json (size and sha256): a
+# changed, missing or extra file stops it, naming the file, before anything is installed (the
+# loose folders of the manual way are not checked: they have no manifest). Then pip installs the
+# wheels with --no-index --no-deps into $DSCONFORM_SITE (default /tmp/dsconform-site; nothing is
+# fetched, the node's own site-packages are not touched), from a bundle with --require-hashes
+# from its requirements files, so pip too refuses a wheel that is not the one built; unpacks
 # libaio from the .debs into $DSCONFORM_LIBAIO (default /tmp/dsconform-libaio); exports
 # PYTHONPATH, PATH, CPATH, LIBRARY_PATH and LD_LIBRARY_PATH and writes them to
 # $DSCONFORM_SITE/env.sh for later shells; checks every requirement of dsconform, DeepSpeed and
@@ -26,9 +30,50 @@
 # suite.tar.gz is unpacked when the current directory is not a checkout):
 #   python3 -m pytest suites -m gpu --results DIR
 
+# Every file of bundle $1 against its MANIFEST.json; the folders after it (where this script
+# writes, when they lie inside the bundle) are left out.
+_dsconform_verify() {
+    python3 - "$@" <<'EOF'
+import hashlib
+import json
+import os
+import sys
+
+bundle, writes = sys.argv[1], [os.path.realpath(p) for p in sys.argv[2:]]
+try:
+    with open(os.path.join(bundle, "MANIFEST.json")) as f:
+        listed = {e["path"]: e for e in json.load(f)["files"]}
+except (OSError, ValueError, KeyError, TypeError) as e:
+    sys.exit(f"offline-node: {bundle}/MANIFEST.json: no list of files to check ({e!r}); "
+             "rebuild the bundle with this suite's `dsconform bundle`")
+found = set()
+for root, dirs, files in os.walk(bundle):
+    dirs[:] = [d for d in dirs if os.path.realpath(os.path.join(root, d)) not in writes]
+    found |= {os.path.relpath(os.path.join(root, f), bundle) for f in files}
+found.discard("MANIFEST.json")
+problems = [f"{p}: not in MANIFEST.json (added after the bundle was built)"
+            for p in sorted(found - set(listed))]
+problems += [f"{p}: missing" for p in sorted(set(listed) - found)]
+for path in sorted(found & set(listed)):
+    entry, full = listed[path], os.path.join(bundle, path)
+    size = os.path.getsize(full)
+    if size != entry["bytes"]:
+        problems.append(f"{path}: {size} bytes, MANIFEST.json says {entry['bytes']}")
+        continue
+    with open(full, "rb") as f:
+        digest = hashlib.file_digest(f, "sha256").hexdigest()
+    if digest != entry["sha256"]:
+        problems.append(f"{path}: sha256 {digest}, MANIFEST.json says {entry['sha256']}")
+if problems:
+    sys.exit(f"offline-node: {bundle} is not the bundle that was built; nothing installed:\n  "
+             + "\n  ".join(problems))
+print(f"offline-node: {len(listed)} files match MANIFEST.json")
+EOF
+}
+
 _dsconform_offline() {
     local here site libaio debs="" bundle="" version="" lib deb
-    local -a wheels=() args=()
+    local -a wheels=() args=() pip_from=()
     while [ $# -gt 0 ]; do
         case $1 in
             --deepspeed)
@@ -56,8 +101,14 @@ _dsconform_offline() {
                  "$(ls "$bundle/deepspeed" | tr '\n' ' '))" >&2
             return 2
         fi
+        _dsconform_verify "$bundle" "$site" "$libaio" "${DSCONFORM_SUITE:-/tmp/dsconform-suite}" \
+            || return 1
         debs=$bundle/debs
         wheels=("$bundle"/wheels/*.whl "$bundle/deepspeed/$version"/*.whl)
+        # Every wheel pinned to its sha256: pip refuses any other file, whatever its name.
+        pip_from=(--require-hashes --find-links "$bundle/wheels"
+                  --find-links "$bundle/deepspeed/$version" -r "$bundle/requirements.txt"
+                  -r "$bundle/requirements-deepspeed-$version.txt")
     else
         if [ $# -lt 2 ]; then
             echo "usage: source install.sh [DEEPSPEED_VERSION] (in a bundle)," \
@@ -68,6 +119,7 @@ _dsconform_offline() {
         debs=$1
         shift
         for d in "$@"; do wheels+=("$d"/*.whl); done
+        pip_from=("${wheels[@]}")
     fi
     for w in "${wheels[@]}"; do
         [ -f "$w" ] || { echo "offline-node: no wheel matches $w" >&2; return 2; }
@@ -77,7 +129,7 @@ _dsconform_offline() {
     if [ -f "$site/.dsconform-site" ]; then rm -rf "$site"; fi
     mkdir -p "$site" && touch "$site/.dsconform-site" || return 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --disable-pip-version-check --target "$site" "${wheels[@]}" || return 1
+        --disable-pip-version-check --target "$site" "${pip_from[@]}" || return 1
     mkdir -p "$libaio"
     for deb in "$debs"/*.deb; do
         [ -f "$deb" ] || { echo "offline-node: no .deb in $debs" >&2; return 2; }
@@ -147,6 +199,6 @@ EOF
 }
 _dsconform_offline "$@"
 _dsconform_rc=$?
-unset -f _dsconform_offline
+unset -f _dsconform_offline _dsconform_verify
 # Sourced: return to the caller's shell; run as a script: exit (then source env.sh yourself).
 return $_dsconform_rc 2>/dev/null || exit $_dsconform_rc

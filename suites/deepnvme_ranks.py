@@ -17,7 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dsconform.suite import ZeroCase, nvme, nvme_io, train_zero_and_ddp
+from dsconform.suite import ZeroCase, compat, nvme, nvme_io, train_zero_and_ddp
 
 
 @contextlib.contextmanager
@@ -142,7 +142,9 @@ def swap_evidence(engine: Any) -> dict[str, Any]:
 def train_zero_infinity(case: ZeroCase) -> dict[str, Any]:
     """The ZeRO suite's ZeRO-vs-DDP run (train_zero_and_ddp) with the case's nvme
     offload, plus the evidence that NVMe was used: swap files and parameter placement from the
-    engine, bytes this process read and wrote to storage while training."""
+    engine, bytes this process read and wrote to storage while training. An older release's
+    swapper aborts the process on its first write: it skips, naming the release."""
+    compat.require(compat.AIO_HANDLE)
     before = _proc_io()
     result = train_zero_and_ddp(case, inspect=swap_evidence)
     after = _proc_io()

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 # MLP: the ZeRO suite's model, one definition
-from dsconform.suite import MLP, TORCH_DTYPES, ScalerSettings, ds_config, read_scaler
+from dsconform.suite import MLP, TORCH_DTYPES, ScalerSettings, compat, ds_config, read_scaler
 
 # Named scaler configurations of the engine matrix, each with the overflow pattern (one flag per
 # optimizer step) that exercises it. Initial scales are small enough (2**8) that the tiny model
@@ -155,8 +155,7 @@ def _scaler_arguments(settings: ScalerSettings) -> tuple[float, bool, dict[str, 
 
     cfg = ds_config(stage=2, dtype="fp16", optimizer="sgd", lr=0.1, micro_batch=1, grad_accum=1,
                     world_size=1, **settings.ds_config_kwargs())
-    fp16 = DeepSpeedConfig(cfg).float16_config
-    return fp16.loss_scale, fp16.loss_scale == 0, fp16.dynamic_loss_scale_args()
+    return compat.fp16_scaler_args(DeepSpeedConfig(cfg))
 
 
 def build_zero_scaler(settings: dict[str, Any]) -> Any:

@@ -59,6 +59,7 @@ from dsconform.suite import (
     GB,
     ZERO_OFFLOADS,
     Comparison,
+    KnownIssueFailure,
     RankCall,
     RankError,
     accel_cell,
@@ -471,7 +472,7 @@ _STAGE3 = ("stage 3 writes zero_pp_rank_<r>_mp_rank_00_model_states.pt, stages 1
            "mp_rank_00_model_states.pt: the loader finds no file of its pattern and raises a bare "
            "AssertionError (state_dict_factory check_ckpt_list), natively and through a "
            "universal checkpoint")
-STAGE_VERIFIED = ">=0.19.6,<=0.19.8"  # where the unsupported pairs were seen to fail
+STAGE_VERIFIED = ">=0.16.9,<=0.19.8"  # where the unsupported pairs were seen to fail
 STAGE_CPU_TIER = {(1, 2), (2, 1), (2, 3)}
 # The unsupported pairs fail the same way everywhere (seen on CPUs): nightly on GPUs, where a
 # refusal costs new ranks with CUDA contexts.
@@ -662,7 +663,9 @@ def _two_rank_params(*values, id: str | None = None) -> list:
                        slow=True, one_gpu="tier")]
 
 
-@pytest.mark.xfail(strict=True, raises=FlipLoadedSilently, reason=FLIP_LIMITATION)
+# A known issue that stops the case before its check (DS-7948 on 0.18.9) is that issue's xfail.
+@pytest.mark.xfail(strict=True, raises=(FlipLoadedSilently, KnownIssueFailure),
+                   reason=FLIP_LIMITATION)
 @pytest.mark.parametrize("accelerator, world_size", _two_rank_params())
 def test_flipped_bit_is_detected(accelerator, world_size, scratch, profile):
     """CKPT-CORRUPT-2: a checkpoint whose tensor bytes changed on disk MUST NOT load silently."""

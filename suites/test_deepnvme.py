@@ -70,6 +70,7 @@ from dsconform.suite import (
     batched,
     cell_results,
     compare_rank_results,
+    compat,
     nvme,
     nvme_io,
     nvme_tune,
@@ -235,6 +236,7 @@ def test_aio_api_roundtrip(memory, mode, iop, scratch, request):
 @given(data=st.data())
 def test_aio_offsets_and_sizes(data, profile, run, node):
     """NVME-IO-2: any aligned size and file offset MUST round-trip byte-exactly."""
+    compat.require(compat.AIO_HANDLE)  # an older handle aborts the process on some sizes
     settings = nvme.AioSettings(
         block_size=data.draw(st.sampled_from([4 * KiB, 64 * KiB, 1 * MiB]), label="block_size"),
         queue_depth=data.draw(st.sampled_from([1, 4, 32]), label="queue_depth"),
@@ -605,7 +607,7 @@ def test_zero_infinity_matches_ddp(accelerator, cell, world_size, nvme_entry, pr
     params = {**case.params(), "accelerator": accelerator, "path": entry.path,
               "rtol": tol.rtol, "atol": tol.atol}
     metrics.record("zero_infinity.loss_max_rel_diff", cmp.worst("loss")[1], unit="1",
-                   better="lower", **params)
+                   better="lower", bound=tol.rtol, **params)
     metrics.record("zero_infinity.grad_max_abs_diff", cmp.worst("grad")[0], unit="1",
                    better="lower", **params)
     metrics.record("zero_infinity.param_max_abs_diff", cmp.worst("param")[0], unit="1",

@@ -630,9 +630,9 @@ def test_applied_steps_match_fp32(accelerator: str, case: ScalingCase, profile, 
     problems, worst = check_step_sizes(case, cell_results(request), tol)
     params = {**case.params(), "accelerator": accelerator}
     metrics.record("loss_scaling.step_update_rel_diff", worst["update"], unit="1",
-                   better="lower", **params)
+                   better="lower", bound=tol.update, **params)
     metrics.record("loss_scaling.step_gain_dev", worst["gain"], unit="1", better="lower",
-                   **params)
+                   bound=tol.gain, **params)
     assert not problems, (f"{accelerator}-{case.id} ({case.settings.describe()}, overflow "
                           f"pattern {_flags(list(case.pattern))}):\n  " + "\n  ".join(problems))
 

@@ -65,7 +65,9 @@ def read_effective_defaults() -> dict[str, Any]:
     from deepspeed.runtime import config as ds_cfg
     from deepspeed.runtime import constants
 
-    from dsconform.suite import device, seed_everything
+    from dsconform.suite import compat, device, seed_everything
+
+    compat.require(compat.PRECISION_CONFIG)  # the sections it reads, on an older release
 
     seed_everything(0)
     model = nn.Linear(4, 4).to(device())
@@ -110,8 +112,10 @@ def read_effective_defaults() -> dict[str, Any]:
                                              dynamic_loss_args=fp16.dynamic_loss_scale_args())
     found["fp16.scaler.scale_factor"] = zero_scaler.scale_factor
     found["fp16.scaler.raise_error_at_min_scale"] = zero_scaler.raise_error_at_min_scale
-    factors = {p.scale_factor for p in ds_scaler.LOSS_SCALE_PROFILE_DEFAULTS.values()}
-    found["fp16.stage0.scale_factor"] = factors.pop() if len(factors) == 1 else sorted(factors)
+    profiles = compat.loss_scale_profiles(ds_scaler)  # none before 0.18.6: compat.MISSING
+    factors = {p.scale_factor for p in profiles.values()} if profiles else set()
+    found["fp16.stage0.scale_factor"] = (compat.MISSING if not profiles else factors.pop()
+                                         if len(factors) == 1 else sorted(factors))
     bf16 = ds_cfg.DeepSpeedConfig({"train_micro_batch_size_per_gpu": 1,
                                    "bf16": {"enabled": True}}).bfloat16_config
     for key in ("immediate_grad_update", "check_grad_overflow"):

@@ -121,7 +121,7 @@ def test_all_good_exits_0_and_writes_every_report(tmp_path):
     assert "PASSED: all 2 node folder(s) passed" in proc.stdout
     assert "scontrol" not in proc.stdout
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert names == ["cluster.json", "cluster.md", "heatmap.png", "junit.xml"]
+    assert names == ["cluster.json", "cluster.md", "cluster.prom", "heatmap.png", "junit.xml"]
     assert (tmp_path / "out" / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -321,7 +321,7 @@ def test_heat_map_without_matplotlib_says_so_and_writes_the_rest(tmp_path, monke
     assert "heatmap.png not written: matplotlib is not installed (pip install " \
            "'dsconform[plot]'" in err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "cluster.json", "cluster.md", "junit.xml"]
+        "cluster.json", "cluster.md", "cluster.prom", "junit.xml"]
 
 
 def test_expected_node_without_results_fails_and_is_drained(tmp_path):

@@ -12,7 +12,6 @@ built and installed.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -215,8 +214,9 @@ def make_deb(folder: Path) -> Path:
     return deb
 
 
-@pytest.fixture
-def crafted_bundle(tmp_path) -> Path:
+def craft_bundle(tmp_path: Path) -> Path:
+    """A bundle laid out as `dsconform bundle` lays it out, of tiny wheels, sealed by the
+    library (hash-pinned requirements files, MANIFEST.json with every file)."""
     b = tmp_path / "bundle"
     make_wheel(b / "wheels", "dsconform", "0.1.0", ["deepspeed>=0.19.6", "fakedep>=1"])
     make_wheel(b / "wheels", "fakedep", "1.0", ["packaging<1"])  # the node's is newer
@@ -229,9 +229,14 @@ def crafted_bundle(tmp_path) -> Path:
     (suite / "conftest.py").write_text("")
     subprocess.run(["tar", "-czf", str(b / "suite.tar.gz"), "-C", str(suite.parent),
                     "dsconform-suite"], check=True, timeout=60)
-    (b / "MANIFEST.json").write_text(json.dumps({"format": bundle.FORMAT}))
     (b / "install.sh").write_text((REPO / bundle.INSTALL_SCRIPT).read_text())
+    bundle.seal(b)
     return b
+
+
+@pytest.fixture
+def crafted_bundle(tmp_path) -> Path:
+    return craft_bundle(tmp_path)
 
 
 def source(script: str, tmp_path: Path, cwd: Path) -> subprocess.CompletedProcess:

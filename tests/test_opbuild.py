@@ -1,16 +1,27 @@
-"""Parallel op builds at run start: results per op, failures carried to the op's test."""
+"""Op builds at run start: results per op, failures carried to the op's test, the awaited build
+first with the cores, the next ones started as cores go idle at a lower priority, the order
+derived from the collected tests."""
 
 from __future__ import annotations
 
-from dsconform.ops.prebuild import ParallelBuilds
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from dsconform.ops import prebuild as opbuild
+from dsconform.ops.prebuild import ParallelBuilds, build_order
 
 
 def test_parallel_builds_report_each_op():
     builds = ParallelBuilds.start(["cpu_adam", "no_such_op"], cores=2)
     try:
-        assert builds.jobs_per_op == 1  # 2 cores shared by 2 builds
+        assert builds.jobs_per_op == 2  # every build may use every core; nice orders them
         ok = builds.wait("cpu_adam")
         assert ok["loaded"] and ok["failure"] is None and ok["build_seconds"] > 0
+        assert ok["jobs"] == 2 and ok["wall_seconds"] >= ok["build_seconds"]
         bad = builds.wait("no_such_op")
         assert not bad["loaded"]
         assert "op no_such_op" in bad["failure"] and "not provided" in bad["failure"]
@@ -29,10 +40,6 @@ def test_a_build_that_dies_is_a_result_not_a_hang():
 def test_a_build_that_prints_more_than_a_pipe_holds_still_finishes_unread(monkeypatch):
     """Builds run while other tests do: nobody calls wait() until the op's test. A build whose
     output fills the pipe (compiler warnings) must not stop there, holding the extension lock."""
-    import time
-
-    from dsconform.ops import prebuild as opbuild
-
     child = ("import json, sys\n"
              "sys.stdout.write('warning: something\\n' * 60000)\n"  # about 1.2 MB
              f"print({opbuild._MARK!r} + json.dumps({{'op': sys.argv[1], 'loaded': True, "
@@ -50,12 +57,165 @@ def test_a_build_that_prints_more_than_a_pipe_holds_still_finishes_unread(monkey
         builds.close()
 
 
-class _Item:
-    """Just enough of a collected test for ops_to_build."""
+#: A build that takes FAKE_BUILDS[op]["seconds"] and reports what it ran with: its MAX_JOBS, the
+#: nice level it runs at, when it started.
+FAKE = f"""
+import json, os, sys, time
+op, nice = sys.argv[1], int(sys.argv[2])
+if nice:
+    os.nice(nice)
+spec = json.loads(os.environ["FAKE_BUILDS"])[op]
+start = time.time()
+time.sleep(spec["seconds"])
+print({opbuild._MARK!r} + json.dumps({{
+    "op": op, "loaded": not spec.get("fail"), "built_now": True,
+    "failure": "op " + op + ": fake failure" if spec.get("fail") else None,
+    "build_seconds": spec["seconds"], "max_jobs": os.environ["MAX_JOBS"],
+    "niceness": os.nice(0), "t_start": start, "t_end": time.time()}}), flush=True)
+"""
 
-    def __init__(self, path: str, *marks) -> None:
+
+def _fake_command(op: str, nice: int) -> list[str]:
+    return [sys.executable, "-c", FAKE, op, str(nice)]
+
+
+class _ScriptedMeter:
+    """Busy cores of each build by seconds since its start: [(until_s, busy), ...]."""
+
+    def __init__(self, profile: dict[str, list[tuple[float, float]]]) -> None:
+        self.profile = profile
+
+    def __call__(self, build) -> tuple[bool, float]:
+        age = time.monotonic() - build.started
+        for until, busy in self.profile[build.op]:
+            if age < until:
+                return True, busy
+        return True, self.profile[build.op][-1][1]
+
+
+def _run_fake(monkeypatch, specs: dict, profile: dict, order: list[str], cores: int):
+    monkeypatch.setattr(opbuild, "POLL_S", 0.1)
+    monkeypatch.setenv("FAKE_BUILDS", json.dumps(specs))
+    events = []
+    builds = ParallelBuilds.start(order, cores, command=_fake_command,
+                                  meter=_ScriptedMeter(profile),
+                                  on_event=lambda op, what, info: events.append((op, what)))
+    try:
+        results = builds.wait_all(timeout_s=60)
+    finally:
+        builds.close()
+    return builds, results, events
+
+
+def test_the_awaited_build_gets_the_cores_and_the_next_start_as_they_go_idle(monkeypatch):
+    """aio keeps all 8 cores busy for 1.5 s, then one (its last compile): adam starts then,
+    not before, with every core as MAX_JOBS but nicer; adam keeps 8 busy, so utils waits until
+    adam has ended, and starts beside aio, nicer than aio."""
+    specs = {"aio": {"seconds": 5.0}, "adam": {"seconds": 1.0}, "utils": {"seconds": 0.3}}
+    profile = {"aio": [(1.5, 8.0), (99, 1.0)], "adam": [(99, 8.0)], "utils": [(99, 1.0)]}
+    builds, r, events = _run_fake(monkeypatch, specs, profile, ["aio", "adam", "utils"], 8)
+    assert [op for op, what in events if what == "start"] == ["aio", "adam", "utils"]
+    assert {op: r[op]["max_jobs"] for op in r} == {"aio": "8", "adam": "8", "utils": "8"}
+    assert {op: r[op]["niceness"] for op in r} == {"aio": 0, "adam": 10, "utils": 10}
+    assert r["adam"]["t_start"] - r["aio"]["t_start"] >= 1.5, "adam took cores aio still used"
+    assert r["utils"]["t_start"] >= r["adam"]["t_end"], "utils started beside a busy adam"
+    assert r["utils"]["t_start"] < r["aio"]["t_end"], "utils waited for aio to end"
+    timings = builds.timings()
+    assert [b["op"] for b in timings["builds"]] == ["aio", "adam", "utils"]
+    assert timings["build_seconds"] == {"aio": 5.0, "adam": 1.0, "utils": 0.3}
+    line = opbuild.summary_line(timings)
+    assert line.startswith("op builds: aio ") and "adam" in line and "nice 10" in line
+
+
+def test_a_build_that_keeps_every_core_busy_holds_the_next_until_it_ends(monkeypatch):
+    specs = {"a": {"seconds": 1.0}, "b": {"seconds": 0.2, "fail": True}}
+    profile = {"a": [(99, 2.0)], "b": [(99, 1.0)]}
+    builds, r, _ = _run_fake(monkeypatch, specs, profile, ["a", "b"], 2)
+    assert r["b"]["t_start"] >= r["a"]["t_end"]
+    assert r["b"]["niceness"] == 0 and r["b"]["max_jobs"] == "2"  # alone: full priority
+    assert not r["b"]["loaded"] and "fake failure" in r["b"]["failure"]
+    assert "b 0." in opbuild.summary_line(builds.timings()) and "FAILED" in \
+        opbuild.summary_line(builds.timings())
+
+
+def test_ops_in_the_cache_are_left_out_of_a_run_or_only_load_at_once(monkeypatch, tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "b.so").write_bytes(b"")
+    monkeypatch.setattr(opbuild, "POLL_S", 0.1)
+    monkeypatch.setenv("FAKE_BUILDS", json.dumps({"a": {"seconds": 1.0}, "b": {"seconds": 0.1}}))
+    busy = _ScriptedMeter({"a": [(99, 2.0)], "b": [(99, 1.0)]})
+    run = ParallelBuilds.start(["a", "b"], 2, skip_cached=True, ext_dir=tmp_path,
+                               command=_fake_command, meter=busy)
+    try:
+        assert run.order == ["a"] and run.wait("b") is None and run.finished("b")
+        assert run.wait("a")["loaded"]
+        assert run.timings()["cached"] == ["b"]
+        assert "in the cache: b" in opbuild.summary_line(run.timings())
+    finally:
+        run.close()
+    cli = ParallelBuilds.start(["a", "b"], 2, ext_dir=tmp_path, command=_fake_command,
+                               meter=busy)  # build-ops: a cached op is loaded, beside the build
+    try:
+        r = cli.wait_all(timeout_s=30)
+        assert r["b"]["t_start"] < r["a"]["t_end"], "a load waited for a busy build"
+        assert r["a"]["niceness"] == 0 and r["b"]["niceness"] == 10
+    finally:
+        cli.close()
+
+
+def test_the_tree_meter_counts_a_builds_busy_children():
+    """A build process whose child burns a core for 3 s reads as about one busy core, judged
+    (settled) once its job driver has run SETTLE_S; a build whose driver never started is not
+    judged yet (it is still importing and probing: one core, whatever it will need)."""
+    import subprocess
+
+    import psutil
+
+    burn = ("import subprocess, sys, time\n"
+            "subprocess.run([sys.executable, '-c', "
+            "'import time\\nt=time.time()\\nwhile time.time()-t<3: pass'])\n")
+    proc = subprocess.Popen([sys.executable, "-c", burn])
+    build = opbuild.Build("burn", proc, time.monotonic(), 1, 0)
+    meter = opbuild.TreeMeter(driver=psutil.Process(proc.pid).name())
+    not_yet = opbuild.TreeMeter(driver="ninja")
+    try:
+        readings, waiting = [], []
+        for _ in range(9):
+            readings.append(meter(build))
+            waiting.append(not_yet(build))
+            time.sleep(0.3)
+        assert max(busy for _, busy in readings) > 0.3, readings
+        assert readings[-1][0] and not readings[0][0], readings
+        assert not any(settled for settled, _ in waiting), waiting
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_build_order_puts_the_first_needed_first():
+    ops = ["fused_adam", "cpu_adam", "async_io"]
+    needs = [(5.0, ["async_io"], 4.0), (10.0, ["cpu_adam"], 1.0), (20.0, ["async_io"], 1.0)]
+    assert build_order(ops, needs) == ["async_io", "cpu_adam", "fused_adam"]
+    # Needed at the same moment: the op more work waits on first.
+    assert build_order(ops, [(0.0, ["cpu_adam"], 1.0), (0.0, ["async_io"], 3.0)]) == \
+        ["async_io", "cpu_adam", "fused_adam"]
+    assert build_order(ops, []) == ops
+
+
+class _Item:
+    """Just enough of a collected test for ops_to_build, build_needs and the batch."""
+
+    def __init__(self, path: str, *marks, plan=None, cost: float = 1.0, measures=False) -> None:
         self.fspath = path
+        self.nodeid = f"{path}::t{id(self)}"
         self._marks = [m.mark for m in marks]
+        self.fixturenames = ["metrics"] if measures else []
+        if plan is not None:
+            from dsconform.plugin.batch import batched
+
+            def function():
+                pass
+            self.function = batched(plan, cost=cost)(function)
 
     def get_closest_marker(self, name):
         return next((m for m in self._marks if m.name == name), None)
@@ -64,10 +224,61 @@ class _Item:
         return (m for m in self._marks if name is None or m.name == name)
 
 
-def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
+def test_the_build_order_comes_from_the_collected_tests(monkeypatch):
+    """The batch runs its cells that need no op first (8 s of cells over 2 lanes: 4 s), then
+    the DeepNVMe cell that needs async_io; the main thread reaches a test needing cpu_adam
+    after 3 tests (3 s): cpu_adam first. Three more tests before it (6 s): async_io first."""
     from types import SimpleNamespace
 
-    import pytest
+    from dsconform.gate.requires import requires
+    from dsconform.harness import lanes
+    from dsconform.plugin.hooks import build_needs
+
+    monkeypatch.setattr(lanes, "LANES", "2")
+    plan = object()
+    cells = [_Item("suites/test_zero.py", plan=plan, cost=4.0),
+             _Item("suites/test_zero.py", plan=plan, cost=4.0),
+             _Item("suites/test_deepnvme.py", requires(op="async_io"), plan=plan, cost=2.0)]
+    state = SimpleNamespace(profile=SimpleNamespace(ops=["cpu_adam", "async_io"]),
+                            node=SimpleNamespace(gpu_count=1))
+    ops = ["cpu_adam", "async_io"]
+
+    def main(before: int) -> list:
+        return ([_Item("suites/test_collectives.py") for _ in range(before)]
+                + [_Item("suites/test_checkpoint.py", requires(op="cpu_adam"))])
+    early = main(3) + cells
+    assert build_order(ops, build_needs(early, state, cells)) == ["cpu_adam", "async_io"]
+    late = main(6) + cells
+    assert build_order(ops, build_needs(late, state, cells)) == ["async_io", "cpu_adam"]
+    # A measuring test runs after the batch (10 s of cells over 2 lanes): async_io first.
+    measuring = [_Item("suites/test_checkpoint.py", requires(op="cpu_adam"), measures=True)]
+    assert build_order(ops, build_needs(measuring + cells, state, cells)) == \
+        ["async_io", "cpu_adam"]
+
+
+def test_the_batch_runs_the_cells_of_the_op_built_first_first():
+    """Cells that need no unfinished build first; then by the place of their op in the build
+    order (a cell needing two ops goes by the later one); finished builds count as none."""
+    from types import SimpleNamespace
+
+    from dsconform.gate.requires import requires
+    from dsconform.plugin.batch import _build_rank
+
+    order, done = ["async_io", "fused_adam", "cpu_adam"], {"cpu_adam"}
+    builds = SimpleNamespace(rank=lambda op: order.index(op) if op in order else -1,
+                             finished=lambda op: op in done or op not in order)
+    rs = SimpleNamespace(op_builds=builds)
+    cell = {name: _Item("suites/test_x.py", *marks) for name, marks in {
+        "free": (), "aio": (requires(op="async_io"),), "adam": (requires(op="fused_adam"),),
+        "both": (requires(op=["async_io", "fused_adam"]),), "built": (requires(op="cpu_adam"),),
+    }.items()}
+    ranks = {name: _build_rank(item, rs) for name, item in cell.items()}
+    assert ranks == {"free": 0, "aio": 1, "adam": 2, "both": 2, "built": 0}
+    assert _build_rank(cell["aio"], SimpleNamespace(op_builds=None)) == 0
+
+
+def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
+    from types import SimpleNamespace
 
     from dsconform.gate.requires import requires
     from dsconform.plugin.hooks import ops_to_build
@@ -83,3 +294,7 @@ def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
     assert ops_to_build(items, cpu) == ["cpu_adam", "async_io"]
     assert ops_to_build(items[1:], gpu) == ["async_io", "utils"]
     assert ops_to_build(items[1:], cpu) == []
+
+
+def test_available_cores_is_this_process_share():
+    assert 1 <= opbuild.available_cores() <= (os.cpu_count() or 1)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsconform.checks.schedules import SCHEDULES, Schedule
+from dsconform.gate import compat
 from dsconform.storage.nvme import AioSettings
 
 STAGES = (0, 1, 2, 3)
@@ -317,7 +318,8 @@ def ds_config(**kwargs: Any) -> dict[str, Any]:
     except TypeError as e:  # unknown or missing keyword: name it as ds_config's
         raise TypeError(f"ds_config(): {e}".replace("DsSettings.__init__() ", "")) from None
     validate(s)
-
+    if s.stage == 0 and s.dtype == "bf16":  # older releases lack it: skip naming the release
+        compat.require(compat.STAGE0_BF16)
 
     if s.optimizer == "sgd":
         opt = {"type": "SGD", "params": {"lr": s.lr, "momentum": s.momentum, "dampening": 0.0,

@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dsconform.gate import compat
+
 #: DeepSpeed's raise and lower factor of the dynamic scale (not configurable; see above).
 SCALE_FACTOR = 2.0
 
@@ -187,6 +189,9 @@ def read_scaler(obj: Any) -> ScalerState:
         dynamic = bool(scaler.dynamic)
         hysteresis = int(scaler.cur_hysteresis) if dynamic else None
         return ScalerState(name, float(scaler.cur_scale), dynamic, hysteresis, overflow)
+    old = compat.stage0_scaler(obj)  # a release's stage-0 wrapper before LossScaleConfig
+    if old is not None:
+        return ScalerState(name, old[0], old[1], None, overflow)
     if name == "BF16_Optimizer" or _is_torch_optimizer(obj):
         # bf16 needs no loss scaling; an fp32 stage-0 engine steps the torch optimizer itself.
         return ScalerState(name, None, False, None, overflow)

@@ -461,17 +461,20 @@ def record_zero_comparison(metrics: MetricsRecorder, cmp: Comparison, case: Zero
     params = {**case.params(), "accelerator": accelerator, "rtol": cmp.tol.rtol,
               "atol": cmp.tol.atol}
     loss_abs, loss_rel = cmp.worst("loss")
-    metrics.record("zero.loss_max_rel_diff", loss_rel, unit="1", better="lower", **params)
+    # The loss is held to atol + rtol x |loss|: rtol is the bound of its relative difference
+    # (the atol share only widens it), so a comparison judges its drift against rtol.
+    metrics.record("zero.loss_max_rel_diff", loss_rel, unit="1", better="lower",
+                   bound=cmp.tol.rtol, **params)
     metrics.record("zero.grad_max_abs_diff", cmp.worst("grad")[0], unit="1", better="lower",
                    **params)
     metrics.record("zero.param_max_abs_diff", cmp.worst("param")[0], unit="1", better="lower",
                    **params)
     if cmp.tol.update is not None:  # bf16/fp16: the whole update against DDP's (Tol.update)
         metrics.record("zero.update_rel_diff", cmp.worst("update")[1], unit="1", better="lower",
-                       **params)
+                       bound=cmp.tol.update, **params)
     if cmp.tol.gain is not None:
         metrics.record("zero.update_gain_dev", cmp.worst("gain")[0], unit="1", better="lower",
-                       **params)
+                       bound=cmp.tol.gain, **params)
     if cmp.tol.tensor_gain is not None:  # the same gain, per parameter tensor
         metrics.record("zero.tensor_gain_dev", cmp.worst("tensor_gain")[0], unit="1",
-                       better="lower", **params)
+                       better="lower", bound=cmp.tol.tensor_gain, **params)

@@ -17,6 +17,13 @@ verified to affect and no others:
 
 Tolerances are never loosened for a known issue: the case keeps its check and fails it.
 
+Two kinds of entry (``kind``): ``upstream``, a defect of DeepSpeed itself; ``torch``, an
+incompatibility of DeepSpeed releases with torch releases ("DeepSpeed 0.18.9 with torch >=
+2.13"): the same code works beside an older torch, so the entry names the torch versions it was
+seen with (``torch``, a specifier with a lower bound) and covers its cases only where both the
+DeepSpeed and the torch installed are in range. Either kind links upstream's fix where there is
+one (``fixed_in``: the first release that carries it).
+
 Cases are patterns over ``FILE::TEST[PARAMS]`` (the test file's name, not its directory) in
 which only ``*`` is special (brackets are the literal brackets of a parametrized id), so the
 registry names cells of a matrix without listing them one by one.
@@ -24,10 +31,15 @@ registry names cells of a matrix without listing them one by one.
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 from dataclasses import dataclass
+from typing import Any
 
-from dsconform.gate import versions
+from dsconform.gate import known_issues_check, versions
+
+UPSTREAM, TORCH = "upstream", "torch"
+KINDS = (UPSTREAM, TORCH)
 
 
 class KnownIssueFailure(AssertionError):
@@ -46,6 +58,12 @@ class KnownIssue:
     # (as the case's check words it, seen on a real run). Nothing else counts as this issue.
     # A match with named groups ``gain`` and ``scale`` counts only if gain x scale is 1 (1%).
     failure: str = ""
+    kind: str = UPSTREAM  # UPSTREAM: DeepSpeed's defect; TORCH: a DeepSpeed x torch mismatch
+    torch: str = ""  # TORCH: the torch versions it was seen with, as a specifier (">=2.13")
+    fixed_in: str = ""  # the first DeepSpeed release that carries upstream's fix, if any
+    # A race: the failure shows in some runs only. A covered case that fails its way is an
+    # xfail, one that passes passes (it is not a fixed build); any other failure still FAILS.
+    intermittent: bool = False
 
     def expects(self, exc: BaseException) -> bool:
         """Is ``exc`` this issue's failure? An assertion (a rank's error comes back as one)
@@ -65,9 +83,16 @@ class KnownIssue:
                 return True
         return False
 
-    def affects(self, deepspeed_version: str | None) -> bool:
+    def affects(self, deepspeed_version: str | None, torch_version: str | None = None) -> bool:
+        """This DeepSpeed (and, for a torch incompatibility, this torch: default the installed
+        one) is one the entry was verified on."""
         v = versions.parse(deepspeed_version)
-        return v is not None and v in versions.specifier(self.deepspeed)
+        if v is None or v not in versions.specifier(self.deepspeed):
+            return False
+        if not self.torch:
+            return True
+        t = versions.public(torch_version if torch_version is not None else installed_torch())
+        return t is not None and t in versions.specifier(self.torch)
 
     def covers(self, case: str) -> bool:
         return any(_pattern(p).fullmatch(case) for p in self.cases)
@@ -75,9 +100,36 @@ class KnownIssue:
     @property
     def reason(self) -> str:
         """The xfail reason: also what an unexpected pass prints, so it says what to do then."""
-        return (f"known upstream issue {self.id}: {self.title} ({self.link}); verified on "
-                f"DeepSpeed {self.deepspeed}. If this case passes, this build is fixed: narrow "
-                f"or drop the entry in dsconform/gate/known_issues.py")
+        what = ("known upstream issue" if self.kind == UPSTREAM else
+                f"known incompatibility with torch {self.torch}")
+        fixed = f"; fixed in DeepSpeed {self.fixed_in}" if self.fixed_in else ""
+        if self.intermittent:
+            return (f"{what} {self.id} (intermittent): {self.title} ({self.link}); verified on "
+                    f"DeepSpeed {self.deepspeed}{self._with_torch}{fixed}. A run that passes "
+                    f"proves nothing here: the failure is timing-dependent")
+        return (f"{what} {self.id}: {self.title} ({self.link}); verified on "
+                f"DeepSpeed {self.deepspeed}{self._with_torch}{fixed}. If this case passes, "
+                f"this build is fixed: narrow or drop the entry in dsconform/gate/known_issues.py")
+
+    @property
+    def _with_torch(self) -> str:
+        return f" with torch {self.torch}" if self.torch else ""
+
+    def summary(self) -> dict[str, str]:
+        """What the results list of an entry hit (summary.json, benchmarks.json)."""
+        out: dict[str, Any] = {"title": self.title, "link": self.link,
+                               "deepspeed": self.deepspeed, "kind": self.kind}
+        out.update({k: v for k, v in (("torch", self.torch), ("fixed_in", self.fixed_in),
+                                      ("intermittent", self.intermittent)) if v})
+        return out
+
+
+def installed_torch() -> str | None:
+    """The installed torch's version, from its package metadata (no import of torch)."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
@@ -114,7 +166,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
               "optimizer step with zero gradients at initialization: Adam's step count starts "
               "at 1, every bias correction is one step late, the first update is 0.74x torch's "
               "and 20 steps move 4-6% less",
-        deepspeed=">=0.19.6,<=0.19.8",
+        deepspeed=">=0.17.6,<=0.19.8",
         # The pull request removes the step from ZeRO 1-3's initialization (done there since);
         # the stage-0 wrappers' initialize_optimizer_states still calls optimizer.step().
         link="https://github.com/deepspeedai/DeepSpeed/pull/5104",
@@ -143,7 +195,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
               "scale before it unscales the gradients, so that step's gradients are divided by "
               "twice the scale backward multiplied them by (SGD moves 0.82x as far on that step "
               "and its momentum carries the deficit on)",
-        deepspeed=">=0.19.6,<=0.19.8",
+        deepspeed=">=0.16.9,<=0.19.8",
         # A comment on the pull request (2026-09-21) describes the ordering in
         # FP16_UnfusedOptimizer and reads the same split in zero/stage_1_and_2.py without
         # reproducing it; it is not fixed there ("out of scope for this PR").
@@ -293,7 +345,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
               "was never written or was deleted) stops on a bare `assert len(self.ckpt_list) "
               "> 0` (runtime/state_dict_factory.py check_ckpt_list): refused, but the error "
               "names neither the tag nor the directory",
-        deepspeed="==0.19.8",
+        deepspeed=">=0.16.9,<=0.19.8",
         link="https://github.com/deepspeedai/DeepSpeed/issues/3377",
         cases=("test_checkpoint.py::test_a_latest_naming_a_missing_tag_is_refused[*]",),
         failure=r"was not refused by name:[\s\S]*raised 'AssertionError: '",
@@ -306,7 +358,8 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         title="after load_checkpoint of a universal checkpoint (ZeRO 1/2), each parameter's fp32 "
               "fragment is rebound to an optimizer moment (map_to_flat_opt_states): "
               "safe_get_full_fp32_param returns exp_avg_sq instead of the master weights",
-        deepspeed="==0.19.6",
+        deepspeed=">=0.16.9,<=0.19.7",
+        fixed_in="0.19.8",
         link="https://github.com/deepspeedai/DeepSpeed/pull/8474",
         cases=("test_checkpoint.py::test_universal_reshard[*-z1-fp32-*]",
                "test_checkpoint.py::test_universal_reshard[*-z1-bf16-*]",
@@ -320,54 +373,177 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "weights and moments exact; stage 3 and DeepSpeed 0.19.8 exact. The PR's "
              "description names the same rebinding (also #8385)",
     ),
+    KnownIssue(
+        id="DS-7948-Z12-FLAT-BUFFER-VIEW",
+        title="ZeRO 1/2 on more than one rank flattens the parameters on the accelerator "
+              "(#7828) into a buffer that keeps autograd history: the first all-gather into "
+              "its split views raises 'Output 0 of Split is a view and is being modified "
+              "inplace' (the CPU accelerator always takes that path)",
+        deepspeed="==0.18.9",
+        # DeepSpeed's half: the buffer keeps its history (#7828, first in 0.18.7; detached by
+        # #7948 in 0.19.0). torch's half: 2.13's gloo all-gather (all_gather_into_tensor, now
+        # all_gather_single) writes the output through autograd-visible chunk views
+        # (pytorch/pytorch#178844 rewrote that path), so the write is refused there.
+        kind=TORCH,
+        torch=">=2.13",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/7948",
+        fixed_in="0.19.0",
+        cases=(
+            "test_zero.py::test_zero_matches_ddp[cpu-z1-*-ws2]",
+            "test_zero.py::test_zero_matches_ddp[cpu-z2-*-ws2]",
+            "test_zero.py::test_zero_partition_padding[cpu-1]",
+            "test_zero.py::test_zero_partition_padding[cpu-2]",
+            "test_zero.py::test_zero_clipping_matches_ddp[cpu-z1-*]",
+            "test_zero.py::test_zero_clipping_matches_ddp[cpu-z2-*]",
+            "test_loss_scaling.py::test_bf16_has_no_scaler[cpu-z1-ws2]",
+            "test_loss_scaling.py::test_bf16_has_no_scaler[cpu-z2-ws2]",
+            "test_loss_scaling.py::test_overflow_handling[cpu-z1-ws2-*]",
+            "test_loss_scaling.py::test_overflow_handling[cpu-z2-ws2-*]",
+            "test_loss_scaling.py::test_applied_steps_match_fp32[cpu-z1-ws2-*]",
+            "test_loss_scaling.py::test_applied_steps_match_fp32[cpu-z2-ws2-*]",
+            "test_checkpoint.py::test_round_trip_is_exact[cpu-1-*]",
+            "test_checkpoint.py::test_round_trip_is_exact[cpu-2-*]",
+            "test_checkpoint.py::test_partial_load[cpu-*-1-*]",
+            "test_checkpoint.py::test_partial_load[cpu-*-2-*]",
+            "test_checkpoint.py::test_consolidated_fp32_equals_masters[cpu-1-*]",
+            "test_checkpoint.py::test_consolidated_fp32_equals_masters[cpu-2-*]",
+            "test_checkpoint.py::test_universal_reshard[cpu-z1-*-ws2to1]",
+            "test_checkpoint.py::test_universal_reshard[cpu-z2-*-ws2to1]",
+            "test_checkpoint.py::test_stage_change[cpu-z1-to-z2]",
+            "test_checkpoint.py::test_stage_change[cpu-z2-to-z1]",
+            "test_checkpoint.py::test_damaged_checkpoint_is_refused[cpu-z2-*]",
+            "test_checkpoint.py::test_flipped_bit_is_detected[cpu]",
+            "test_checkpoint.py::test_storage_returns_written_bytes[cpu]",
+            "test_checkpoint.py::test_client_state_comes_back[cpu-z2]",
+            "test_checkpoint.py::test_a_latest_naming_a_missing_tag_is_refused[cpu-z2]",
+        ),
+        failure=r"Output 0 of Split(Backward0)? is a view and is being modified inplace",
+        seen="CPU machine, DeepSpeed 0.18.9, torch 2.13.0+cpu, 2 ranks (gloo), 2026-12-02: "
+             "every ZeRO-1/2 engine raised it in its first step(), inside torch's "
+             "all_gather_single (work.wait()) called from all_gather_into_tensor_dp_groups; "
+             "one rank does not gather and trains. stage_1_and_2.py flattens with "
+             "flatten_on_gpu without .detach(); 0.19.0 adds it. 0.17.6 and 0.16.9 flatten on "
+             "the CPU copy and train (results/reference/radar/cpu). No older torch was run "
+             "beside 0.18.9 here: the torch range is what was seen",
+    ),
+    KnownIssue(
+        id="DS-8142-WARMUP-COSINE-PAST-END",
+        title="WarmupCosineLR with total_num_steps <= warmup_num_steps leaves the floor after "
+              "the warmup: the cosine runs on past its end (progress not clamped to 1)",
+        deepspeed=">=0.16.9,<=0.19.2",
+        fixed_in="0.19.3",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/8142",
+        cases=("test_schedules.py::test_warmup_cosine_lr[*]",),
+        failure=(r"WarmupCosineLR\(total_num_steps=(\d+), [^)]*warmup_num_steps=(\d+)[^)]*\) "
+                 r"on ZeRO stage \d, optimizer lr [\d.]+: iteration \d+ \(the lr of step \d+\): "
+                 r"the (lr the param group holds|scheduler's get_last_lr\(\)) is"),
+        seen="CPU machine, DeepSpeed 0.16.9, torch 2.13 (the radar, results/reference/radar/"
+             "cpu): total_num_steps=2, warmup_num_steps=4, cos_min_ratio 0.5: iteration 4 held "
+             "0.0375 where the documented schedule holds the floor 0.025. 0.19.3's "
+             "lr_schedules.py clamps the cosine progress to [0, 1] (#8142)",
+    ),
+    KnownIssue(
+        id="DS-8179-ONECYCLE-STAIRS-IGNORED",
+        title="OneCycle ignores cycle_first_stair_count and cycle_second_stair_count: the lr "
+              "moves every step instead of in stairs",
+        deepspeed=">=0.16.9,<=0.19.3",
+        fixed_in="0.19.4",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/8179",
+        cases=("test_schedules.py::test_one_cycle[*]",),
+        failure=(r"OneCycle\([^)]*cycle_first_stair_count=[1-9][^)]*\) on ZeRO stage \d, "
+                 r"optimizer lr [\d.]+: iteration \d+ \(the lr of step \d+\): the (lr the param "
+                 r"group holds|scheduler's get_last_lr\(\)) is"),
+        seen="CPU machine, DeepSpeed 0.16.9, torch 2.13 (the radar): stair counts 3 and 2 over "
+             "a first half of 6 steps: iteration 0 held 0.00167 where the first stair holds "
+             "0.0; 0.19.4 quantises the half cycle into its stairs (#8179)",
+    ),
+    KnownIssue(
+        id="DS-6976-SCALE-WINDOW-EARLY",
+        title="ZeRO 1-3 fp16: the dynamic loss scale rises after loss_scale_window - 1 clean "
+              "steps (the window counts the overflow step itself)",
+        deepspeed="==0.16.9",
+        fixed_in="0.17.1",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/6976",
+        cases=("test_loss_scaling.py::test_measured_sequence",
+               *(f"test_loss_scaling.py::test_overflow_handling[*-z{z}-*-h*]" for z in (1, 2, 3))),
+        failure=(r"DeepSpeed's scaler went \[[^\]]*\], measured on ZeRO 1-3"
+                 r"|step \d+ \(clean\): loss scale after the step [\d.]+, the model's [\d.]+"),
+        seen="CPU machine, DeepSpeed 0.16.9, torch 2.13 (the radar, results/reference/radar/"
+             "cpu): window 2, hysteresis 2, overflows .XX...XXX: 256,256,128,128,256,... where "
+             "0.17.1 on goes 256,256,128,128,128,256,...; loss_scaler.py update_scale tested "
+             "(cur_iter - last_overflow_iter) % window, #6976 counts the clean steps after it",
+    ),
+    KnownIssue(
+        id="DS-Z0-FP16-RAISE-STEP-HALVED",
+        title="ZeRO stage 0 fp16 (FP16_UnfusedOptimizer): on a step where the dynamic loss scale "
+              "rises, the gradients are unscaled by the raised scale (SGD moves 0.79x as far)",
+        deepspeed="==0.16.9",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/8588",
+        cases=("test_loss_scaling.py::test_applied_steps_match_fp32[*-z0-*-h1-*-sgd]",
+               "test_loss_scaling.py::test_applied_steps_match_fp32[*-z0-*-h2-*-sgd]"),
+        failure=r"\(scale \d+\): moved the fp32 masters 0\.(7[5-9]|8[0-5])\d*x as far",
+        seen="CPU machine, DeepSpeed 0.16.9, torch 2.13, 2 ranks (the radar): step 5, where "
+             "the scale rises to 128, moved 0.7879x as far as the fp32 replica; ZeRO 1-3's "
+             "DS-8588 in the stage-0 wrapper, which the pull request's comment reads there too",
+    ),
+    KnownIssue(
+        id="DS-8539-Z3-GLOO-GATHER-RACE",
+        title="ZeRO-3 on gloo (the CPU accelerator, more than one rank): the coalesced parameter "
+              "all-gather waits for its last handle only, so a parameter can be read while an "
+              "earlier gather still writes it (torch.empty memory: NaN, inf, garbage); "
+              "timing-dependent",
+        deepspeed=">=0.16.9,<=0.19.7",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/8539",
+        fixed_in="0.19.8",
+        intermittent=True,
+        cases=(
+            "test_zero.py::test_zero_matches_ddp[cpu-z3-*-ws2]",
+            "test_zero.py::test_zero_partition_padding[cpu-3]",
+            "test_zero.py::test_zero_clipping_matches_ddp[cpu-z3-*]",
+            "test_loss_scaling.py::test_bf16_has_no_scaler[cpu-z3-ws2]",
+            "test_loss_scaling.py::test_overflow_handling[cpu-z3-ws2-*]",
+            "test_loss_scaling.py::test_applied_steps_match_fp32[cpu-z3-ws2-*]",
+            "test_checkpoint.py::test_round_trip_is_exact[cpu-3-*]",
+            "test_checkpoint.py::test_resume_in_fresh_process[cpu-3-*]",
+            "test_checkpoint.py::test_partial_load[cpu-*-3-*]",
+            "test_checkpoint.py::test_consolidated_fp32_equals_masters[cpu-3-*]",
+            "test_checkpoint.py::test_universal_reshard[cpu-z3-*]",
+            "test_checkpoint.py::test_load_without_a_tag_takes_the_newest[cpu-z3]",
+            "test_deepnvme.py::test_zero_infinity_matches_ddp[*-cpu-*]",
+        ),
+        # What uninitialized memory looks like to the comparisons: NaN or inf values, or a
+        # difference of 1e30 and more, in the engine's trace or in the state it saved.
+        failure=(r"\d+ (NaN|inf)[^;\n]* of \d+ elements in the (candidate|reference)"
+                 r"|loss( \(rank \d+\))?: -?(nan|inf) in the (candidate|reference)"
+                 r"|max abs diff [\d.]+e\+(3\d|[4-9]\d)\b"),
+        seen="CPU machine, DeepSpeed 0.16.9 and 0.18.9, torch 2.13, 2 ranks (gloo), "
+             "2026-12-02: ZeRO-3 cells went NaN or inf in some runs and not in others (a "
+             "fixed two-rank ZeRO-3 script matched DDP in 3 of 4 runs on 0.18.9). "
+             "partition_parameters.py _allgather_params_coalesced calls "
+             "launch_handles[-1].wait() in every release from 0.16.9 to 0.19.7; 0.19.8 waits "
+             "for every handle (#8539: 9 of 20 upstream CI runs failed)",
+    ),
 )
-
-_ID_RE = re.compile(r"^[A-Z0-9][A-Z0-9-]+$")
-
 
 def _pattern(case: str) -> re.Pattern[str]:
     return re.compile(".*".join(re.escape(part) for part in case.split("*")))
 
 
-def check_registry(issues: tuple[KnownIssue, ...] = KNOWN_ISSUES) -> list[str]:
-    """Every defect of the registry, one line each (empty: sound)."""
-    problems, ids = [], set()
-    for ki in issues:
-        if not _ID_RE.match(ki.id):
-            problems.append(f"{ki.id!r}: id must be upper case letters, digits and dashes")
-        if ki.id in ids:
-            problems.append(f"{ki.id}: duplicate id")
-        ids.add(ki.id)
-        try:
-            spec = versions.specifier(ki.deepspeed)
-            if not any(s.operator in ("<", "<=", "==") for s in spec):
-                problems.append(f"{ki.id}: deepspeed {ki.deepspeed!r} has no upper bound: scope "
-                                "it to the versions it was verified on")
-        except ValueError as e:
-            problems.append(f"{ki.id}: deepspeed: {e}")
-        if not ki.link.startswith("https://"):
-            problems.append(f"{ki.id}: link must be an https URL, found {ki.link!r}")
-        if not ki.cases or not all("::" in c for c in ki.cases):
-            problems.append(f"{ki.id}: cases must be FILE::TEST[PARAMS] patterns")
-        if not ki.failure:
-            problems.append(f"{ki.id}: failure must say how the cases fail (a pattern of the "
-                            f"assertion's message): without it no failure counts as the issue")
-        else:
-            try:
-                re.compile(ki.failure)
-            except re.error as e:
-                problems.append(f"{ki.id}: failure {ki.failure!r} is not a regular expression: "
-                                f"{e}")
-    return problems
-
-
 def expected_failure(issues: list[KnownIssue], exc: BaseException) -> BaseException:
     """What a covered case's exception becomes: a KnownIssueFailure (the strict xfail's
-    expectation) when one of the case's issues fails this way, else an AssertionError that says
+    expectation) when one of the case's issues fails this way (an intermittent issue's: an
+    xfail of its own), else an AssertionError that says
     which issue covered the case, what it expected and what happened instead (a real failure)."""
     for ki in issues:
         if ki.expects(exc):
-            return KnownIssueFailure(f"{ki.id}: {exc}")
+            if ki.intermittent:  # no strict xfail mark: the failure itself is the xfail
+                import pytest
+
+                out: BaseException = pytest.xfail.Exception(f"{ki.reason}: {exc}")
+            else:
+                out = KnownIssueFailure(f"{ki.id}: {exc}")
+            out.issue_id = ki.id  # type: ignore[attr-defined]  # which issue it was
+            return out
     wanted = "; ".join(f"{ki.id} fails matching {ki.failure!r}" for ki in issues)
     return AssertionError(f"covered by known issue(s) ({wanted}), but failed another way, which "
                           f"the issue does not explain: {type(exc).__name__}: {exc}")
@@ -379,9 +555,12 @@ def case_name(path_name: str, test_name: str) -> str:
 
 
 def issues_for(case: str, deepspeed_version: str | None,
-               issues: tuple[KnownIssue, ...] = KNOWN_ISSUES) -> list[KnownIssue]:
-    """The registry's issues that cover ``case`` on this DeepSpeed version."""
-    return [ki for ki in issues if ki.covers(case) and ki.affects(deepspeed_version)]
+               issues: tuple[KnownIssue, ...] = KNOWN_ISSUES,
+               torch_version: str | None = None) -> list[KnownIssue]:
+    """The registry's issues that cover ``case`` on this DeepSpeed version (and torch:
+    default the installed one)."""
+    return [ki for ki in issues if ki.covers(case) and ki.affects(deepspeed_version,
+                                                                  torch_version)]
 
 
 def by_id(issue_id: str, issues: tuple[KnownIssue, ...] = KNOWN_ISSUES) -> KnownIssue:
@@ -389,3 +568,7 @@ def by_id(issue_id: str, issues: tuple[KnownIssue, ...] = KNOWN_ISSUES) -> Known
         if ki.id == issue_id:
             return ki
     raise KeyError(f"no known issue {issue_id!r} (known: {', '.join(k.id for k in issues)})")
+
+
+# The registry's own checks live beside it (dsconform/gate/known_issues_check.py).
+check_registry = known_issues_check.check_registry

@@ -80,15 +80,15 @@ __all__ = [
 
 
 def shutdown_pools() -> None:
-    """Stop every pooled rank process. The pytest plugin calls this at session end."""
+    """Stop every pooled rank process, all at once (pooled, standby and lane pools). The pytest
+    plugin calls this at session end."""
     with TABLES_LOCK:
-        while POOLS:
-            _, pool = POOLS.popitem()
-            pool.close()
-        idle = list(standby.SPARES.values()) + [p for pools in LANE_POOLS.values() for p in pools]
+        pools = list(POOLS.values()) + list(standby.SPARES.values()) \
+            + [p for lane in LANE_POOLS.values() for p in lane]
+        POOLS.clear()
         standby.SPARES.clear()
         LANE_POOLS.clear()
-        close_idle(idle)
+        close_idle(pools)
 
 
 atexit.register(shutdown_pools)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsconform import settings
-from dsconform.harness import standby
+from dsconform.harness import output, standby
 from dsconform.harness.api import run_ranks
 from dsconform.harness.errors import (
     RankError,
@@ -135,7 +135,7 @@ def _new_lane(key: tuple, pg_timeout_s: float, fresh: bool = False) -> Pool:
     clear_build_locks()
     LANE_STATS["started"] += 1
     return Pool(key[0], key[1], key[2], pg_timeout_s, warm=standby.RANK_WARMUP and not fresh,
-                 threads=_lane_threads())
+                threads=_lane_threads(), label="(lane ranks starting)")
 
 
 def start_lanes(world_sizes: list[int], accelerator: str = "cuda",
@@ -161,8 +161,8 @@ def start_lanes(world_sizes: list[int], accelerator: str = "cuda",
                     try:
                         idle.append(_new_lane(key, POOL_PG_TIMEOUT_S))
                     except Exception as exc:  # an optimisation: calls start their own
-                        print(f"dsconform.harness: lane ranks not started ({exc})",
-                              file=sys.stderr)
+                        output.record(output.current_label(), "dsconform.harness",
+                                      f"lane ranks not started ({exc})")
                         return started
                     started += 1
     return started
@@ -207,9 +207,11 @@ class _Spawner:
 
 def _lane_pool(key: tuple, pg_timeout_s: float, spawner: _Spawner,
                cancel: threading.Event, fresh: bool = False,
-               started: Pool | None = None) -> Pool:
+               started: Pool | None = None, active: set | None = None) -> Pool:
     """An idle lane pool for key, else a new one; fresh: always a new one, never warmed up
-    (started: one started ahead for it). Started up (RankError if it cannot start)."""
+    (started: one started ahead for it). Started up (RankError if it cannot start). While it
+    starts it is in ``active``, so a batch stopped meanwhile kills it instead of waiting for
+    its start-up."""
     for attempt in range(3):  # the probed port can be taken between the probe and the bind
         pool, started = started, None
         with TABLES_LOCK:
@@ -221,10 +223,18 @@ def _lane_pool(key: tuple, pg_timeout_s: float, spawner: _Spawner,
                     pool = None
         if pool is None:
             pool = spawner.new_lane(key, pg_timeout_s, cancel, fresh)
+        if active is not None:
+            active.add(pool)
+        if cancel.is_set():  # stopped while it was being handed over
+            pool.kill()
         t0 = time.monotonic()
         try:
             return await_start(pool)
         except RankError as exc:
+            if active is not None:
+                active.discard(pool)
+            if cancel.is_set():
+                raise
             if "address already in use" not in str(exc).lower() or attempt == 2:
                 raise
         finally:
@@ -261,7 +271,7 @@ def _check_steps(steps: tuple[RankCall, ...]) -> str:
 def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
           qlock: threading.Lock, active: set, cancel: threading.Event, spawner: _Spawner,
           on_done: Callable[[int, tuple, float], None] | None,
-          context: tuple[list, dict]) -> None:
+          context: tuple[list, dict], labels: list[str | None]) -> None:
     """One lane: take calls of its world size off the shared queue until none is left; an
     entry of several steps runs them in turn, a fresh step on ranks that ran no call (of
     another world size, if it says so: that pool is not kept for the lane)."""
@@ -273,54 +283,57 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                 if not queue:
                     return
                 i = queue.popleft()
-            steps = _steps(calls[i])
-            healthy = True
-            t0 = time.monotonic()
-            try:
-                results = []
-                for j, (step, payload) in enumerate(zip(steps, pickled[i])):
-                    need = pg_timeout_for(step.timeout_s)
-                    if pool is not None and (not pool.alive() or pool.pg_timeout_s < need
-                                             or step.fresh):
+            # The ranks' output of this call is logged as its cell's test (output.record).
+            with output.labelled(labels[i] or output.current_label()):
+                steps = _steps(calls[i])
+                healthy = True
+                t0 = time.monotonic()
+                try:
+                    results = []
+                    for j, (step, payload) in enumerate(zip(steps, pickled[i])):
+                        need = pg_timeout_for(step.timeout_s)
+                        if pool is not None and (not pool.alive() or pool.pg_timeout_s < need
+                                                 or step.fresh):
+                            active.discard(pool)
+                            pool.close()
+                            pool = None
+                        if pool is None:
+                            pool, ahead = _lane_pool(_key_of(key, step, i), need, spawner, cancel,
+                                                     active=active,
+                                                     fresh=step.fresh, started=ahead), None
+                            active.add(pool)
+                        if j + 1 < len(steps) and steps[j + 1].fresh and ahead is None:
+                            ahead = spawner.new_lane(_key_of(key, steps[j + 1], i),
+                                                     pg_timeout_for(steps[j + 1].timeout_s),
+                                                     cancel, fresh=True)
+                            active.add(ahead)
+                        healthy = False
+                        replies = send_and_collect(pool, step.fn, payload, step.timeout_s, context)
+                        healthy = replies_healthy(replies)
+                        results.append(resolve(replies))
+                    outcome: tuple = ("ok", results if isinstance(calls[i], list) else results[0])
+                except BaseException as exc:  # the call's own outcome, raised in its test
+                    outcome = ("raise", exc)
+                finally:
+                    with LANE_STATS_LOCK:
+                        LANE_STATS["calls"] += len(steps)
+                    if not healthy and pool is not None:
+                        pool.kill()
+                        active.discard(pool)
+                        pool = None
+                    if ahead is not None:  # a step before the fresh one failed: not needed
+                        ahead.kill()
+                        active.discard(ahead)
+                        ahead = None
+                    if pool is not None and pool.world_size != key[0]:  # another size's ranks
                         active.discard(pool)
                         pool.close()
                         pool = None
-                    if pool is None:
-                        pool, ahead = _lane_pool(_key_of(key, step, i), need, spawner, cancel,
-                                                 fresh=step.fresh, started=ahead), None
-                        active.add(pool)
-                    if j + 1 < len(steps) and steps[j + 1].fresh and ahead is None:
-                        ahead = spawner.new_lane(_key_of(key, steps[j + 1], i),
-                                                 pg_timeout_for(steps[j + 1].timeout_s),
-                                                 cancel, fresh=True)
-                        active.add(ahead)
-                    healthy = False
-                    replies = send_and_collect(pool, step.fn, payload, step.timeout_s, context)
-                    healthy = replies_healthy(replies)
-                    results.append(resolve(replies))
-                outcome: tuple = ("ok", results if isinstance(calls[i], list) else results[0])
-            except BaseException as exc:  # the call's own outcome, raised in its test
-                outcome = ("raise", exc)
-            finally:
-                with LANE_STATS_LOCK:
-                    LANE_STATS["calls"] += len(steps)
-                if not healthy and pool is not None:
-                    pool.kill()
-                    active.discard(pool)
-                    pool = None
-                if ahead is not None:  # a step before the fresh one failed: not needed
-                    ahead.kill()
-                    active.discard(ahead)
-                    ahead = None
-                if pool is not None and pool.world_size != key[0]:  # another size's ranks
-                    active.discard(pool)
-                    pool.close()
-                    pool = None
-            if cancel.is_set():  # stopped from outside: what the kill did is no outcome
-                return
-            outcomes[i] = outcome
-            if on_done is not None:
-                on_done(i, outcome, time.monotonic() - t0)
+                if cancel.is_set():  # stopped from outside: what the kill did is no outcome
+                    return
+                outcomes[i] = outcome
+                if on_done is not None:
+                    on_done(i, outcome, time.monotonic() - t0)
     finally:
         if pool is not None:
             active.discard(pool)
@@ -333,7 +346,8 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
 
 def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | None = None,
                      on_done: Callable[[int, tuple, float], None] | None = None,
-                     cancel: threading.Event | None = None) -> list[tuple]:
+                     cancel: threading.Event | None = None,
+                     labels: list[str] | None = None) -> list[tuple]:
     """Run independent calls at once, spread over `lanes` pools per world size (one-rank pools
     on every GPU in turn). Each outcome is ("ok", the per-rank results) or ("raise", the
     exception run_ranks would have raised for that call alone: RankError, RankTimeout, a
@@ -353,9 +367,13 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
     An entry may be a list of steps (RankCalls of one accelerator): they run in turn on one
     lane, a step with fresh=True on new processes (started while the step before it runs),
     which may be of another world size (a save on 2 ranks, the load on 1); the outcome is
-    ("ok", the list of each step's per-rank results), or the first failing step's exception."""
+    ("ok", the list of each step's per-rank results), or the first failing step's exception.
+
+    labels: what each call's rank output is logged as (its test's node id,
+    dsconform.harness.output); default: the test running when each call starts."""
     outcomes: list = [None] * len(calls)
     lanes = lanes_for() if lanes is None else lanes
+    labels = list(labels) if labels is not None else [None] * len(calls)
 
     def finish(i: int, outcome: tuple, seconds: float = 0.0) -> None:
         outcomes[i] = outcome
@@ -368,7 +386,8 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
                 break
             t0 = time.monotonic()
             try:
-                outcome: tuple = ("ok", run_steps(c))
+                with output.labelled(labels[i] or output.current_label()):
+                    outcome: tuple = ("ok", run_steps(c))
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as exc:  # the call's own outcome (a skip too)
@@ -405,7 +424,7 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
             threads.append(threading.Thread(
                 target=_lane, name=f"dsconform-lane-ws{ws}",
                 args=(key, queue, calls, pickled, outcomes, qlock, active, cancel, spawner,
-                      on_done, context),
+                      on_done, context, labels),
                 daemon=True))
     for t in threads:
         t.start()

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from dsconform.harness import output
 from dsconform.harness.errors import WorldSizeMismatch, check_accelerator, resolve
 from dsconform.harness.rank import call_outcome, picklable_outcome
 
@@ -113,11 +114,19 @@ def run_external(fn: Callable, world_size: int | None, timeout_s: float, args: t
 
     # A hang here cannot be contained to one call (no parent can kill this rank); at least the
     # job log shows where each rank was stuck, and the process-group timeout ends collectives.
-    faulthandler.dump_traceback_later(timeout_s, exit=False)
+    # To the job's own stderr (a copy of fd 2), not into the capture below that a hang never
+    # hands on.
+    job_stderr = os.fdopen(os.dup(2), "w")
+    faulthandler.dump_traceback_later(timeout_s, exit=False, file=job_stderr)
+    rank, _, _ = _external_env()
     try:
-        outcome = picklable_outcome(call_outcome(fn, args, kwargs))
+        # What fn prints (DeepSpeed's logger, c10d's warnings, NCCL) goes to the rank log as
+        # this rank's, as a spawned rank's would (dsconform.harness.output).
+        with output.capture(output.current_label(), f"rank {rank}/{env_world}"):
+            outcome = picklable_outcome(call_outcome(fn, args, kwargs))
     finally:
         faulthandler.cancel_dump_traceback_later()
+        job_stderr.close()
     outcomes: list = [None] * env_world
     tdist.all_gather_object(outcomes, outcome, group=_outcome_group)
     return resolve(outcomes)

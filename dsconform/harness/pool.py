@@ -3,7 +3,9 @@ the tables of live pools (pooled, standby and lane pools) with their lock.
 
 A failing, dying or hanging rank fails its call and tears its pool down (Pool.collect); the
 next call starts fresh processes. Ranks reply in plain pickle bytes (no tensor travels as a
-shared descriptor).
+shared descriptor). Each rank's stdout and stderr go to a file of its own, read after each call
+into the rank log with the call's test (dsconform.harness.output); pools are stopped together
+(close_pools), so a session's end waits for the slowest rank, not for their sum.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from multiprocessing.connection import wait as _wait_any
 
 from dsconform import settings
+from dsconform.harness import output
 from dsconform.harness.errors import RankError, RankTimeout, describe, fn_name, rank_error
 from dsconform.harness.rank import RANK_OWNED_ENV, STACK_DUMP_SIGNAL, rank_main
 from dsconform.harness.xdist import (
@@ -49,6 +52,16 @@ SKIP_GRACE_S = 10.0
 STACK_DUMP_WAIT_S = 1.0
 
 
+#: How long stopping ranks may take to exit by themselves (flushing their output, a CUDA
+#: context's teardown) before they are killed; pools stopped together share it.
+EXIT_WAIT_S = 2.0
+
+
+#: The last lines of a rank's output kept to explain its death (a native abort prints no
+#: Python traceback).
+TAIL_LINES = 20
+
+
 #: Pools kept alive at once (least recently used is closed first). Each holds world_size
 #: processes and, on GPUs, a CUDA context per rank.
 MAX_POOLS = settings.get("DSCONFORM_MAX_POOLS")
@@ -70,7 +83,8 @@ class Pool:
     """world_size live rank processes sharing one process group."""
 
     def __init__(self, world_size: int, accelerator: str, gpus: tuple[str, ...],
-                 pg_timeout_s: float, warm: bool = False, threads: int | None = None) -> None:
+                 pg_timeout_s: float, warm: bool = False, threads: int | None = None,
+                 label: str | None = None) -> None:
         self.world_size = world_size
         self.accelerator = accelerator
         self.gpus = gpus
@@ -79,6 +93,14 @@ class Pool:
         self.port = free_port()
         self.tmpdir = tempfile.mkdtemp(prefix="dsconform-ranks-")
         self.stack_paths = [os.path.join(self.tmpdir, f"rank{i}.stacks") for i in range(world_size)]
+        # Each rank's stdout and stderr; drain() reads what is new since the last time.
+        self.output_paths = [os.path.join(self.tmpdir, f"rank{i}.out") for i in range(world_size)]
+        self.output_offsets = [0] * world_size
+        self.tails: list[deque] = [deque(maxlen=TAIL_LINES) for _ in range(world_size)]
+        self.output_lock = threading.Lock()
+        # What the output read next was printed for: the test that started the pool (label:
+        # ranks started in the background), then the test of each call (send_and_collect).
+        self.label = label or output.current_label()
         self.procs: list = []
         self.conns: list = []
         self.pids: list[int] = []
@@ -107,7 +129,8 @@ class Pool:
                 proc = ctx.Process(
                     target=rank_main, name=f"dsconform-rank{index}",
                     args=(index, world_size, env, child_conn, self.stack_paths[index],
-                          accelerator, pg_timeout_s, os.getpid(), warm),
+                          accelerator, pg_timeout_s, os.getpid(), warm,
+                          self.output_paths[index]),
                 )
                 proc.start()
                 child_conn.close()
@@ -131,10 +154,47 @@ class Pool:
     def alive(self) -> bool:
         return not self.closed and all(p.is_alive() for p in self.procs)
 
+    def drain(self, final: bool = False) -> None:
+        """Log what the ranks printed since the last drain, as self.label (a line still being
+        written waits for the next drain unless final)."""
+        with self.output_lock:
+            for index, path in enumerate(self.output_paths):
+                try:
+                    with open(path, "rb") as handle:
+                        handle.seek(self.output_offsets[index])
+                        data = handle.read()
+                except OSError:
+                    continue  # not written yet, or removed with the pool
+                end = len(data) if final else data.rfind(b"\n") + 1
+                if end <= 0:
+                    continue
+                self.output_offsets[index] += end
+                text = data[:end].decode("utf-8", errors="replace")
+                self.tails[index].extend(text.splitlines())
+                output.record(self.label, f"rank {index}/{self.world_size}", text)
+
+    def last_output(self, index: int) -> str:
+        """The last lines rank ``index`` printed (after a drain)."""
+        return "\n".join(self.tails[index])
+
+    def request_exit(self) -> None:
+        """Ask the ranks to exit (they flush their output first); close_pools waits for them."""
+        for conn in self.conns:
+            try:
+                conn.send_bytes(b"")
+            except OSError:
+                pass
+
     def kill(self) -> None:
         """SIGKILL every rank and whatever it started, reap them, remove their leftovers."""
+        if self.signal_kill():
+            self.reap()
+
+    def signal_kill(self) -> bool:
+        """SIGKILL every rank and whatever it started, without waiting for them (reap() does);
+        False when there is nothing to kill here."""
         if self.closed or self.owner_pid != os.getpid():
-            return  # done already, or a forked copy of the parent that must not kill its ranks
+            return False  # done already, or a forked copy of the parent that must not kill
         self.closed = True
         descendants = []
         try:
@@ -158,23 +218,18 @@ class Pool:
                 child.kill()
             except Exception:  # already gone
                 pass
+        return True
+
+    def reap(self) -> None:
+        """After signal_kill: wait for the ranks, log their last output, remove leftovers."""
         for proc in self.procs:
             proc.join(timeout=10)
+        self.drain(final=True)
         self._release()
 
     def close(self) -> None:
         """Ask healthy ranks to exit, then make sure of it."""
-        if self.closed or self.owner_pid != os.getpid():
-            return
-        for conn in self.conns:
-            try:
-                conn.send_bytes(b"")
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5.0
-        for proc in self.procs:
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.kill()
+        close_pools([self])
 
     def _release(self) -> None:
         for conn in self.conns:
@@ -289,8 +344,11 @@ class Pool:
                 text += f"\nalso rank {other}: {describe(replies[other])}"
             if crash_stacks.get(index):
                 text += f"\n\nFatal-signal stacks of rank {index}:\n{crash_stacks[index]}"
-            else:
-                text += "\n(the rank's own stderr, in the captured output, may say why)"
+            if self.last_output(index):
+                text += (f"\n\nLast output of rank {index} (all of it: ranks.log in --results):"
+                         f"\n{self.last_output(index)}")
+            elif not crash_stacks.get(index):
+                text += f"\n(rank {index} printed nothing)"
             raise RankError(text, rank=index, world_size=n, exc_type=None)
         index = errors[0]
         others = "\n".join(f"also rank {i}: {describe(replies[i])}" for i in errors[1:])
@@ -332,12 +390,30 @@ TABLES_LOCK = threading.RLock()  # the pool tables (POOLS, SPARES, LANE_POOLS, _
 CALLS_LOCK = threading.RLock()  # one run_ranks call at a time in this process
 
 
-def close_idle(pools: list[Pool]) -> None:
-    for pool in pools:
+def close_pools(pools: list[Pool]) -> None:
+    """Stop pools together: ask every started rank to exit, kill the ranks still starting, give
+    them all EXIT_WAIT_S at once, kill what is left, reap them (a CUDA rank takes a moment to
+    exit; one after another, a session's end waited for their sum)."""
+    mine = [p for p in pools if not p.closed and p.owner_pid == os.getpid()]
+    for pool in mine:
         if pool.ready:
-            pool.close()
+            pool.request_exit()
         else:
-            pool.kill()  # still starting: nothing of it to flush
+            pool.signal_kill()  # still starting: nothing of it to flush
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for pool in mine:
+        for proc in pool.procs:
+            if not pool.closed:
+                proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for pool in mine:
+        pool.signal_kill()
+    for pool in mine:
+        pool.reap()
+
+
+def close_idle(pools: list[Pool]) -> None:
+    """Stop idle pools (started or still starting), together."""
+    close_pools(pools)
 
 
 def clear_build_locks() -> None:
@@ -350,7 +426,7 @@ def clear_build_locks() -> None:
     from dsconform.ops.buildlock import StaleBuildLock, clear_stale
     try:
         for line in clear_stale(ext):
-            print(f"dsconform.harness: {line}", file=sys.stderr)
+            output.record(output.current_label(), "dsconform.harness", line)
     except StaleBuildLock as exc:
         raise RankError(f"ranks not started: {exc}") from None
 
@@ -369,6 +445,7 @@ def await_start(pool: Pool) -> Pool:
         pool.kill()
         raise
     pool.ready = True
+    pool.drain()
     return pool
 
 
@@ -439,10 +516,16 @@ def send_and_collect(pool: Pool, fn: Callable, call: bytes, timeout_s: float,
     to send, as the caller saw them when its batch started; else the parent's current ones."""
     path, environ = context if context is not None else (list(sys.path), None)
     payload = pickle.dumps((list(path), pool.env_delta(environ), call))
+    pool.drain()  # what the ranks printed since (after their last reply) is the last call's
+    pool.label = output.current_label()
     for conn in pool.conns:
         conn.send_bytes(payload)
-    return pool.collect(time.monotonic() + timeout_s, f"in {fn_name(fn)}",
-                        f"timeout_s={timeout_s:g} s")
+    try:
+        return pool.collect(time.monotonic() + timeout_s, f"in {fn_name(fn)}",
+                            f"timeout_s={timeout_s:g} s")
+    finally:
+        if not pool.closed:  # a failing call killed the pool, which logged its output
+            pool.drain()
 
 
 def replies_healthy(replies: list[tuple]) -> bool:

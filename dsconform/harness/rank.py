@@ -196,14 +196,41 @@ def _reply(conn: Connection, obj: Any) -> None:
     conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
+def _flush_native() -> None:
+    """Flush C stdio too: printf and std::cout (NCCL_DEBUG, DeepSpeed's C++ ops) are fully
+    buffered into the rank's output file, and os._exit would drop what they hold."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):
+        pass
+
+
 def _flush_and_exit(code: int) -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # a closed stream must not block the exit
             pass
+    _flush_native()
     # os._exit: interpreter teardown can block in gloo/NCCL destructors waiting on dead peers.
     os._exit(code)
+
+
+def _redirect_output(path: str) -> None:
+    """This rank's fds 1 and 2, and so Python's streams, go to its own file (O_APPEND), never
+    to the console: the parent logs each call's part with its test (dsconform.harness.output).
+    Native writers (NCCL, c10d, TORCH_CPP_LOG, a JIT build's compiler) write to the fds."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed stream: nothing to keep
+            pass
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _restore(environ: dict, cwd: str, default_dtype: Any, grad_enabled: bool) -> None:
@@ -255,13 +282,15 @@ def warm_up() -> None:
 
 def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, stack_path: str,
               accelerator: str, pg_timeout_s: float, parent_pid: int,
-              warm: bool = False) -> None:
+              warm: bool = False, output_path: str | None = None) -> None:
     """Entry point of a spawned rank: initialise once (warm: and warm_up()), then run tasks until
-    told to stop."""
+    told to stop. output_path: the file its stdout and stderr go to."""
     global _accelerator, _warmed_up
     # Own process group: the parent kills the rank together with anything it started
     # (compiler jobs of a JIT build, DataLoader workers).
     os.setpgrp()
+    if output_path:
+        _redirect_output(output_path)
     os.environ.update(env)
     try:
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
@@ -298,6 +327,9 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         # gc.collect() after each call at milliseconds instead of ~0.1 s.
         gc.collect()
         gc.freeze()
+        for stream in (sys.stdout, sys.stderr):  # the parent reads the start-up's output next
+            stream.flush()
+        _flush_native()
         _reply(conn, ("ready", os.getpid()))
     except BaseException as exc:  # the parent must hear why startup failed
         try:
@@ -331,6 +363,12 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         else:
             outcome = call_outcome(fn, args, kwargs)
             del fn, args, kwargs
+        for stream in (sys.stdout, sys.stderr):  # the parent reads this call's output next
+            try:
+                stream.flush()
+            except Exception:  # a closed stream: nothing to keep
+                pass
+        _flush_native()
         try:
             _reply(conn, outcome)
         except Exception:  # e.g. an unpicklable return value

@@ -7,9 +7,9 @@ measurement holds them (hold_spares), nothing starts up."""
 from __future__ import annotations
 
 import os
-import sys
 
 from dsconform import settings
+from dsconform.harness import output
 from dsconform.harness.errors import RankError
 from dsconform.harness.pool import (
     LANE_POOLS,
@@ -99,9 +99,11 @@ def start_spare(world_size: int, accelerator: str, gpus: tuple[str, ...], *,
         clear_build_locks()
         # Standby ranks for pooled calls also build a first engine (dist_rank.warm_up): nobody
         # waits for them.
-        SPARES[key] = Pool(world_size, accelerator, gpus, POOL_PG_TIMEOUT_S, warm=key[3])
+        SPARES[key] = Pool(world_size, accelerator, gpus, POOL_PG_TIMEOUT_S, warm=key[3],
+                           label="(standby ranks starting)")
     except Exception as exc:  # a spare is an optimisation: the call will spawn
-        print(f"dsconform.harness: standby ranks not started ({exc})", file=sys.stderr)
+        output.record(output.current_label(), "dsconform.harness",
+                      f"standby ranks not started ({exc})")
 
 
 def pop_spare(key: tuple, pg_timeout_s: float) -> Pool | None:
@@ -125,8 +127,8 @@ def started_spare(pool: Pool | None) -> Pool | None:
     try:
         return await_start(pool)
     except RankError as exc:
-        print(f"dsconform.harness: standby ranks failed to start, starting new ones ({exc})",
-              file=sys.stderr)
+        output.record(output.current_label(), "dsconform.harness",
+                      f"standby ranks failed to start, starting new ones ({exc})")
         return None
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dsconform.gate import compat
 from dsconform.ops.load import require_op
 from dsconform.units import GB
 
@@ -53,7 +54,7 @@ def _check_aligned(op: str, handle: Any, nbytes: int) -> None:
     # multiple of the handle's alignment returns success but leaves the unaligned tail block out of
     # the file (4103 bytes -> 0, 1 MiB + 7 -> 1 MiB), and sync_pread of that size then aborts the
     # whole process (C assert in is_valid_bytes_to_read). Refuse such sizes instead.
-    align = handle.get_alignment()
+    align = compat.aio_alignment(handle)
     if nbytes <= 0 or nbytes % align:
         raise ValueError(f"{op}: nbytes={nbytes} is not a positive multiple of the handle's "
                          f"alignment ({align} bytes); DeepSpeed silently drops an unaligned tail "

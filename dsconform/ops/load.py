@@ -7,18 +7,14 @@ OpUnavailable."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import re
-import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsconform.harness.output import FdCapture
 from dsconform.node.detect import shm_bytes
 from dsconform.ops.cache import ensure_extensions_dir
 from dsconform.ops.diagnose import Diagnosis, diagnose, format_failure
@@ -94,81 +90,6 @@ class OpUnavailable(RuntimeError):
         self.load = load
 
 
-class _Redirect(io.TextIOBase):
-    """A sys.stdout/sys.stderr stand-in: writes to the capture while it lasts, then to `fallback`.
-
-    Loggers created during the capture (importing DeepSpeed creates its handlers) keep a reference
-    to whatever sys.stdout was; this object stays valid after the capture ends.
-    """
-
-    def __init__(self, target: io.TextIOBase, fallback: Any, fd: int) -> None:
-        super().__init__()
-        self._target: io.TextIOBase | None = target
-        self._fallback = fallback
-        self._fd = fd
-
-    def detach_capture(self) -> None:
-        self._target = None
-
-    def _out(self) -> Any:
-        return self._target if self._target is not None else self._fallback
-
-    def write(self, s: str) -> int:
-        return self._out().write(s)
-
-    def flush(self) -> None:
-        with contextlib.suppress(Exception):
-            self._out().flush()
-
-    def fileno(self) -> int:
-        return self._fd if self._target is not None else self._fallback.fileno()
-
-    def isatty(self) -> bool:
-        return False
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]
-        return "utf-8"
-
-
-class _FdCapture:
-    """Send fds 1 and 2, and sys.stdout/sys.stderr, to one temporary file.
-
-    ninja and the compiler write to fd 1 (torch runs them with stdout=1 when verbose), DeepSpeed's
-    warnings go through print(); pytest may have replaced sys.stdout, so both levels are redirected.
-    """
-
-    def __init__(self) -> None:
-        self.text = ""
-
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
-        with tempfile.TemporaryFile() as sink:
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(Exception):
-                    stream.flush()
-            saved = [os.dup(1), os.dup(2)]
-            text = io.TextIOWrapper(os.fdopen(os.dup(sink.fileno()), "wb"), encoding="utf-8",
-                                    errors="replace", line_buffering=True)
-            out, err = _Redirect(text, sys.stdout, 1), _Redirect(text, sys.stderr, 2)
-            try:
-                os.dup2(sink.fileno(), 1)
-                os.dup2(sink.fileno(), 2)
-                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                    yield
-            finally:
-                text.flush()
-                out.detach_capture()
-                err.detach_capture()
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
-                for fd in saved:
-                    os.close(fd)
-                text.close()
-                sink.seek(0)
-                self.text = sink.read().decode("utf-8", errors="replace")
-
-
 def _error_text(exc: BaseException) -> str:
     """The exception chain, innermost cause first and the raised exception last
     (traceback order)."""
@@ -205,7 +126,7 @@ def load_op(name: str) -> OpLoad:
     """Build (if needed) and load DeepSpeed op `name`; compiler output and failures are recorded."""
     ext_dir = ensure_extensions_dir()
     existed = _so_path(ext_dir, name).exists()
-    out = _FdCapture()
+    out = FdCapture()
     compatible, module, error, builder_name, already, seconds = False, None, None, None, False, 0.0
     with out.capture():
         try:

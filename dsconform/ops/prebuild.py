@@ -1,29 +1,42 @@
-"""Build the profile's promised ops in parallel when a run starts.
+"""Build the ops a run needs as it starts: the awaited build first, with the cores.
 
-Built one after another, the four ops the h200-x2 profile promises took 169 s cold on 2xH200; in
-parallel 56 s (docs/findings.md#op-builds). A run therefore starts one process per promised op as
-soon as collection is done, with the machine's cores shared out among them (MAX_JOBS), building into
-the same extensions cache every later load uses. Tests go on meanwhile: the promise tests and the
-collectives need no op. The op tests then wait for their op's build and only load and check it; a
-build that failed is reported by its op's test, with the diagnosis, from this build's result (no
-second attempt). Ranks that need an op (FusedAdam in the ZeRO suite) wait for the build in torch's
-own lock, which the build process holds open while it works (see dsconform.ops.buildlock).
+A cold run's time goes to JIT builds its tests wait for. Built all at once with the cores shared
+out, each took about twice its time alone (1xH200, 16 cores: async_io 52 s alone with 16 jobs,
+117 s beside three others with 4 each; docs/performance.md#op-builds), and the tests waiting
+for async_io waited for that. So the ops are built in the order the run needs them
+(``build_order``: the plugin derives it from the collected tests, the first-scheduled cells
+first), one process per op, the first with every core (MAX_JOBS), the others started while it
+leaves cores idle (an op of three source files keeps three busy), each at a lower priority
+than the builds already running (nice), with every core too: they take what the awaited build
+leaves, and all of it once it is done. Ops already in the extensions cache are not built again
+(``skip_cached``: the run's warm start costs nothing).
+
+Tests go on meanwhile: those that need no op run; the op tests wait for their op's build and
+only load and check it; a build that failed is reported by its op's test, with the diagnosis,
+from this build's result (no second attempt). Ranks that need an op wait for the build in
+torch's own lock, which the build process holds open while it works (dsconform.ops.buildlock).
+``dsconform build-ops`` (dsconform.ops.build_cli) runs the same builds ahead of a run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 _MARK = "@@dsconform-build@@"
 _CHILD = f"""
-import json, sys
+import json, os, sys
+if int(sys.argv[2]):
+    os.nice(int(sys.argv[2]))  # its compiler jobs inherit it
 from dsconform.ops.load import load_op
 from dsconform.ops.diagnose import format_failure
 r = load_op(sys.argv[1])
@@ -31,16 +44,121 @@ out = {{**r.summary(), "failure": None if r.loaded else format_failure(r), "log_
 print({_MARK!r} + json.dumps(out, default=str), flush=True)
 """
 
+#: How often the scheduler looks at the running builds.
+POLL_S = 0.5
+#: A build is judged by its cores only once ninja has run this long (the build process imports
+#: torch and DeepSpeed and probes the compiler first, on one core; ninja starts the jobs).
+SETTLE_S = 2.0
+#: A build that started no compiler job by then (a load that found its op built) is judged too.
+SETTLE_MAX_S = 30.0
+#: The next build starts when at least this share of the cores is idle.
+IDLE_SHARE = 0.25
+#: Each build started beside running ones is this much nicer than the nicest of them.
+NICE_STEP = 10
+
+#: The ops a run of the suites loads on each accelerator beside the profile's promises, for
+#: ``dsconform build-ops`` (tests/test_build_ops.py holds it to the suites' requires(op=...)):
+#: on CPU, DeepSpeed's shm comm op, which every rank's init_distributed builds.
+RUN_OPS = {
+    "cuda": ("fused_adam", "cpu_adam", "async_io", "gds", "utils"),
+    "cpu": ("deepspeed_shm_comm", "fused_adam", "cpu_adam", "async_io"),
+}
+
+
+def build_order(ops: Sequence[str], needs: Iterable[tuple[float, Sequence[str], float]]
+                ) -> list[str]:
+    """``ops`` in the order a run waits for them. needs: (seconds from the run's start at which
+    something needs these ops, the ops, how much work waits on them); an op is built earlier
+    the earlier it is first needed, then the more work waits on it; ops nothing needs keep their
+    given order, last."""
+    first: dict[str, float] = {}
+    work: dict[str, float] = {}
+    for at, needed, weight in needs:
+        for op in needed:
+            if op in ops:
+                first[op] = min(first.get(op, at), at)
+                work[op] = work.get(op, 0.0) + weight
+    index = {op: i for i, op in enumerate(ops)}
+    return sorted(dict.fromkeys(ops), key=lambda op: (
+        op not in first, first.get(op, 0.0), -work.get(op, 0.0), index[op]))
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def is_cached(op: str, ext_dir: Path) -> bool:
+    """Whether the extensions cache holds a build of ``op`` (torch builds NAME/NAME.so)."""
+    return (Path(ext_dir) / op / f"{op}.so").exists()
+
+
+class TreeMeter:
+    """How many cores a build's process tree keeps busy (psutil): the cores its CPU time since
+    the last reading used (the live processes' own time and that of the children they reaped,
+    so a compiler job that ended still counts, once), or, where more, how many of its processes
+    are running or waiting for a core (a machine busy with other work gives a build less CPU
+    time than it asks for)."""
+
+    def __init__(self, driver: str = "ninja") -> None:
+        self.driver = driver  # the process that starts the compiler jobs
+        self._last: dict[int, tuple[float, float]] = {}
+        self._driver_seen: dict[int, float] = {}
+
+    def _cpu_seconds(self, pid: int) -> tuple[float, bool, int] | None:
+        import psutil
+
+        try:
+            root = psutil.Process(pid)
+            procs = [root] + root.children(recursive=True)
+        except psutil.Error:
+            return None
+        total, driving, runnable = 0.0, False, 0
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+                driving = driving or proc.name() == self.driver
+                runnable += proc.status() in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP)
+            except psutil.Error:
+                continue
+            total += t.user + t.system + t.children_user + t.children_system
+        return total, driving, runnable
+
+    def __call__(self, build: Build) -> tuple[bool, float]:
+        """(settled: its compiler jobs have started, or it never starts any; busy cores)."""
+        now = time.monotonic()
+        found = self._cpu_seconds(build.proc.pid)
+        if found is None:
+            return True, 0.0
+        total, driving, runnable = found
+        if driving:
+            self._driver_seen.setdefault(build.proc.pid, now)
+        seen = self._driver_seen.get(build.proc.pid)
+        settled = (seen is not None and now - seen >= SETTLE_S) \
+            or now - build.started >= SETTLE_MAX_S
+        last = self._last.get(build.proc.pid)
+        self._last[build.proc.pid] = (now, total)
+        if last is None or now <= last[0]:
+            return False, float(runnable)
+        return settled, max(float(runnable), (total - last[1]) / (now - last[0]))
+
 
 @dataclass
 class Build:
     op: str
     proc: subprocess.Popen
     started: float
+    jobs: int
+    nice: int
+    started_at: float = 0.0  # seconds after the first build started
     result: dict[str, Any] | None = None
     output: str = ""
     chunks: list[str] = field(default_factory=list)
     reader: threading.Thread | None = None
+    ended: float | None = None
 
     def drain(self) -> None:
         """Read the build's output as it comes: a build that prints more than a pipe holds
@@ -50,54 +168,156 @@ class Build:
             self.chunks.append(line)
 
 
+def _command(op: str, nice: int) -> list[str]:
+    return [sys.executable, "-c", _CHILD, op, str(nice)]
+
+
 @dataclass
 class ParallelBuilds:
-    """One build process per op; ``wait(op)`` returns its result (``loaded``, ``build_seconds``,
-    ``built_now``, ``failure`` ...)."""
-    jobs_per_op: int
+    """One build process per op, started in ``order`` as the cores allow (the module's
+    docstring); ``wait(op)`` returns its result (``loaded``, ``build_seconds``, ``built_now``,
+    ``failure``, ``jobs``, ``nice``, ``wall_seconds`` ...), None for an op this run did not
+    build (not asked for, or already in the cache)."""
+    order: list[str]
+    cores: int
+    command: Callable[[str, int], list[str]] = _command
+    meter: Callable[[Build], tuple[bool, float]] = field(default_factory=TreeMeter)
+    on_event: Callable[[str, str, dict[str, Any]], None] | None = None
+    cached: list[str] = field(default_factory=list)  # in the cache at the start
     builds: dict[str, Build] = field(default_factory=dict)
+    pending: list[str] = field(default_factory=list)
+    closed: bool = False
+    t0: float = 0.0
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    changed: threading.Condition = field(default_factory=threading.Condition)
+    thread: threading.Thread | None = None
 
     @classmethod
-    def start(cls, ops: list[str], cores: int | None = None) -> ParallelBuilds:
-        cores = cores or os.cpu_count() or 1
-        self = cls(jobs_per_op=max(1, cores // max(1, len(ops))))
-        env = {**os.environ, "MAX_JOBS": str(self.jobs_per_op), "PYTHONUNBUFFERED": "1"}
-        for op in ops:
-            proc = subprocess.Popen([sys.executable, "-c", _CHILD, op], env=env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            b = self.builds[op] = Build(op, proc, time.monotonic())
-            b.reader = threading.Thread(target=b.drain, name=f"dsconform-build-{op}", daemon=True)
-            b.reader.start()
+    def start(cls, ops: Sequence[str], cores: int | None = None, *, skip_cached: bool = False,
+              ext_dir: Path | None = None, **kw: Any) -> ParallelBuilds:
+        """Start building ``ops`` in this order (the first is the most awaited) with ``cores``
+        (default: this process's); skip_cached: leave out ops the extensions cache holds."""
+        order = list(dict.fromkeys(ops))
+        if ext_dir is None:
+            from dsconform.ops.cache import ensure_extensions_dir
+            ext_dir = ensure_extensions_dir()
+        cached = [op for op in order if is_cached(op, ext_dir)]
+        if skip_cached:
+            order = [op for op in order if op not in cached]
+        self = cls(order=order, cores=max(1, cores or available_cores()), cached=cached, **kw)
+        self.pending = list(order)
+        self.t0 = time.monotonic()
+        if self.pending:
+            self._start_next()
+            self.thread = threading.Thread(target=self._schedule, name="dsconform-op-builds",
+                                           daemon=True)
+            self.thread.start()
         return self
 
+    @property
+    def jobs_per_op(self) -> int:
+        """MAX_JOBS each build gets: every core (the nice level orders them)."""
+        return self.cores
+
+    def _start_next(self, op: str | None = None) -> None:
+        with self.lock:
+            if self.closed or not self.pending:
+                return
+            op = op or self.pending[0]
+            self.pending.remove(op)
+            running = [b for b in self.builds.values() if b.ended is None]
+            nice = min(19, max(b.nice for b in running) + NICE_STEP) if running else 0
+            env = {**os.environ, "MAX_JOBS": str(self.cores), "PYTHONUNBUFFERED": "1"}
+            # A process group of its own (killed whole), not a session: with the kernel's
+            # autogroups a session gets its own share of the CPU, whatever its nice level.
+            proc = subprocess.Popen(self.command(op, nice), env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    process_group=0)
+            now = time.monotonic()
+            b = self.builds[op] = Build(op, proc, now, self.cores, nice, now - self.t0)
+            b.reader = threading.Thread(target=b.drain, name=f"dsconform-build-{op}", daemon=True)
+            b.reader.start()
+        self._event(op, "start", {"jobs": b.jobs, "nice": nice, "started_at": b.started_at,
+                                  "beside": [r.op for r in running]})
+
+    def _event(self, op: str, what: str, info: dict[str, Any]) -> None:
+        with self.changed:
+            self.changed.notify_all()
+        if self.on_event is not None:
+            try:
+                self.on_event(op, what, info)
+            except Exception:  # a progress printer must not stop the builds
+                pass
+
+    def _schedule(self) -> None:
+        """Start the next build when nothing builds, or when the running builds (each settled)
+        leave IDLE_SHARE of the cores idle; finish each build's result as it ends."""
+        idle_before = False
+        while not self.closed:
+            for b in list(self.builds.values()):
+                if b.ended is None and b.proc.poll() is not None:
+                    self._finish(b)
+            running = [b for b in self.builds.values() if b.ended is None]
+            if not self.pending and not running:
+                return
+            loads = [op for op in self.pending if op in self.cached]
+            if self.pending:
+                if not running or loads:  # an op in the cache only loads: one core, seconds
+                    self._start_next(None if not running else loads[0])
+                    idle_before = False
+                else:
+                    readings = [self.meter(b) for b in running]
+                    busy = sum(r[1] for r in readings)
+                    idle = all(r[0] for r in readings) and \
+                        self.cores - busy >= max(1.0, IDLE_SHARE * self.cores)
+                    if idle and idle_before:  # two readings in a row: not a moment's lull
+                        self._start_next()
+                        idle = False
+                    idle_before = idle
+            time.sleep(POLL_S)
+
+    def _finish(self, b: Build, failure: str | None = None) -> dict[str, Any]:
+        with self.lock:
+            if b.result is not None:
+                return b.result
+            b.output = self._output(b)
+            b.ended = b.ended or time.monotonic()
+            line = next((ln for ln in b.output.splitlines() if ln.startswith(_MARK)), None)
+            if failure is not None or line is None:
+                b.result = {"op": b.op, "loaded": False, "log_tail": b.output[-4000:],
+                            "failure": failure or (
+                                f"op {b.op}: the build process exited {b.proc.returncode} "
+                                "without a result (a crash while building or loading)")}
+            else:
+                b.result = json.loads(line[len(_MARK):])
+            b.result.update(wall_seconds=b.ended - b.started, jobs=b.jobs, nice=b.nice,
+                            started_at=b.started_at)
+        self._event(b.op, "done", b.result)
+        return b.result
+
     def wait(self, op: str, timeout_s: float = 900) -> dict[str, Any] | None:
-        """The build's result; None when this run did not start a build of ``op``. A build
-        that dies or runs past ``timeout_s`` is a result too (``loaded`` False, the reason)."""
+        """The build's result; None when this run does not build ``op``. A build that dies or
+        runs past ``timeout_s`` (from now) is a result too (``loaded`` False, the reason)."""
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while op in self.pending and not self.closed:
+                if not self.changed.wait(min(1.0, max(0.01, deadline - time.monotonic()))) \
+                        and time.monotonic() >= deadline:
+                    break
         b = self.builds.get(op)
         if b is None:
+            if op in self.pending:
+                return {"op": op, "loaded": False, "log_tail": "",
+                        "failure": f"op {op}: its build did not start within {timeout_s:.0f} s"}
             return None
         if b.result is None:
             try:
-                b.proc.wait(timeout=max(1.0, timeout_s))
-                b.output = self._output(b)
+                b.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                b.proc.kill()
-                b.proc.wait()
-                b.output = self._output(b)
-                b.result = {"op": op, "loaded": False, "log_tail": b.output[-4000:],
-                            "failure": f"op {op}: the parallel build did not finish within "
-                                       f"{timeout_s:.0f} s"}
-                return b.result
-            line = next((ln for ln in b.output.splitlines() if ln.startswith(_MARK)), None)
-            if line is None:
-                b.result = {"op": op, "loaded": False, "log_tail": b.output[-4000:],
-                            "failure": f"op {op}: the build process exited {b.proc.returncode} "
-                                       f"without a result (a crash while building or loading)"}
-            else:
-                b.result = json.loads(line[len(_MARK):])
-            b.result["wall_seconds"] = time.monotonic() - b.started
-            b.result["jobs"] = self.jobs_per_op
+                self._kill(b)
+                return self._finish(b, f"op {op}: the parallel build did not finish within "
+                                       f"{timeout_s:.0f} s")
+            return self._finish(b)
         return b.result
 
     @staticmethod
@@ -108,14 +328,72 @@ class ParallelBuilds:
 
     def finished(self, op: str) -> bool:
         """Whether ``wait(op)`` would return at once (no build of op, or it has ended)."""
+        if op in self.pending:
+            return False
         b = self.builds.get(op)
         return b is None or b.result is not None or b.proc.poll() is not None
 
-    def close(self) -> None:
-        """Stop builds still running (the run ended or was interrupted). A killed build leaves
-        its lock behind; the next run removes it (dsconform.ops.buildlock)."""
-        for b in self.builds.values():
-            if b.proc.poll() is None:
+    def rank(self, op: str) -> int:
+        """Where ``op`` comes in this run's build order (0 first; -1: not built here)."""
+        return self.order.index(op) if op in self.order else -1
+
+    def wait_all(self, timeout_s: float = 3600) -> dict[str, dict[str, Any]]:
+        """Every build's result (dsconform build-ops)."""
+        return {op: self.wait(op, timeout_s) for op in self.order}
+
+    def timings(self) -> dict[str, Any]:
+        """The builds this run made, for its results: each op's build seconds (DeepSpeed's
+        build and load, in the build process) and its wall seconds, jobs, nice level and start
+        (seconds after the first build started); the ops found in the cache."""
+        builds = []
+        for op in self.order:
+            b = self.builds.get(op)
+            r = b.result if b is not None else None
+            if r is None:
+                continue
+            builds.append({"op": op, "loaded": bool(r.get("loaded")),
+                           "built_now": bool(r.get("built_now")),
+                           "build_seconds": round(float(r.get("build_seconds") or 0.0), 2),
+                           "wall_seconds": round(float(r["wall_seconds"]), 2),
+                           "jobs": r["jobs"], "nice": r["nice"],
+                           "started_at": round(r["started_at"], 2)})
+        return {"order": list(self.order), "cores": self.cores,
+                "cached": [op for op in self.cached if op not in self.order],
+                "builds": builds,
+                "build_seconds": {b["op"]: b["build_seconds"] for b in builds}}
+
+    def _kill(self, b: Build) -> None:
+        if b.proc.poll() is None:
+            try:
+                os.killpg(b.proc.pid, signal.SIGKILL)  # the build and its compiler jobs
+            except (ProcessLookupError, PermissionError):
                 b.proc.kill()
-                b.proc.wait()
+        b.proc.wait()
+
+    def close(self) -> None:
+        """Stop builds still running and start no more (the run ended or was interrupted). A
+        killed build leaves its lock behind; the next run removes it (dsconform.ops.buildlock)."""
+        with self.lock:
+            self.closed = True
+            builds = list(self.builds.values())
+        with self.changed:
+            self.changed.notify_all()
+        for b in builds:
+            if b.result is None:
+                self._kill(b)
                 self._output(b)
+
+
+def summary_line(timings: dict[str, Any]) -> str | None:
+    """One line for the run's summary: each build with its seconds, jobs and start; the cached
+    ops (None when the run built nothing)."""
+    parts = []
+    for b in timings.get("builds", []):
+        state = "FAILED" if not b["loaded"] else "built" if b["built_now"] else "loaded"
+        parts.append(f"{b['op']} {b['wall_seconds']:.1f} s ({state}, MAX_JOBS={b['jobs']}"
+                     + (f", nice {b['nice']}" if b["nice"] else "")
+                     + (f", started at {b['started_at']:.0f} s" if b["started_at"] >= 0.5 else "")
+                     + ")")
+    if timings.get("cached"):
+        parts.append(f"in the cache: {', '.join(timings['cached'])}")
+    return ("op builds: " + "; ".join(parts)) if parts else None

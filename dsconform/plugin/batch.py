@@ -57,8 +57,9 @@ from dsconform.harness.launcher import external_rendezvous
 from dsconform.harness.xdist import xdist_worker
 from dsconform.plugin.runstate import RunState, run_state
 
-__all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "enabled", "has_plan",
-           "in_batch", "measures", "phases", "start", "stop", "wait_for_batch"]
+__all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "cost", "enabled",
+           "has_plan", "in_batch", "measures", "phases", "select", "start", "stop",
+           "wait_for_batch"]
 
 #: plan(params, workdir, run) -> the cell's RankCall, or a list of RankCalls (steps run in turn on
 #: one lane, a fresh=True step on new processes; the cell's results are then the list of each
@@ -99,6 +100,12 @@ def _plan_of(item: pytest.Item) -> Plan | None:
 def has_plan(item: pytest.Item) -> bool:
     """Whether the item is a cell of a batched test."""
     return _plan_of(item) is not None
+
+
+def cost(item: pytest.Item) -> float:
+    """About how long the cell's call takes (its @batched cost; 0 for a test not batched)."""
+    found = _batched_of(item)
+    return found[1] if found is not None else 0.0
 
 
 @dataclass
@@ -196,12 +203,14 @@ def _split(planned: Any) -> tuple[RankCall | list[RankCall], Callable[[], Any] |
     return planned, None
 
 
-def _waits_for_build(item: pytest.Item, rs: RunState) -> bool:
-    """Whether the cell needs an op that this run's parallel builds have not finished."""
+def _build_rank(item: pytest.Item, rs: RunState) -> int:
+    """0 when the cell needs no op that this run's builds have not finished; else 1 + the place
+    in the build order of the last such op it needs (its cell can run once that one is built)."""
     builds = rs.op_builds
     if builds is None:
-        return False
-    return any(not builds.finished(op) for op in gating.item_ops(item))
+        return 0
+    waiting = [builds.rank(op) for op in gating.item_ops(item) if not builds.finished(op)]
+    return 1 + max(waiting) if waiting else 0
 
 
 def _params(item: pytest.Item) -> dict:
@@ -209,20 +218,27 @@ def _params(item: pytest.Item) -> dict:
     return dict(callspec.params) if callspec is not None else {}
 
 
-def start(session: pytest.Session, rs: RunState) -> int:
-    """Plan every selected cell the gate will run and start their calls in a background thread
-    (the plugin calls this once collection ends, with batches enabled); returns how many cells
-    it started. The other tests run meanwhile: each batched test waits for its own cell
-    (cell_results), each measuring test for the whole batch (wait_for_batch)."""
+def select(session: pytest.Session, rs: RunState) -> list[pytest.Item]:
+    """The selected cells the gate will run: what start() batches (the plugin derives the op
+    build order from them before it starts the builds)."""
+    return [it for it in session.items if _plan_of(it) is not None and _will_run(it, rs)]
+
+
+def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None = None) -> int:
+    """Plan every selected cell the gate will run (``cells``: select()'s, if taken already)
+    and start their calls in a background thread (the plugin calls this once collection ends,
+    with batches enabled); returns how many cells it started. The other tests run meanwhile:
+    each batched test waits for its own cell (cell_results), each measuring test for the whole
+    batch (wait_for_batch)."""
     state = _state(session.config)
     if state.thread is not None:
         return 0
-    cells = [it for it in session.items if _plan_of(it) is not None and _will_run(it, rs)]
+    cells = list(select(session, rs) if cells is None else cells)
     if len(cells) < 2:
         return 0
-    # Cells that load an op still building (cold cache) last: the others run meanwhile; the
-    # costliest first otherwise.
-    cells.sort(key=lambda it: (_waits_for_build(it, rs), -_batched_of(it)[1]))
+    # Cells that load an op still building (cold cache) last, those of the op built first
+    # before the others: the rest run meanwhile; the costliest first otherwise.
+    cells.sort(key=lambda it: (_build_rank(it, rs), -_batched_of(it)[1]))
     calls: list[RankCall | list[RankCall]] = []
     owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]] = []
     for it in cells:
@@ -275,7 +291,9 @@ def _run(state: _State, calls: list[RankCall | list[RankCall]],
             state.cond.notify_all()
 
     try:
-        run_concurrently(calls, lanes=lanes, on_done=done, cancel=state.cancel)
+        # Each call's rank output is logged as its cell's test (dsconform.harness.output).
+        run_concurrently(calls, lanes=lanes, on_done=done, cancel=state.cancel,
+                         labels=[it.nodeid for it, _, _ in owners])
     except BaseException as exc:  # the harness failed: each waiting cell says so
         with state.cond:
             for it, _, _ in owners:

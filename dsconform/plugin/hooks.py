@@ -9,6 +9,7 @@ parse before this module is loaded; suites reach this run's state through the pu
 
 from __future__ import annotations
 
+import gc
 import re
 import shutil
 import sys
@@ -21,6 +22,7 @@ import pytest
 from dsconform import __version__, settings
 from dsconform.gate import known_issues
 from dsconform.gate import requires as gating
+from dsconform.harness import output as rank_output
 from dsconform.node import nccl_env
 from dsconform.plugin.hypothesis_profiles import register as _register_hypothesis_profiles
 from dsconform.plugin.keys import BROKEN_PROMISE, COVERED_BY, ITEM_CAPABILITY, RECORDER
@@ -40,12 +42,15 @@ from dsconform.profile.select import (
 _register_hypothesis_profiles()
 
 
-
-
-
-
-
 PROMISE_MODULE = "test_profile.py"
+
+#: Where this session's rank output goes (dsconform.harness.output): --results/ranks.log.
+RANK_LOG = pytest.StashKey[object]()
+RANK_LOG_NAME = "ranks.log"
+
+#: What the build order assumes a test the main thread runs takes, in seconds (a GPU node's
+#: typical acceptance test; a batched cell states its own cost).
+MAIN_ITEM_S = 1.0
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -105,6 +110,12 @@ def pytest_configure(config: pytest.Config) -> None:
     scratch, scratch_is_temp = _check_scratch(config.getoption("--scratch"))
     if results is not None and not _is_xdist_worker(config) and not config.option.xmlpath:
         config.option.xmlpath = str(results / "junit.xml")
+    # Every rank's stdout and stderr, by test (dsconform.harness.output): the controller starts
+    # the file, xdist workers append to it.
+    worker = getattr(config, "workerinput", {}).get("workerid", "")
+    config.stash[RANK_LOG] = rank_output.configure(
+        results / RANK_LOG_NAME if results is not None else None, worker=worker,
+        truncate=not worker)
     try:
         notices = _use_stable_extension_cache()
         selection = select_profile(config.getoption("--profile"), named=_profile_named(config))
@@ -172,6 +183,27 @@ _MARKERS = {
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    sink = config.stash.get(RANK_LOG, None)
+    try:
+        _stop_everything(config)
+    finally:
+        if sink is not None:
+            rank_output.release(sink)
+    if _owns_process(config):
+        # pytest's end (five full garbage collections, then the interpreter's) walks every
+        # object torch and DeepSpeed made, seconds after the summary; none of them is garbage
+        # to collect now. Frozen, they are skipped, and the process exits at once.
+        gc.freeze()
+
+
+def _owns_process(config: pytest.Config) -> bool:
+    """Whether this session is the one the process runs for (not a pytester run inside
+    another, not an xdist worker): the process ends with it."""
+    return not _is_xdist_worker(config) and \
+        tuple(map(str, config.invocation_params.args)) == tuple(sys.argv[1:])
+
+
+def _stop_everything(config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
     if state is None:
         return
@@ -310,36 +342,70 @@ def ops_to_build(items: list, state: RunState) -> list[str]:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the ops' builds (ops_to_build) in parallel once the selection is known: they
-    overlap with the tests that need no op (dsconform.ops.prebuild). Under xdist every worker starts
-    them; torch's build lock makes the later ones wait and load."""
+    """Start the ops' builds (ops_to_build) once the selection is known, in the order the run
+    needs them (build_needs), those the cache holds left out: they overlap with the tests that
+    need no op (dsconform.ops.prebuild). Under xdist every worker starts them; torch's build
+    lock makes the later ones wait and load. What this prints (DeepSpeed's probes, compilers)
+    goes to the rank log, not between pytest's lines."""
     state = run_state(session.config)
     if session.config.option.collectonly:
         return
-    _start_standby_ranks(session, state)
-    ops = ops_to_build(session.items, state)
-    if ops:
-        from dsconform.ops.prebuild import ParallelBuilds
-        state.op_builds = ParallelBuilds.start(ops)
-    _start_cell_batch(session, state)
-
-
-def _start_cell_batch(session: pytest.Session, state: RunState) -> None:
-    """Start the background cell batch (dsconform.plugin.batch) and say so: the tests that wait
-    for it
-    show nothing while they wait."""
-    from dsconform.harness.lanes import lanes_for
-    from dsconform.plugin import batch
-    if not batch.enabled(state):
-        return
-    _start_ops_suite(session, state)
-    cells = batch.start(session, state)
+    with rank_output.capture("(collection)"):
+        _start_standby_ranks(session, state)
+        from dsconform.plugin import batch
+        cells = batch.select(session, state) if batch.enabled(state) else []
+        ops = ops_to_build(session.items, state)
+        if ops:
+            from dsconform.ops.prebuild import ParallelBuilds, build_order
+            order = build_order(ops, build_needs(session.items, state, cells))
+            state.op_builds = ParallelBuilds.start(order, skip_cached=True)
+        started = _start_cell_batch(session, state, cells)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    if cells and reporter is not None:
+    if started and reporter is not None:  # the tests that wait for it show nothing meanwhile
+        from dsconform.harness.lanes import lanes_for
         lanes = lanes_for("cuda" if state.node.gpu_count else "cpu")
         reporter.write_line(
-            f"cell batch: {cells} cells started in the background ({lanes} lanes per world "
+            f"cell batch: {started} cells started in the background ({lanes} lanes per world "
             "size); the tests that measure wait for it to end")
+
+
+def build_needs(items: list, state: RunState, cells: list) -> list[tuple[float, list[str], float]]:
+    """When the run needs each op, for build_order: (seconds from its start, the ops, the work
+    waiting). The background batch runs its cells that need no op first, spread over its
+    lanes, then those that do; the main thread runs the other tests in their order, about
+    MAIN_ITEM_S each, those that measure after the batch (dsconform.plugin.batch)."""
+    from dsconform.harness.lanes import lanes_for
+    from dsconform.plugin import batch
+
+    needs: list[tuple[float, list[str], float]] = []
+    lanes = lanes_for("cuda" if state.node.gpu_count else "cpu") if cells else 1
+    costs = {id(c): batch.cost(c) for c in cells}
+    ops_free = sum(costs[id(c)] for c in cells if not gating.item_ops(c)) / lanes
+    batch_end = sum(costs.values()) / lanes
+    for c in cells:
+        if gating.item_ops(c):
+            needs.append((ops_free, gating.item_ops(c), costs[id(c)]))
+    t = 0.0
+    for it in items:
+        if id(it) in costs:
+            continue  # its test only reads the batch's outcome
+        if cells and batch.measures(it):
+            t = max(t, batch_end)
+        ops = gating.item_ops(it) + (list(state.profile.ops) if _selects_ops_suite([it]) else [])
+        if ops:
+            needs.append((t, ops, MAIN_ITEM_S))
+        t += MAIN_ITEM_S
+    return needs
+
+
+def _start_cell_batch(session: pytest.Session, state: RunState, cells: list) -> int:
+    """Start the background cell batch (dsconform.plugin.batch) of these cells, and the ops
+    suite's checks beside it; returns how many cells it started."""
+    from dsconform.plugin import batch
+    if not batch.enabled(state):
+        return 0
+    _start_ops_suite(session, state)
+    return batch.start(session, state, cells)
 
 
 def _start_ops_suite(session: pytest.Session, state: RunState) -> None:
@@ -391,8 +457,9 @@ def _mark_known_issues(item: pytest.Item, state: RunState) -> None:
     case = known_issues.case_name(Path(str(item.fspath)).name, item.name)
     issues = known_issues.issues_for(case, state.node.deepspeed_version)
     for ki in issues:
-        item.add_marker(pytest.mark.xfail(reason=ki.reason, strict=True,
-                                          raises=known_issues.KnownIssueFailure))
+        if not ki.intermittent:  # a race's case may pass: its failure alone becomes an xfail
+            item.add_marker(pytest.mark.xfail(reason=ki.reason, strict=True,
+                                              raises=known_issues.KnownIssueFailure))
         state.known_issue_cases[item.nodeid] = ki.id
     if issues:
         item.stash[COVERED_BY] = issues
@@ -419,6 +486,18 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing test's report shows what its ranks printed (ranks.log holds every test's); a
+    test's part is dropped once its report is made."""
+    report = yield
+    if report.failed or report.when == "teardown":
+        text = rank_output.take(item.nodeid)
+        if text and report.failed:
+            report.sections.append((f"Captured rank stdout/stderr {report.when}", text))
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
     """The recorder's limits are enforced here, once the test body returned: every value is
     recorded first, then the test fails naming each one beyond its floor or ceiling."""
@@ -427,7 +506,10 @@ def pytest_runtest_call(item: pytest.Item):
     except AssertionError as exc:
         issues = item.stash.get(COVERED_BY, None)
         if issues:
-            raise known_issues.expected_failure(issues, exc) from exc
+            failure = known_issues.expected_failure(issues, exc)
+            if getattr(failure, "issue_id", None):  # of several issues, the one that failed
+                run_state(item.config).known_issue_cases[item.nodeid] = failure.issue_id
+            raise failure from exc
         raise
     recorder = item.stash.get(RECORDER, None)
     if recorder is not None:

@@ -42,6 +42,11 @@ def add_options(parser: pytest.Parser) -> None:
                 help="directory for benchmarks.json (pytest-benchmark format), junit.xml, "
                      "summary.json/.txt and records.jsonl; created if missing. Env: "
                      "DSCONFORM_RESULTS. Default: ./dsconform-results")
+    g.addoption("--prometheus-textfile", metavar="DIR", default=None,
+                help="also write the run's verdict, tests per capability, rates and floors and "
+                     "the hardware gate's counters as DIR/dsconform.prom, atomically: the "
+                     "folder node_exporter's textfile collector reads (--collector.textfile."
+                     "directory). --results always holds a dsconform.prom too")
     g.addoption("--nightly", action="store_true",
                 default=settings.get("DSCONFORM_NIGHTLY"),
                 help="the nightly tier: also run the tests marked `slow` (the full matrices) "

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import dsconform
 from dsconform.gate import known_issues
 from dsconform.node import nccl_env
 from dsconform.plugin.keys import ITEM_CAPABILITY
@@ -23,7 +24,7 @@ from dsconform.plugin.runstate import RunState, describe
 from dsconform.profile.select import (
     rendezvous_info,
 )
-from dsconform.results import records, summary
+from dsconform.results import prometheus, records, summary
 
 # What a finished run writes into --results; set aside when the next run starts there.
 STALE_RESULTS = ("benchmarks.json", "summary.json", "summary.txt")
@@ -69,6 +70,10 @@ class Recorder:
         # never sees the items), and how many of them ran (not skipped).
         self.gpu_tests: set[str] = set()
         self.gpu_tests_ran = 0
+        # (node id, the error's first line) of each file that did not collect: a run stopped
+        # by them says so, not "interrupted".
+        self.collection_errors: list[tuple[str, str]] = []
+        self.stopped: str | None = None  # why the run stopped early, said after its summary
         if state.results is not None:  # this run's journal starts empty
             (state.results / "records.jsonl").write_text("")
             # And the previous run's results in this folder are set aside (renamed, not
@@ -79,12 +84,26 @@ class Recorder:
                 if old.exists():
                     old.replace(old.with_name(old.stem + ".previous" + old.suffix))
 
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """dsconform.prom says "not finished" while the run runs: a run killed before its end
+        never leaves the last run's verdict in node_exporter's folder."""
+        if self.state.results is not None:
+            try:
+                prometheus.write_run(self.state.results, session.config.getoption(
+                    "prometheus_textfile", None), started=self.state.started)
+            except prometheus.TextfileError as e:
+                raise pytest.UsageError(f"--prometheus-textfile: {e}") from None
+
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         for item in session.items:
             self.capabilities[item.nodeid] = item.stash.get(ITEM_CAPABILITY, "")
             self.musts[item.nodeid] = must_statement(
                 getattr(getattr(item, "function", None), "__doc__", None))
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self.collection_errors.append((report.nodeid or ".", _error_line(report)))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         outcome = None
@@ -108,7 +127,9 @@ class Recorder:
             return
         cap = self.capabilities.get(report.nodeid) or capability_from_nodeid(report.nodeid)
         # A known issue is "hit" by a case that ran (xfailed, or failed/xpassed), not a skip.
-        known = "" if outcome == "skipped" else self.state.known_issue_cases.get(report.nodeid, "")
+        # (An intermittent issue's case that passed did not hit it either.)
+        known = ("" if outcome in ("skipped", "passed")
+                 else self.state.known_issue_cases.get(report.nodeid, ""))
         o = records.Outcome(report.nodeid, outcome, cap, _reason(report),
                             round(report.duration, 3), self.musts.get(report.nodeid, ""), known)
         self.state.outcomes.append(o)
@@ -136,12 +157,19 @@ class Recorder:
                 f"{len(self.gpu_tests)} GPU tests selected ran ({why}): not a pass")
 
     def summary(self) -> dict[str, Any]:
-        issues = {ki.id: {"title": ki.title, "link": ki.link, "deepspeed": ki.deepspeed}
-                  for ki in known_issues.KNOWN_ISSUES}
+        issues = {ki.id: ki.summary() for ki in known_issues.KNOWN_ISSUES}
         return summary.summarize(self.state.outcomes, issues)
 
     def interrupted(self, session: pytest.Session) -> str:
         ran = len({o.nodeid for o in self.state.outcomes})
+        if self.collection_errors:
+            where = "; ".join(f"{nodeid}: {line}" for nodeid, line in self.collection_errors[:3])
+            more = (f" (and {len(self.collection_errors) - 3} more)"
+                    if len(self.collection_errors) > 3 else "")
+            n = len(self.collection_errors)
+            return (f"the run stopped at collection after {ran} tests: {n} "
+                    f"{'files' if n > 1 else 'file'} did not collect: {where}{more}; no test "
+                    "ran past it, so this run does not accept the node")
         selected = len(session.items)  # 0 on an xdist controller, which collects nothing
         of = f" of {selected} selected" if selected >= ran and selected else ""
         return (f"the run was interrupted after {ran}{of} tests (Ctrl-C, or SIGINT from a time "
@@ -152,12 +180,19 @@ class Recorder:
         notices = list(self.state.notices)
         if self.no_gpu_test_ran():
             notices.append(self.no_gpu_test_ran())
-        return summary.lines(result, profile=self.state.profile.name,
-                             host=self.state.node.hostname, notices=notices)
+        out = summary.lines(result, profile=self.state.profile.name,
+                            host=self.state.node.hostname, notices=notices)
+        if self.state.op_builds is not None:  # what the cold start cost
+            from dsconform.ops.prebuild import summary_line
+            line = summary_line(self.state.op_builds.timings())
+            out += [line] if line else []
+        return out
 
     def pytest_terminal_summary(self, terminalreporter, exitstatus: int,
                                 config: pytest.Config) -> None:
         if not self.state.outcomes:
+            if self.stopped:
+                terminalreporter.write_line(f"dsconform: {self.stopped}")
             return
         terminalreporter.section("dsconform conformance summary")
         for line in self.lines(self.summary()):
@@ -199,7 +234,8 @@ class Recorder:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         state = self.state
         if session.exitstatus == pytest.ExitCode.INTERRUPTED:  # said in summary.json and .txt
-            state.notices.append(self.interrupted(session))
+            self.stopped = self.interrupted(session)
+            state.notices.append(self.stopped)
         if state.results is None:
             return
         prof = describe(state)
@@ -210,12 +246,30 @@ class Recorder:
             extra_benchmarks=_pytest_benchmark_entries(session.config), started=state.started,
             known_issues=result["known_issues"], facts=state.facts)
         rdzv = rendezvous_info()  # which job and rank this was, for `dsconform aggregate`
+        ops = state.op_builds.timings() if state.op_builds is not None else None
+        doc["dsconform"]["ops"] = ops  # each op build's seconds (dsconform.ops.prebuild)
         result.update(profile=prof, node=state.node.to_dict(),
                       exitstatus=int(session.exitstatus), notices=state.notices,
-                      rendezvous=rdzv.to_dict() if rdzv else None)
+                      rendezvous=rdzv.to_dict() if rdzv else None, ops=ops,
+                      collection_errors=[{"nodeid": n, "error": e}
+                                         for n, e in self.collection_errors])
         _write(state.results / "benchmarks.json", json.dumps(doc, indent=2, default=str))
         _write(state.results / "summary.json", json.dumps(result, indent=2, default=str))
         _write(state.results / "summary.txt", "\n".join(self.lines(result)) + "\n")
+        try:  # the verdict for Prometheus, a failed or interrupted run's too
+            prometheus.write_run(state.results,
+                                 session.config.getoption("prometheus_textfile", None))
+        except prometheus.TextfileError as e:  # shown in the terminal's summary
+            state.notices.append(f"--prometheus-textfile: {e}: this run's verdict is not there")
+
+
+def _error_line(report: pytest.CollectReport) -> str:
+    """A collection error's first line: the exception's (``E   ImportError: ...`` in pytest's
+    text), else the text's first line."""
+    text = str(report.longreprtext or report.longrepr or "")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    raised = next((ln[1:].strip() for ln in lines if re.match(r"^E\s", ln)), None)
+    return (raised or (lines[0] if lines else "no error text"))[:300]
 
 
 def _machine_info(state: RunState) -> dict[str, Any]:
@@ -229,7 +283,7 @@ def _machine_info(state: RunState) -> dict[str, Any]:
         "gpu_model": n.gpu_model, "gpu_count": n.gpu_count, "gpus_present": n.gpus_present,
         "gpu_bus_ids": n.hardware.bus_ids, "driver": n.driver_version,
         "cuda": n.cuda_version, "nccl": n.nccl_version, "torch": n.torch_version,
-        "deepspeed": n.deepspeed_version, "profile": p.name,
+        "deepspeed": n.deepspeed_version, "dsconform": dsconform.__version__, "profile": p.name,
         "host_memory_bytes": n.host_memory_bytes, "shm_bytes": n.shm_bytes,
         # NCCL_ALGO, NCCL_NVLS_ENABLE, ...: settings that change what collectives measure.
         "nccl_settings": nccl_env.machine_info(nccl_env.nccl_settings()),

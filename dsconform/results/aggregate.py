@@ -18,8 +18,9 @@ for the multi-node tier, one folder per rank. This module reads them and answers
 - **jobs**: folders whose run was a rank of a torchrun/Slurm rendezvous (summary.json
   ``rendezvous``) are grouped by job, never counted as nodes; a failing multi-node job names no
   node, a failing job on one node names that node (by hostname);
-- the Slurm commands that would drain the failing nodes. They are printed, never run: draining
-  is a decision for a person.
+- the commands that would drain the failing nodes: Slurm's ``scontrol``, or Kubernetes'
+  ``kubectl`` cordon, taint, label and annotate (``--scheduler k8s``). They are printed, never
+  run: draining is a decision for a person.
 
 A node is named by its folder (the recipes name it after the node: ``$(hostname)``, Slurm's
 ``$SLURMD_NODENAME``); that name is what the drain command uses. Bad input is an
@@ -35,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -167,6 +169,7 @@ class ClusterReport:
     metrics: dict[str, dict[str, float]]  # key -> node -> ratio to the fleet median (heat map)
     outlier_pct: float
     sources: list[str]
+    scheduler: str = "slurm"       # whose commands drain_commands prints (SCHEDULERS)
 
     @property
     def failed_nodes(self) -> list[NodeResult]:
@@ -460,10 +463,71 @@ def _drain_reason(problem: str) -> str:
     return reason if len(reason) <= DRAIN_REASON_CHARS else reason[:DRAIN_REASON_CHARS - 3] + "..."
 
 
-def drain_commands(report: ClusterReport) -> list[str]:
-    """The Slurm commands that would drain each failing node, for a person to run. A failing
-    rank of a multi-node job names no node by itself (the fault may be its peer or the
-    network): it gets a comment, not a command. A failing job on one node names that node."""
+#: The schedulers whose commands drain_commands prints (``dsconform aggregate --scheduler``).
+SCHEDULERS = ("slurm", "k8s")
+#: A Kubernetes node name is an RFC 1123 subdomain; a label value is at most 63 characters of
+#: [A-Za-z0-9._-], beginning and ending with a letter or digit (an empty value is valid too).
+_K8S_NODE_NAME = re.compile(r"^(?=.{1,253}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+                            r"(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+K8S_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+#: The node's dsconform/reason annotation: the whole problem, up to this many characters.
+K8S_ANNOTATION_CHARS = 1000
+#: A problem's short token (the dsconform/reason label), by how NodeResult.problems words it.
+_REASON_TOKENS = (("no results folder", "no-results"), ("the run did not finish", "unfinished"),
+                  ("the run recorded no test", "no-tests"),
+                  ("no benchmarks.json", "incomplete-results"))
+
+
+def reason_token(node: NodeResult, problem: str) -> str:
+    """The problem as a valid Kubernetes label value: the hardware action (isolate, reboot,
+    reset), how the run ended badly, or ``failed-<capabilities>`` for failing tests."""
+    if m := _HARDWARE_REASON.match(problem):
+        token = m.group(1).lower()
+    elif problem.startswith("pytest exit status"):
+        token = EXIT_STATUS.get(node.exitstatus or 0, f"exit-{node.exitstatus}")
+    else:
+        token = next((t for prefix, t in _REASON_TOKENS if problem.startswith(prefix)), "")
+    if not token:
+        failed = [c for c, counts in node.capabilities.items()
+                  if isinstance(counts, dict) and any(counts.get(k) for k in summary.FAILED)]
+        token = "-".join(["failed", *failed])
+    token = re.sub(r"[^A-Za-z0-9._-]+", "-", token)[:63].strip("-._")
+    return token or "failed"
+
+
+def _kubectl(name: str, token: str, problem: str) -> list[str]:
+    text = re.sub(r"[\s\x00-\x1f\x7f]+", " ", f"dsconform: {problem}").strip()
+    if len(text) > K8S_ANNOTATION_CHARS:
+        text = text[:K8S_ANNOTATION_CHARS - 3] + "..."
+    return [f"kubectl cordon {name}",
+            f"kubectl taint nodes {name} dsconform/verdict=failed:NoSchedule --overwrite",
+            f"kubectl label nodes {name} dsconform/verdict=failed dsconform/reason={token} "
+            "--overwrite",
+            f"kubectl annotate nodes {name} {shlex.quote('dsconform/reason=' + text)} --overwrite"]
+
+
+def drain_commands(report: ClusterReport, scheduler: str | None = None) -> list[str]:
+    """The commands that would drain each failing node, for a person to run: Slurm's
+    ``scontrol ... state=drain``, or for ``k8s`` kubectl's cordon, a ``dsconform/verdict``
+    NoSchedule taint, the ``dsconform/verdict`` and ``dsconform/reason`` labels and the whole
+    reason as an annotation (scheduler: default the report's). A failing rank of a multi-node
+    job names no node by itself (the fault may be its peer or the network): it gets a comment,
+    not a command. A failing job on one node names that node."""
+    scheduler = scheduler or report.scheduler
+    if scheduler not in SCHEDULERS:
+        raise ValueError(f"--scheduler {scheduler!r}: expected one of {', '.join(SCHEDULERS)}")
+    k8s = scheduler == "k8s"
+    valid = (_K8S_NODE_NAME if k8s else _NODE_NAME).match
+    kind = "Kubernetes" if k8s else "Slurm"
+    hint = "/results/$(NODE_NAME), from spec.nodeName" if k8s else "$SHARED/$(hostname)"
+
+    def commands(name: str, n: NodeResult, prefix: str = "") -> list[str]:
+        problem = drain_problem(n.problems)
+        if k8s:
+            return _kubectl(name, reason_token(n, problem), prefix + problem)
+        return [f'scontrol update nodename={name} state=drain '
+                f'reason="{_drain_reason(prefix + problem)}"']
+
     lines = []
     drained: set[str] = set()  # one command per node, its first failure's reason
     for n in sorted(report.failed_nodes, key=lambda n: n.job is not None):
@@ -473,19 +537,17 @@ def drain_commands(report: ClusterReport) -> list[str]:
             if name in drained:
                 continue
             drained.add(name)
-            if _NODE_NAME.match(name):
-                why = _drain_reason(f"job {n.job} rank {n.name}: {drain_problem(n.problems)}")
-                lines.append(f'scontrol update nodename={name} state=drain reason="{why}"')
+            if valid(name):
+                lines += commands(name, n, f"job {n.job} rank {n.name}: ")
             else:
-                lines.append(f"# {name!r} (job {n.job}): not a valid Slurm node name")
+                lines.append(f"# {name!r} (job {n.job}): not a valid {kind} node name")
         elif n.job is not None:
             lines.append(f"# {n.name}: rank of multi-node job {n.job} failed; a multi-node "
                          "failure names no single node: compare the nodes' single-node runs")
-        elif not _NODE_NAME.match(n.name):
-            lines.append(f"# {n.name!r}: not a valid Slurm node name (name the folder after the "
-                         "node: --results $SHARED/$(hostname))")
+        elif not valid(n.name):
+            lines.append(f"# {n.name!r}: not a valid {kind} node name (name the folder after the "
+                         f"node: --results {hint})")
         elif n.name not in drained:
             drained.add(n.name)
-            lines.append(f'scontrol update nodename={n.name} state=drain '
-                         f'reason="{_drain_reason(drain_problem(n.problems))}"')
+            lines += commands(n.name, n)
     return lines

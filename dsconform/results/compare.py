@@ -20,6 +20,12 @@ files and classifies every difference; ``compare_report`` prints it (terminal, m
   they are compared as rates (higher is better, the floor on the median rate, noise from the
   rate samples). Older files held GB/s directly in ``stats``; both are read, and an old GB/s
   metric compares with a new rate of the same unit.
+- **Bounded values** (a ZeRO difference, a loss-scaling gain: ``extra_info.bound``, the
+  tolerance the suite's own check holds the value to) are judged against that bound, not
+  against a share of their own value: a difference that grows from 4.4e-4 to 5.3e-4 under an
+  rtol of 1.6e-2 is unchanged. It is a regression when it crosses its bound, or when it passes
+  ``BOUND_APPROACH`` of it from below; back within its bound is an improvement. Files written
+  before bounds were recorded carry the tolerance in the parameters (``LEGACY_BOUNDS``).
 - **Outcomes.** passed -> failed / error / skipped / xfailed / not run is a regression (it
   stopped working); failed / skipped / xfailed -> passed an improvement (fixed, or runs now).
   New and vanished tests are listed.
@@ -49,6 +55,15 @@ from dsconform.results.format import is_number
 from dsconform.results.summary import case_id
 
 NOISE_SIGMAS = 3
+#: A bounded value past this share of its bound is a regression (it "approaches" the bound)
+#: when BASE was below it: one more drift like the largest seen between two releases inside a
+#: bound (+21%, 1xH200 0.19.6 -> 0.19.8, results/reference/h200-x1/upgrade-0.19.6-to-0.19.8)
+#: would take it over (0.8 x 1.21 = 0.97 of the bound).
+BOUND_APPROACH = 0.8
+#: Metrics recorded before ``extra_info.bound`` existed, and the parameter that held their
+#: bound: the loss's relative difference is held to the tolerance's rtol.
+LEGACY_BOUNDS = {"zero.loss_max_rel_diff": "rtol", "zero_infinity.loss_max_rel_diff": "rtol",
+                 "zero.clip_norm_rel_diff": "rtol"}
 #: "ZERO-EQ-1: ZeRO MUST ..." -> "ZERO-EQ-1" (upper case words joined by dashes, then a colon)
 CONFORMANCE_ID = re.compile(r"^([A-Z][A-Z0-9]*(?:-[A-Z0-9]+)+):")
 #: Environment rows: label and machine_info key ("GPU" and "profile" are composed).
@@ -95,6 +110,7 @@ class Measure:
     better: str  # "lower" | "higher"
     limit: float | None  # the floor (higher is better) or ceiling (lower) the suite enforced
     params: dict[str, Any]
+    bound: float | None = None  # the tolerance the suite's check holds the value to
 
 
 def _spread(median: float, stddev: float | None, rounds: int) -> float | None:
@@ -128,9 +144,13 @@ def measure(entry: dict[str, Any]) -> Measure:
                        rate.get("limit"), params)
     st = entry["stats"]
     rounds = st.get("rounds") or len(st.get("data") or ()) or 1
+    bound = info.get("bound")
+    if bound is None and metric in LEGACY_BOUNDS and is_number(params.get(LEGACY_BOUNDS[metric])):
+        bound = params[LEGACY_BOUNDS[metric]]
     return Measure(nodeid, metric, float(st["median"]), rounds,
                    _spread(st["median"], st.get("stddev"), rounds), info.get("unit") or "s",
-                   info.get("better") or "lower", info.get("limit"), params)
+                   info.get("better") or "lower", info.get("limit"), params,
+                   None if bound is None else float(bound))
 
 
 @dataclass
@@ -202,6 +222,7 @@ class Change:
     noise_known: bool = True
     change: str = ""  # the relative change as shown: "+12.3%", "from 0", "to inf"
     beyond: str = ""  # "beyond its floor 299 GB/s": the enforced limit it crossed
+    bound: float | None = None  # a bounded value's bound (then ``band`` is its headroom)
 
 
 @dataclass
@@ -295,6 +316,8 @@ def _compare_values(name: str, base: Measure, new: Measure, threshold: float) ->
         beyond = f"beyond its {'floor' if better == 'higher' else 'ceiling'} {_value(limit, unit)}"
         return Change(REGRESSION, name, f"{where}: {beyond} ({pct}, {noise})", beyond=beyond,
                       **shown)
+    if new.bound is not None and math.isfinite(new.bound):
+        return _against_bound(name, b, n, new.bound, where, shown)
     if abs(rel) <= band:
         return Change(UNCHANGED, name, f"{where} ({pct}, within {noise})", **shown)
     if b == 0 and new.spread is not None and abs(n) <= NOISE_SIGMAS * new.spread * abs(n):
@@ -306,6 +329,48 @@ def _compare_values(name: str, base: Measure, new: Measure, threshold: float) ->
     worse = rel > 0 if better == "lower" else rel < 0
     return Change(REGRESSION if worse else IMPROVEMENT, name,
                   f"{where} ({pct}, {better} is better; {noise})", **shown)
+
+
+def _used(v: float, bound: float, better: str) -> float:
+    """How much of its bound a value uses: 1 at the bound, above 1 beyond it. A floor (higher
+    is better) is used up as the value falls to it."""
+    if better == "higher":
+        return bound / v if v > 0 else math.inf
+    if bound == 0:  # bit-exact: any difference is beyond it
+        return 0.0 if v <= 0 else math.inf
+    return v / bound
+
+
+def _against_bound(name: str, b: float, n: float, bound: float, where: str,
+                   shown: dict[str, Any]) -> Change:
+    """A bounded value's change, judged by its bound (``BOUND_APPROACH``): regression when it
+    crosses it or passes the approach margin from below, improvement when it comes back within
+    it, else unchanged however much it moved relative to itself."""
+    better = shown["better"]
+    ub, un = _used(b, bound, better), _used(n, bound, better)
+    shown = {**shown, "bound": bound, "noise_known": True,
+             # the chart's band: how far the value could move before it approaches its bound
+             "band": (abs(BOUND_APPROACH * bound - b) / abs(b) if b and math.isfinite(b)
+                      else math.inf)}
+    side = "floor" if better == "higher" else "bound"
+    used = f"{_share(ub)} -> {_share(un)} of its {side} {_fmt(bound)}"
+    text = f"{where} ({shown['change']}; {used})"
+    if un > 1 and ub <= 1:
+        return Change(REGRESSION, name, f"{text}: crossed its {side}",
+                      beyond=f"beyond its {side} {_fmt(bound)}", **shown)
+    if un > 1:
+        return Change(UNCHANGED, name, f"{text}: beyond its {side} in both runs (the test's "
+                                       f"outcome says why)", **shown)
+    if ub > 1:
+        return Change(IMPROVEMENT, name, f"{text}: back within its {side}", **shown)
+    if un >= BOUND_APPROACH > ub:
+        return Change(REGRESSION, name, f"{text}: approaches its {side} (past "
+                                        f"{BOUND_APPROACH:.0%} of it)", **shown)
+    return Change(UNCHANGED, name, f"{text}: within its {side}", **shown)
+
+
+def _share(used: float) -> str:
+    return "inf" if math.isinf(used) else f"{used:.1%}"
 
 
 def _with_reason(o: dict[str, Any]) -> str:

@@ -118,6 +118,7 @@ def check_benchmarks(doc: Any, where: str) -> None:
         for key in ("unit", "metric", "nodeid"):
             c.kind(info.get(key), f"{at}.extra_info.{key}", str, "a string")
         c.number(info.get("limit"), f"{at}.extra_info.limit")
+        c.number(info.get("bound"), f"{at}.extra_info.bound")
         c.kind(info.get("params"), f"{at}.extra_info.params", dict, "an object")
         rate = info.get("rate")
         if rate is not None:

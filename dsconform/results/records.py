@@ -59,6 +59,10 @@ class Metric:
     params: dict[str, Any] = field(default_factory=dict)
     capability: str = ""
     rate: Rate | None = None  # for timed metrics: the rate derived from each round
+    # The tolerance the suite's own check holds this value to (a ZeRO difference's rtol, a
+    # gain's bound): not enforced here (the check fails with its own message); a comparison
+    # judges a change of the value against it, not against a share of the value itself.
+    bound: float | None = None
 
     def __post_init__(self) -> None:
         if self.better not in BETTER:
@@ -135,11 +139,14 @@ class MetricsRecorder:
         self.recorded: list[Metric] = []
 
     def record(self, name: str, value: float | Sequence[float], *, unit: str, better: str,
-               limit: float | None = None, **params: Any) -> Metric:
+               limit: float | None = None, bound: float | None = None,
+               **params: Any) -> Metric:
         """Record ``value`` (one number, or one per round). ``better`` is "lower" or "higher";
-        ``limit`` is a floor (higher is better) or a ceiling (lower is better) on the median."""
+        ``limit`` is a floor (higher is better) or a ceiling (lower is better) on the median;
+        ``bound`` the tolerance the test's own check holds the value to (not enforced here)."""
         samples = list(value) if isinstance(value, (list, tuple)) else [value]
-        m = Metric(self.nodeid, name, samples, unit, better, limit, params, self.capability)
+        m = Metric(self.nodeid, name, samples, unit, better, limit, params, self.capability,
+                   bound=None if bound is None else float(bound))
         if limit is not None and unit in PERFORMANCE_UNITS:
             self._need_rounds(m)
         return self._keep(m)
@@ -224,6 +231,8 @@ def benchmark_entry(m: Metric) -> dict[str, Any]:
 def _extra_info(m: Metric) -> dict[str, Any]:
     info = {"metric": m.name, "unit": m.unit, "better": m.better, "limit": m.limit,
             "params": m.params, "nodeid": m.nodeid}
+    if m.bound is not None:
+        info["bound"] = m.bound
     if m.rate is not None:
         rates = m.rate_samples
         info["rate"] = {"unit": m.rate.unit, "better": "higher", "limit": m.rate.limit,

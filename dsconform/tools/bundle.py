@@ -4,16 +4,19 @@ everything a GPU node without one needs to run the suite, into one folder.
 The folder (its MANIFEST.json lists every file with its size, sha256 and why it is there)::
 
     install.sh            the offline install (a copy of examples/offline-node.sh): it uses
-                          only this folder
+                          only this folder, and first checks every file against MANIFEST.json
     MANIFEST.json
+    requirements.txt      the suite's and the carried wheels' ``name==version --hash=sha256:``
+    requirements-deepspeed-<version>.txt    the same for each DeepSpeed wheel (pip installs
+                          them with --require-hashes)
     wheels/               the suite itself (dsconform, hardware profiles inside) and every
                           dependency of the suite and of DeepSpeed that the node lacks, for the
                           target Python and platform
     deepspeed/<version>/  one DeepSpeed wheel per requested version, built from PyPI's sdist
                           with DS_BUILD_OPS=0 (pure Python; ops JIT-build on the node)
     debs/                 Debian's libaio packages (async_io needs the header and library)
-    suite.tar.gz          the suite's tests (suites/, fixtures/, conftest.py, tox.ini, ...) for
-                          a node that has no checkout
+    suite.tar.gz          the suite's tests (suites/, fixtures/, conftest.py, tox.ini, docs/,
+                          ...) for a node that has no checkout
 
 What the node lacks: every requirement (with its environment markers evaluated for the target
 Python and platform) that the node's package list (``--have FILE``: ``pip list --format=freeze``
@@ -52,7 +55,11 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
-FORMAT = "dsconform-bundle/1"
+#: 2: MANIFEST.json's "files" lists every file of the folder (install.sh checks them all) and
+#: the requirements files pin every wheel to its sha256.
+FORMAT = "dsconform-bundle/2"
+MANIFEST = "MANIFEST.json"
+REQUIREMENTS = "requirements.txt"
 #: What the node always brings: its own torch build and the CUDA stack that came with it.
 NODE_PROVIDES = ("torch",)
 NODE_PROVIDES_PREFIXES = ("nvidia-", "triton", "cuda-")
@@ -60,8 +67,8 @@ NODE_PROVIDES_PREFIXES = ("nvidia-", "triton", "cuda-")
 #: Ubuntu 24.04 renamed the library package libaio1t64; the first name the index has is taken.
 DEFAULT_DEBS = ("libaio1|libaio1t64", "libaio-dev")
 #: The suite's files a node needs besides the wheel (pytest runs from this tree).
-SUITE_FILES = ("conftest.py", "tox.ini", "pyproject.toml", "README.md", "suites", "fixtures",
-               "hardware_profiles", "examples", "dsconform")
+SUITE_FILES = ("conftest.py", "tox.ini", "pyproject.toml", "README.md", "docs", "suites",
+               "fixtures", "hardware_profiles", "examples", "dsconform")
 INSTALL_SCRIPT = Path("examples") / "offline-node.sh"
 _PLATFORM = re.compile(r"^manylinux_(\d+)_(\d+)_(\w+)$")
 _LEGACY = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
@@ -338,13 +345,49 @@ def download_debs(names: Iterable[str], dest: Path) -> list[Path]:
 
 # ------------------------------------------------------------------ the bundle
 
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _entry(path: Path, root: Path, why: str = "") -> dict[str, Any]:
-    data = path.read_bytes()
-    entry = {"path": str(path.relative_to(root)), "bytes": len(data),
-             "sha256": hashlib.sha256(data).hexdigest()}
+    entry = {"path": path.relative_to(root).as_posix(), "bytes": path.stat().st_size,
+             "sha256": _sha256(path)}
     if why:
         entry["why"] = why
     return entry
+
+
+def deepspeed_requirements(version: str) -> str:
+    """The requirements file of one DeepSpeed version's wheel, at the bundle's top."""
+    return f"requirements-deepspeed-{version}.txt"
+
+
+def requirements_text(wheels: Iterable[Path]) -> str:
+    """``name==version --hash=sha256:...`` for each wheel: what ``pip install --no-index
+    --require-hashes -r`` installs, and only if every file is the one the bundle was built with."""
+    lines = ["# Written by `dsconform bundle`: install.sh runs pip install --no-index "
+             "--require-hashes -r on it."]
+    for wheel in sorted(wheels, key=lambda w: w.name):
+        name, version, _ = wheel_metadata(wheel)
+        lines.append(f"{name}=={version} --hash=sha256:{_sha256(wheel)}")
+    return "\n".join(lines) + "\n"
+
+
+def seal(out: Path, fields: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Finish the bundle in ``out`` as its files lie: the hash-pinned requirements files (the
+    wheels of wheels/, and of each deepspeed/<version>/), then MANIFEST.json with ``fields``
+    and every file's path, size and sha256 (``files``: what install.sh checks)."""
+    (out / REQUIREMENTS).write_text(requirements_text((out / "wheels").glob("*.whl")))
+    for folder in sorted(p for p in (out / "deepspeed").glob("*") if p.is_dir()):
+        (out / deepspeed_requirements(folder.name)).write_text(
+            requirements_text(folder.glob("*.whl")))
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p != out / MANIFEST)
+    manifest = {"format": FORMAT, **(fields or {}),
+                "files": [_entry(p, out) for p in files],
+                "total_bytes": sum(p.stat().st_size for p in files)}
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
 
 
 def find_checkout(start: Path | None = None) -> Path:
@@ -414,8 +457,7 @@ def _fill(out: Path, *, python: str, platform: str, deepspeed: list[str],
     deb_files = download_debs(debs, out / "debs") if debs else []
     suite_tar = suite_tarball(checkout, out)
     shutil.copy2(checkout / INSTALL_SCRIPT, out / "install.sh")
-    manifest = {
-        "format": FORMAT,
+    manifest = seal(out, {
         "built": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "python": python, "platform": platform, "platform_tags": platform_tags(platform),
         "deepspeed": {v: _entry(w, out) for v, w in ds_wheels.items()},
@@ -426,12 +468,12 @@ def _fill(out: Path, *, python: str, platform: str, deepspeed: list[str],
         "debs": [_entry(d, out) for d in deb_files],
         "suite_tarball": _entry(suite_tar, out),
         "install": "source install.sh [DEEPSPEED_VERSION]  (see the comments at its top)",
-    }
-    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    total = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    manifest["total_bytes"] = total
-    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    log(f"bundle: {out}: {total / 2**20:.1f} MiB in {time.monotonic() - started:.0f} s")
+    })
+    log(f"bundle: {out}: {manifest['total_bytes'] / 2**20:.1f} MiB in "
+        f"{time.monotonic() - started:.0f} s")
+    # install.sh checks every file against MANIFEST.json; this checks MANIFEST.json itself.
+    log(f"bundle: on the node, `sha256sum {out / MANIFEST}` must print "
+        f"{_sha256(out / MANIFEST)}")
     return manifest
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dsconform.results import summary
+from dsconform.results import prometheus, summary
 from dsconform.results.aggregate import FORMAT, ClusterReport, NodeResult, cell, drain_commands
 
 OUTLIERS_SHOWN = 20
@@ -231,7 +231,7 @@ def junit(report: ClusterReport) -> bytes:
 
 
 def write(report: ClusterReport, out: Path) -> list[Path]:
-    """cluster.md, cluster.json and junit.xml into ``out`` (created)."""
+    """cluster.md, cluster.json, junit.xml and cluster.prom into ``out`` (created)."""
     out.mkdir(parents=True, exist_ok=True)
     files = {"cluster.md": markdown(report).encode(),
              "cluster.json": (json.dumps(to_json(report), indent=2, default=str) + "\n").encode(),
@@ -240,11 +240,12 @@ def write(report: ClusterReport, out: Path) -> list[Path]:
     for name, data in files.items():
         (out / name).write_bytes(data)
         written.append(out / name)
+    written.append(prometheus.write_cluster(report, out))  # for Prometheus, atomically
     return written
 
 
 def main(dirs: list[str], *, out: str, outlier_pct: float, plot: bool,
-         expect: list[str] | None = None) -> int:
+         expect: list[str] | None = None, scheduler: str = "slurm") -> int:
     """``dsconform aggregate``: exit 0 every node passed, 1 a node failed, 2 unusable input."""
     import sys
 
@@ -260,6 +261,7 @@ def main(dirs: list[str], *, out: str, outlier_pct: float, plot: bool,
                                    expect=expect)
     except (aggregate.AggregateInputError, ValueError) as e:
         return unusable(e)
+    report.scheduler = scheduler  # whose drain commands are printed
     print("\n".join(terminal(report)))
     target = Path(out)
     try:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from dsconform.results.compare import (
+    BOUND_APPROACH,
     CHANGED,
     FACT,
     IMPROVEMENT,
@@ -43,6 +44,8 @@ class Section:
 
 
 def _band(c: Change) -> str:
+    if c.bound is not None:  # judged by its bound, not by a share of its own value
+        return f"bound {c.bound:.4g}"
     if c.band is None:
         return ""
     return f"±{c.band:.1%}" + ("" if c.noise_known else ", noise unknown")
@@ -121,11 +124,15 @@ def verdict(result: RunComparison) -> str:
 def tally(result: RunComparison) -> str:
     metrics = result.of(UNCHANGED, METRIC)
     unknown = sum(1 for c in metrics if not c.noise_known)
+    bounded = sum(1 for c in metrics if c.bound is not None)
     incomparable = len(result.of(NOT_COMPARABLE))
     # Metrics whose parameters or units differ were not compared: say how many, so a change of
     # parameters (a tolerance override, another world size) cannot hide a metric silently.
     return (f"unchanged: {len(metrics)} metrics within their noise band ({unknown} of them with "
-            f"unknown noise: one round), {len(result.of(UNCHANGED, OUTCOME))} outcomes, "
+            f"unknown noise: one round)"
+            + (f" or their bound ({bounded} metrics judged by the tolerance their test holds "
+               "them to)" if bounded else "")
+            + f", {len(result.of(UNCHANGED, OUTCOME))} outcomes, "
             f"{len(result.of(UNCHANGED, FACT))} facts"
             + (f"; NOT COMPARED: {incomparable} metrics (see 'Not comparable')"
                if incomparable else ""))
@@ -188,7 +195,9 @@ def markdown(result: RunComparison) -> str:
            f"BASE `{result.base.label}`, NEW `{result.new.label}`. "
            f"**{verdict(result)}**; {tally(result)}. Metrics count as changed beyond "
            f"±{result.threshold:.0%} or their noise band (three times the relative "
-           "spread of BASE's rounds), whichever is wider.", ""]
+           "spread of BASE's rounds), whichever is wider; a value its test holds to a "
+           f"tolerance counts only when it crosses it or passes {BOUND_APPROACH:.0%} of it.",
+           ""]
     for w in _warning_lines(result):
         out += [f"> **{w}**", ""]
     for s in sections(result):

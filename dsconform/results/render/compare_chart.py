@@ -119,7 +119,8 @@ def draw(result: RunComparison, path: str | Path, title: str | None = None) -> A
             tick.set_color(COLORS[REGRESSION])
             tick.set_fontweight("bold")
     ax.xaxis.set_major_formatter(PercentFormatter(1.0))
-    xlabel = "relative change of the value, NEW vs BASE (grey: noise band)"
+    xlabel = ("relative change of the value, NEW vs BASE (grey: noise band; for a value held "
+              "to a tolerance, the room before it approaches it)")
     if left_out:
         xlabel += f"\nnot shown: {left_out} (the markdown lists them)"
     ax.set_xlabel(xlabel, fontsize=8)

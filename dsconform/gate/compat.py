@@ -1,0 +1,181 @@
+"""DeepSpeed APIs that differ between the releases the suite supports (0.16 onwards): ONE module.
+
+The suite installs beside any DeepSpeed from 0.16 (pyproject.toml has no upper bound). What a
+release lacks is named here, by the release that added it, the way ``removed.py`` names what
+a release took away:
+
+- an **addition** (``ADDITIONS``) is a mode or API the suite's checks use that older releases
+  do not have. On such a release the check SKIPS with a reason that names the feature, the
+  release that added it, the upstream pull request and the release found
+  (``Requires: [ZeRO stage 0 bf16 with bf16 gradient accumulation (added in DeepSpeed 0.17.6,
+  PR #7515 https://...) (found DeepSpeed 0.16.9)]``); it never crashes on the missing API;
+- an **adapter** below is an API that exists on every supported release under another name or
+  signature: the suite calls the adapter, never the release-specific spelling.
+
+Versions are read from package metadata (no import of DeepSpeed), so the gate costs nothing in
+a rank that has not imported it yet. ``dsconform radar`` (docs/radar.md) runs the suite under
+0.16.9, 0.17.6, 0.18.9 and every 0.19.x: what broke there is what this module handles.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Any
+
+from dsconform.gate import versions
+
+
+@dataclass(frozen=True)
+class Addition:
+    feature: str   # what the suite uses, in a user's words
+    added_in: str  # the first release with it
+    link: str      # the upstream pull request that added it
+
+    @property
+    def text(self) -> str:
+        """"FEATURE (added in DeepSpeed 0.17.6, PR #7515 https://...)"."""
+        number = self.link.rstrip("/").rsplit("/", 1)[-1]
+        return f"{self.feature} (added in DeepSpeed {self.added_in}, PR #{number} {self.link})"
+
+
+STAGE0_BF16 = "stage0_bf16"
+AIO_HANDLE = "aio_handle"
+PRECISION_CONFIG = "precision_config"
+ADDITIONS: dict[str, Addition] = {
+    # Before it, bf16 without ZeRO was refused unless gradients accumulate in fp32
+    # (NotImplementedError "Bfloat16 wrapper must use a gradient accumulation type of fp32,
+    # enable ZeRO to use Bfloat16 gradient accumulation", 0.16.9): the suite's stage-0 bf16
+    # cells accumulate in bf16, as DDP does (dsconform/checks/dsconfig.py data_types).
+    STAGE0_BF16: Addition("ZeRO stage 0 bf16 with bf16 gradient accumulation", "0.17.6",
+                          "https://github.com/deepspeedai/DeepSpeed/pull/7515"),
+    # DeepSpeed 0.16.9's aio_handle has no get_alignment() (AttributeError, NVME-IO-4), aborted
+    # the process on a size NVME-IO-2 draws (SIGABRT) and never returned from one wait() for
+    # eight outstanding writes (NVME-IO-3 killed at its 900 s timeout); 0.17.6 passes all three
+    # (results/reference/radar/cpu). The integrity round trip (NVME-IO-1) runs on 0.16.9 too.
+    AIO_HANDLE: Addition("DeepNVMe's reworked aio handle (get_alignment(), any aligned size, "
+                         "several operations outstanding at one wait())", "0.17.1",
+                         "https://github.com/deepspeedai/DeepSpeed/pull/7215"),
+    # ZeRO-Infinity's optimizer swapper writes through the same handle: on 0.16.9 the first
+    # swap-out aborts the process (SIGABRT in partitioned_optimizer_swapper, NVME-ZINF-1).
+    # ZERO-DEF-1 reads the parsed fp16/bf16 sections and the stage-0 loss-scale profiles; on
+    # 0.16.9 DeepSpeedConfig has no float16_config (AttributeError) and loss_scaler.py no
+    # LOSS_SCALE_PROFILE_DEFAULTS.
+    PRECISION_CONFIG: Addition("DeepSpeedConfig.float16_config / bfloat16_config and the "
+                               "loss-scale profiles", "0.17.1",
+                               "https://github.com/deepspeedai/DeepSpeed/pull/6976"),
+}
+
+
+def installed_deepspeed() -> str | None:
+    """The installed DeepSpeed's version, from its metadata; None without DeepSpeed."""
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def missing(name: str, deepspeed_version: str | None = None) -> Addition | None:
+    """The addition ``name`` when the DeepSpeed given (default: the installed one) predates it,
+    else None. KeyError for a name not in ``ADDITIONS``."""
+    add = ADDITIONS[name]
+    found = versions.parse(deepspeed_version or installed_deepspeed())
+    if found is not None and found >= versions.Version(add.added_in):
+        return None
+    return add
+
+
+def skip_reason(name: str, deepspeed_version: str | None = None) -> str | None:
+    """``Requires: [FEATURE (added in ...) (found DeepSpeed X)]`` when it is missing."""
+    add = missing(name, deepspeed_version)
+    if add is None:
+        return None
+    found = deepspeed_version or installed_deepspeed() or "none"
+    return f"Requires: [{add.text} (found DeepSpeed {found})]"
+
+
+def require(name: str, deepspeed_version: str | None = None) -> None:
+    """Skip the calling test (or the rank it runs in: the harness reports the skip) when the
+    DeepSpeed installed lacks ``name``."""
+    reason = skip_reason(name, deepspeed_version)
+    if reason is not None:
+        import pytest
+
+        pytest.skip(reason)
+
+
+# ------------------------------------------------------------------ adapters
+
+def fp16_scaler_args(config: Any) -> tuple[float, bool, dict[str, Any] | None]:
+    """(static loss scale, dynamic?, the dynamic scaler's arguments) of a parsed
+    ``deepspeed.runtime.config.DeepSpeedConfig``: what ``deepspeed.initialize`` hands ZeRO's
+    ``CreateLossScaler``. From 0.17.1 (PR #6976) the fp16 section is ``config.float16_config``;
+    before, its values are attributes of the config itself (``loss_scale``,
+    ``dynamic_loss_scale_args``)."""
+    fp16 = getattr(config, "float16_config", None)
+    if fp16 is not None:
+        return fp16.loss_scale, fp16.loss_scale == 0, fp16.dynamic_loss_scale_args()
+    return config.loss_scale, config.loss_scale == 0, config.dynamic_loss_scale_args
+
+
+def loss_scale_profiles(loss_scaler_module: Any) -> dict[str, Any]:
+    """The stage-0 fp16 wrappers' loss-scale profiles (``LOSS_SCALE_PROFILE_DEFAULTS`` of
+    ``deepspeed.runtime.fp16.loss_scaler``, from 0.18.6, PR #7839); empty before."""
+    return dict(getattr(loss_scaler_module, "LOSS_SCALE_PROFILE_DEFAULTS", None) or {})
+
+
+# ------------------------------------------------------------------ defaults by release
+
+#: What ZERO-DEF-1 records for a default a release does not have.
+MISSING = "<missing>"
+
+
+@dataclass(frozen=True)
+class DefaultChange:
+    """A DeepSpeed default that moved: ``before`` on every release older than ``changed_in``
+    (``MISSING``: the key did not exist), ASSUMED_DEFAULTS' value from it on."""
+    key: str
+    before: Any
+    changed_in: str
+    why: str  # the upstream change, and where the radar saw it
+
+
+DEFAULT_HISTORY: tuple[DefaultChange, ...] = (
+    DefaultChange("fp16.stage0.scale_factor", MISSING, "0.18.6",
+                  "the stage-0 loss-scale profiles (PR #7839) arrive in 0.18.6"),
+)
+
+
+def assumed_defaults(assumed: dict[str, Any], deepspeed_version: str | None = None
+                     ) -> dict[str, Any]:
+    """``assumed`` (ASSUMED_DEFAULTS: the defaults of the newest release the suite verified) as
+    they were on ``deepspeed_version`` (default: the installed one), by ``DEFAULT_HISTORY``: a
+    release before a change is held to the value before it, so ZERO-DEF-1 fails only where a
+    default moved that nobody recorded."""
+    found = versions.parse(deepspeed_version or installed_deepspeed())
+    out = dict(assumed)
+    if found is None:
+        return out
+    # Oldest change last: a key that moved twice takes the value before its first move.
+    for change in sorted(DEFAULT_HISTORY, key=lambda c: versions.Version(c.changed_in),
+                         reverse=True):
+        if change.key in out and found < versions.Version(change.changed_in):
+            out[change.key] = change.before
+    return out
+
+
+def aio_alignment(handle: Any) -> int:
+    """The byte multiple an aio handle's transfers must be: ``get_alignment()`` from 0.17.1
+    (PR #7215); before, the same rule it states: intra_op_parallelism x 512 (O_DIRECT's
+    alignment per thread)."""
+    get = getattr(handle, "get_alignment", None)
+    return int(get()) if get is not None else handle.get_intra_op_parallelism() * 512
+
+
+def stage0_scaler(optimizer: Any) -> tuple[float, bool] | None:
+    """(current scale, dynamic?) of a stage-0 fp16 wrapper (FP16_Optimizer,
+    FP16_UnfusedOptimizer) that keeps its scaler's state on itself, as releases before 0.18.6
+    do (from 0.18.6 it is ``optimizer.loss_scale_config``, PR #7839); None for other objects."""
+    if hasattr(optimizer, "cur_scale") and hasattr(optimizer, "dynamic_loss_scale"):
+        return float(optimizer.cur_scale), bool(optimizer.dynamic_loss_scale)
+    return None

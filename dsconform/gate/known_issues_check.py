@@ -1,0 +1,74 @@
+"""The known-issues registry checks itself: ``check_registry`` names every defect of an entry
+(the registry: dsconform/gate/known_issues.py), one line each; the project's tests hold it empty.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dsconform.gate import versions
+
+_ID_RE = re.compile(r"^[A-Z0-9][A-Z0-9-]+$")
+
+
+def check_registry(issues: tuple | None = None) -> list[str]:
+    """Every defect of the registry (default: the shipped one), one line each (empty: sound)."""
+    from dsconform.gate.known_issues import KINDS, KNOWN_ISSUES, TORCH
+
+    issues = KNOWN_ISSUES if issues is None else issues
+    problems, ids = [], set()
+    for ki in issues:
+        if not _ID_RE.match(ki.id):
+            problems.append(f"{ki.id!r}: id must be upper case letters, digits and dashes")
+        if ki.id in ids:
+            problems.append(f"{ki.id}: duplicate id")
+        ids.add(ki.id)
+        try:
+            spec = versions.specifier(ki.deepspeed)
+            if not any(s.operator in ("<", "<=", "==") for s in spec):
+                problems.append(f"{ki.id}: deepspeed {ki.deepspeed!r} has no upper bound: scope "
+                                "it to the versions it was verified on")
+        except ValueError as e:
+            problems.append(f"{ki.id}: deepspeed: {e}")
+        if ki.kind not in KINDS:
+            problems.append(f"{ki.id}: kind must be one of {', '.join(KINDS)}, found "
+                            f"{ki.kind!r}")
+        if ki.kind == TORCH and not ki.torch:
+            problems.append(f"{ki.id}: a torch incompatibility must name the torch versions "
+                            f"it was seen with (torch='>=2.13')")
+        if ki.torch:
+            try:
+                tspec = versions.specifier(ki.torch)
+                if not any(s.operator in (">", ">=", "==") for s in tspec):
+                    problems.append(f"{ki.id}: torch {ki.torch!r} has no lower bound: name the "
+                                    "first torch it was seen with")
+            except ValueError as e:
+                problems.append(f"{ki.id}: torch: {e}")
+        if ki.fixed_in:
+            fixed = versions.parse(ki.fixed_in)
+            if fixed is None:
+                problems.append(f"{ki.id}: fixed_in {ki.fixed_in!r} is not a version")
+            elif _in_range(fixed, ki.deepspeed):
+                problems.append(f"{ki.id}: fixed_in {ki.fixed_in} lies inside its own range "
+                                f"{ki.deepspeed}: the fix cannot be there")
+        if not ki.link.startswith("https://"):
+            problems.append(f"{ki.id}: link must be an https URL, found {ki.link!r}")
+        if not ki.cases or not all("::" in c for c in ki.cases):
+            problems.append(f"{ki.id}: cases must be FILE::TEST[PARAMS] patterns")
+        if not ki.failure:
+            problems.append(f"{ki.id}: failure must say how the cases fail (a pattern of the "
+                            f"assertion's message): without it no failure counts as the issue")
+        else:
+            try:
+                re.compile(ki.failure)
+            except re.error as e:
+                problems.append(f"{ki.id}: failure {ki.failure!r} is not a regular expression: "
+                                f"{e}")
+    return problems
+
+
+def _in_range(v: versions.Version, spec: str) -> bool:
+    try:
+        return v in versions.specifier(spec)
+    except ValueError:
+        return False  # named by the deepspeed check

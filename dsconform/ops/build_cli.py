@@ -1,0 +1,154 @@
+"""``dsconform build-ops``: build the ops a run needs into the extensions cache ahead of it.
+
+For a node image (a Dockerfile step) or a cache that nodes share: the builds a cold run waits
+for (docs/performance.md#op-builds) happen once, and every later run starts warm. It builds into
+the folder a run loads from (dsconform.ops.cache: TORCH_EXTENSIONS_DIR, else one folder per
+environment under DSCONFORM_CACHE), the same way a run does (dsconform.ops.prebuild), and says
+per op when it starts and how it ended. Exit 0: every op built and loaded; 1: a build failed
+(its diagnosis printed); 2: bad input (an unknown profile or op, --jobs below 1, a stale build
+lock that cannot be proven stale, a GPU profile on a machine where DeepSpeed builds for CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from typing import Any
+
+from dsconform.harness.output import FdCapture
+
+
+def _accelerator_and_ops() -> tuple[str, dict[str, Any]]:
+    """DeepSpeed's accelerator here and its op builders (importing DeepSpeed prints; kept off
+    the console)."""
+    cap = FdCapture(warnings_too=True)
+    with cap.capture():
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+        accel = get_accelerator()._name
+    return accel, dict(ALL_OPS)
+
+
+def _compatible(builder: Any) -> bool:
+    cap = FdCapture(warnings_too=True)
+    try:
+        with cap.capture():
+            return bool(builder.is_compatible(verbose=False))
+    except Exception:  # a probe that raises: not buildable here
+        return False
+
+
+def default_ops(profile_ops: list[str], accel: str, builders: dict[str, Any]) -> list[str]:
+    """What a run of the suites builds here: the profile's promised ops, then those of
+    RUN_OPS[accel] that DeepSpeed calls compatible here (the suites' gates run their tests
+    there, and the run builds them at its start)."""
+    from dsconform.ops.prebuild import RUN_OPS
+
+    ops = list(profile_ops)
+    for op in RUN_OPS.get(accel, ()):
+        if op not in ops and op in builders and _compatible(builders[op]):
+            ops.append(op)
+    return ops
+
+
+def _say(text: str) -> None:
+    print(f"dsconform build-ops: {text}", flush=True)
+
+
+class _Progress:
+    """Prints each build's start and end as the builds report them (from their thread)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __call__(self, op: str, what: str, info: dict[str, Any]) -> None:
+        with self.lock:
+            if what == "start":
+                beside = (f", nice {info['nice']}, beside {', '.join(info['beside'])}"
+                          if info["beside"] else "")
+                _say(f"{op}: building (MAX_JOBS={info['jobs']}{beside})")
+                return
+            secs = info.get("wall_seconds", 0.0)
+            if info.get("loaded"):
+                how = "built" if info.get("built_now") else "already built, loads"
+                _say(f"{op}: {how} in {secs:.1f} s")
+            else:
+                failure = str(info.get("failure") or "no reason given").replace("\n", "\n    ")
+                _say(f"{op}: FAILED after {secs:.1f} s:\n    {failure}")
+
+
+def cmd_build_ops(args: argparse.Namespace) -> int:
+    from dsconform.ops.buildlock import StaleBuildLock, clear_stale
+    from dsconform.ops.cache import ensure_extensions_dir
+    from dsconform.ops.prebuild import ParallelBuilds, available_cores
+
+    def bad(msg: str) -> int:
+        print(f"dsconform build-ops: {msg}", file=sys.stderr)
+        return 2
+
+    if args.jobs is not None and args.jobs < 1:
+        return bad(f"--jobs {args.jobs}: must be at least 1")
+    ext_dir = ensure_extensions_dir()
+    try:
+        for line in clear_stale(ext_dir):
+            _say(line)
+    except StaleBuildLock as e:
+        return bad(str(e))
+    accel, builders = _accelerator_and_ops()
+    how = ""
+    if args.ops:
+        unknown = [op for op in args.ops if op not in builders]
+        if unknown:
+            return bad(f"{', '.join(unknown)}: not an op of DeepSpeed's {accel} accelerator "
+                       f"(its ops: {', '.join(sorted(builders))})")
+        ops = list(dict.fromkeys(args.ops))
+    else:
+        from dsconform.profile.schema import ProfileError
+        from dsconform.profile.select import select_profile
+        try:
+            sel = select_profile(args.profile, named=f"--profile {args.profile}")
+        except (ProfileError, ValueError) as e:
+            problems = getattr(e, "problems", None) or [str(e)]
+            return bad("; ".join(problems))
+        if sel.profile.gpu_count and accel != "cuda":
+            return bad(f"profile {sel.profile.name} is of a GPU node, but DeepSpeed builds for "
+                       f"its {accel} accelerator here (no GPU seen): export DS_ACCELERATOR=cuda "
+                       "and TORCH_CUDA_ARCH_LIST (e.g. 9.0 for H100/H200) to build for the GPUs")
+        ops = default_ops(list(sel.profile.ops), accel, builders)
+        how = f", profile {sel.profile.name}"
+    cores = args.jobs or available_cores()
+    _say(f"{len(ops)} ops ({', '.join(ops) or 'none'}) for DeepSpeed's {accel} accelerator into "
+         f"{ext_dir} ({cores} cores{how})")
+    if not ops:
+        return 0
+    builds = ParallelBuilds.start(ops, cores, on_event=_Progress())
+    try:
+        results = builds.wait_all(timeout_s=args.timeout)
+    finally:
+        builds.close()
+    failed = [op for op, r in results.items() if not (r and r.get("loaded"))]
+    if failed:
+        _say(f"{len(failed)} of {len(ops)} failed: {', '.join(failed)}")
+        return 1
+    _say(f"all {len(ops)} built; a run in this environment finds them in {ext_dir}")
+    return 0
+
+
+def add_cli(sub: Any) -> None:
+    """Register ``dsconform build-ops`` on the CLI's subparsers."""
+    b = sub.add_parser("build-ops", help="build the ops a run needs into the extensions cache "
+                                         "(a node image, a shared cache): exit 0 all built, 1 a "
+                                         "build failed, 2 bad input")
+    b.add_argument("ops", nargs="*", metavar="OP",
+                   help="ops to build (DeepSpeed's names: fused_adam, cpu_adam, async_io, ...); "
+                        "default: the profile's promised ops and the others the suites load on "
+                        "this accelerator")
+    b.add_argument("--profile", default="auto", metavar="NAME|PATH",
+                   help="whose promised ops to build (default auto: this node's, as a run "
+                        "picks it)")
+    b.add_argument("--jobs", type=int, metavar="N",
+                   help="cores to use (MAX_JOBS of each build; default: all of this machine's)")
+    b.add_argument("--timeout", type=float, default=3600, metavar="S",
+                   help="seconds each build may take (default 3600)")
+    b.set_defaults(func=cmd_build_ops)

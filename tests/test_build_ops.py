@@ -1,0 +1,93 @@
+"""`dsconform build-ops`: builds into the cache a run loads from, says per op how it went, exits
+0 / 1 / 2; and its default covers every op the suites load."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsconform.ops.prebuild import RUN_OPS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _build_ops(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dsconform.cli", "build-ops", *args],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--jobs", "0"], "--jobs 0: must be at least 1"),
+    (["no_such_op"], "no_such_op: not an op of DeepSpeed's cpu accelerator"),
+    (["--profile", "no-such-profile"], "no-such-profile"),
+    (["--profile", "h200-x2"], "export DS_ACCELERATOR=cuda"),
+])
+def test_bad_input_exits_2_saying_what_to_fix(args, says):
+    out = _build_ops(*args)
+    assert out.returncode == 2, out
+    assert says in out.stderr, out.stderr
+
+
+def test_ops_in_the_cache_load_and_exit_0():
+    """cpu_adam, which the project's runs built into this environment's cache: loaded, 0."""
+    out = _build_ops("cpu_adam")
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("dsconform build-ops: 1 ops (cpu_adam) for DeepSpeed's cpu "
+                               "accelerator into "), lines
+    assert "dsconform build-ops: cpu_adam: building (MAX_JOBS=" in out.stdout
+    assert "dsconform build-ops: cpu_adam: " in lines[-2] and " in " in lines[-2], lines
+    assert lines[-1].startswith("dsconform build-ops: all 1 built"), lines
+
+
+def test_a_failing_build_exits_1_with_its_diagnosis(tmp_path):
+    """A compiler that fails: cpu_adam cannot build into an empty cache; the diagnosis says so."""
+    out = _build_ops("cpu_adam", env={"TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"),
+                                      "CXX": "/bin/false", "CC": "/bin/false"})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "dsconform build-ops: cpu_adam: FAILED after " in out.stdout, out.stdout
+    assert "op cpu_adam" in out.stdout
+    assert out.stdout.splitlines()[-1] == "dsconform build-ops: 1 of 1 failed: cpu_adam"
+
+
+#: Records each collected test's accelerator and the ops it loads (requires(op=...)).
+_COLLECTOR = '''
+import json, os
+from dsconform.gate.requires import item_ops
+
+
+def pytest_collection_finish(session):
+    rows = []
+    for it in session.items:
+        callspec = getattr(it, "callspec", None)
+        cuda = it.get_closest_marker("gpu") is not None or (
+            callspec is not None and callspec.id.startswith("cuda"))
+        rows.append([it.nodeid, "cuda" if cuda else "cpu", item_ops(it)])
+    with open(os.environ["OPS_OUT"], "w") as f:
+        json.dump(rows, f)
+'''
+
+
+def test_the_default_covers_every_op_the_suites_load(tmp_path):
+    """RUN_OPS (what build-ops builds beside the profile's promises) holds every op a suite's
+    test says it loads, on its accelerator: after build-ops, a run builds nothing."""
+    (tmp_path / "ops_collector.py").write_text(_COLLECTOR)
+    out_file = tmp_path / "ops.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "suites", "--collect-only", "-q", "-m", "",
+         "-p", "ops_collector", "-p", "no:cacheprovider"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OPS_OUT": str(out_file),
+             "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])})
+    assert out_file.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out_file.read_text())
+    assert len(rows) > 1000 and any(ops for _, _, ops in rows)
+    missing = sorted({f"{accel}: {op} ({nodeid})" for nodeid, accel, ops in rows for op in ops
+                      if op not in RUN_OPS[accel]})
+    assert not missing, "\n".join(missing)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -164,13 +165,16 @@ def test_reference_health_counters_per_gpu_and_phase(reference):
 
 
 def test_reference_timestamps_and_versions(reference):
-    assert value(reference, "dsconform_run_start_timestamp_seconds") == 1796167702.0  # +0000
+    doc = json.loads((REFERENCE / "benchmarks.json").read_text())
+    ds, mi = doc["dsconform"], doc["machine_info"]
+    assert value(reference, "dsconform_run_start_timestamp_seconds") == \
+        datetime.strptime(ds["started"], "%Y-%m-%dT%H:%M:%S%z").timestamp()
     assert value(reference, "dsconform_run_end_timestamp_seconds") == \
-        pytest.approx(1796167860.980571)
+        pytest.approx(datetime.fromisoformat(ds["finished"]).timestamp())
     info = [dict(ls) for (n, ls), _ in reference.items() if n == "dsconform_versions_info"]
     assert info == [{"deepspeed": "0.19.8", "torch": "2.11.0", "cuda": "13.0",
                      "nccl": "2.28.9", "driver": "580.159.04", "python": "3.12.3",
-                     "dsconform": ""}]  # the reference run predates machine_info.dsconform
+                     "dsconform": mi["dsconform"]}]
     assert value(reference, "dsconform_run_info", profile="auto-h200-x1",
                  gpu_model="NVIDIA H200") == 1
 

@@ -507,8 +507,8 @@ def _stage_params() -> list:
                 marks = []
                 if (a, b) not in SUPPORTED_STAGE_CHANGES and affected:
                     why = _STAGE0 if 0 in (a, b) else _STAGE3
-                    marks.append(pytest.mark.xfail(
-                        strict=True, raises=StageChangeRefused,
+                    marks.append(pytest.mark.xfail(  # or a known issue that stops it first
+                        strict=True, raises=(StageChangeRefused, KnownIssueFailure),
                         reason=f"DeepSpeed {STAGE_VERIFIED} does not support loading a stage-{a} "
                                f"checkpoint into stage {b}: {why}. If this passes, it does now: "
                                f"add the pair to SUPPORTED_STAGE_CHANGES"))

@@ -283,3 +283,18 @@ def test_an_environment_that_cannot_see_the_suite_is_named(tmp_path, capsys, mon
             "--no-plot", "--suites", str(Path(__file__).resolve().parents[1] / "suites")]
     assert main(args) == 2
     assert "cannot import dsconform" in capsys.readouterr().out
+
+
+def test_the_radar_is_a_command_a_tox_environment_and_documented():
+    import configparser
+    root = Path(__file__).resolve().parents[1]
+    tox = configparser.ConfigParser(interpolation=None)
+    tox.read(root / "tox.ini")
+    commands = tox["testenv:radar"]["commands"]
+    assert "dsconform radar" in commands and "--tier radar" in commands
+    for v in ("0.16.9", "0.17.6", "0.18.9", *(f"0.19.{n}" for n in range(9))):
+        assert v in commands, v
+    assert "`dsconform radar VERSION...`" in (root / "docs" / "options.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["radar", "--help"])
+    assert e.value.code == 0

@@ -9,6 +9,8 @@ a release took away:
   release that added it, the upstream pull request and the release found
   (``Requires: [ZeRO stage 0 bf16 with bf16 gradient accumulation (added in DeepSpeed 0.17.6,
   PR #7515 https://...) (found DeepSpeed 0.16.9)]``); it never crashes on the missing API;
+- a **hazard** (``HAZARDS``) is an API that exists but can hang on some releases: its checks
+  skip there, naming the upstream fix (a hang is no strict xfail: it would cost its timeout);
 - an **adapter** below is an API that exists on every supported release under another name or
   signature: the suite calls the adapter, never the release-specific spelling.
 
@@ -42,6 +44,7 @@ class Addition:
 STAGE0_BF16 = "stage0_bf16"
 AIO_HANDLE = "aio_handle"
 PRECISION_CONFIG = "precision_config"
+AIO_WAIT = "aio_wait"
 ADDITIONS: dict[str, Addition] = {
     # Before it, bf16 without ZeRO was refused unless gradients accumulate in fp32
     # (NotImplementedError "Bfloat16 wrapper must use a gradient accumulation type of fp32,
@@ -51,8 +54,8 @@ ADDITIONS: dict[str, Addition] = {
                           "https://github.com/deepspeedai/DeepSpeed/pull/7515"),
     # DeepSpeed 0.16.9's aio_handle has no get_alignment() (AttributeError, NVME-IO-4), aborted
     # the process on a size NVME-IO-2 draws (SIGABRT) and never returned from one wait() for
-    # eight outstanding writes (NVME-IO-3 killed at its 900 s timeout); 0.17.6 passes all three
-    # (results/reference/radar/cpu). The integrity round trip (NVME-IO-1) runs on 0.16.9 too.
+    # eight outstanding writes (NVME-IO-3 killed at its 900 s timeout); 0.18.9 and later pass
+    # all three (0.17.6: the hazard below). The integrity round trip (NVME-IO-1) runs on 0.16.9.
     AIO_HANDLE: Addition("DeepNVMe's reworked aio handle (get_alignment(), any aligned size, "
                          "several operations outstanding at one wait())", "0.17.1",
                          "https://github.com/deepspeedai/DeepSpeed/pull/7215"),
@@ -67,6 +70,33 @@ ADDITIONS: dict[str, Addition] = {
 }
 
 
+@dataclass(frozen=True)
+class Hazard:
+    """Releases on which an API the suite uses exists but can hang: its checks skip there,
+    naming the fix, instead of waiting out their timeouts (a hang is no strict xfail)."""
+    what: str
+    deepspeed: str  # the releases that have it, as a specifier
+    link: str
+    fixed_in: str
+
+    @property
+    def text(self) -> str:
+        number = self.link.rstrip("/").rsplit("/", 1)[-1]
+        return (f"{self.what} (DeepSpeed {self.deepspeed}; PR #{number} {self.link}, fixed in "
+                f"{self.fixed_in})")
+
+
+HAZARDS: dict[str, Hazard] = {
+    # 0.17.6 (2 cores, torch 2.13): a 64 MiB async_io round trip and a DeepNVMe rank of the
+    # radar stayed in aio_handle.wait() until their 900 s timeouts; 0.16.9, 0.18.9 and 0.19.0
+    # finished the same round trip in under 35 s. #7727 releases the GIL in wait(); the range
+    # starts at the reworked handle (#7215, 0.17.1).
+    AIO_WAIT: Hazard("aio_handle.wait() can deadlock holding the Python GIL",
+                       ">=0.17.1,<0.18.4", "https://github.com/deepspeedai/DeepSpeed/pull/7727",
+                       "0.18.4"),
+}
+
+
 def installed_deepspeed() -> str | None:
     """The installed DeepSpeed's version, from its metadata; None without DeepSpeed."""
     try:
@@ -78,6 +108,8 @@ def installed_deepspeed() -> str | None:
 def missing(name: str, deepspeed_version: str | None = None) -> Addition | None:
     """The addition ``name`` when the DeepSpeed given (default: the installed one) predates it,
     else None. KeyError for a name not in ``ADDITIONS``."""
+    if name in HAZARDS and name not in ADDITIONS:
+        return None  # present everywhere; some releases hang (skip_reason)
     add = ADDITIONS[name]
     found = versions.parse(deepspeed_version or installed_deepspeed())
     if found is not None and found >= versions.Version(add.added_in):
@@ -86,12 +118,17 @@ def missing(name: str, deepspeed_version: str | None = None) -> Addition | None:
 
 
 def skip_reason(name: str, deepspeed_version: str | None = None) -> str | None:
-    """``Requires: [FEATURE (added in ...) (found DeepSpeed X)]`` when it is missing."""
-    add = missing(name, deepspeed_version)
-    if add is None:
-        return None
+    """``Requires: [FEATURE (added in ...) (found DeepSpeed X)]`` when it is missing, or
+    ``Skipped: HAZARD ... (found DeepSpeed X)`` on a release where it can hang."""
     found = deepspeed_version or installed_deepspeed() or "none"
-    return f"Requires: [{add.text} (found DeepSpeed {found})]"
+    add = missing(name, deepspeed_version)
+    if add is not None:
+        return f"Requires: [{add.text} (found DeepSpeed {found})]"
+    hazard = HAZARDS.get(name)
+    v = versions.parse(found)
+    if hazard is not None and v is not None and v in versions.specifier(hazard.deepspeed):
+        return f"Skipped: {hazard.text} (found DeepSpeed {found})"
+    return None
 
 
 def require(name: str, deepspeed_version: str | None = None) -> None:
@@ -143,6 +180,14 @@ class DefaultChange:
 DEFAULT_HISTORY: tuple[DefaultChange, ...] = (
     DefaultChange("fp16.stage0.scale_factor", MISSING, "0.18.6",
                   "the stage-0 loss-scale profiles (PR #7839) arrive in 0.18.6"),
+    # GRADIENT_CLIPPING_DEFAULT = 0. in runtime/constants.py up to 0.19.2, 1.0 from 0.19.3
+    DefaultChange("gradient_clipping", 0.0, "0.19.3", "clipping on by default from 0.19.3"),
+    DefaultChange("constants.GRADIENT_CLIPPING_DEFAULT", 0.0, "0.19.3",
+                  "clipping on by default from 0.19.3"),
+    DefaultChange("bf16.check_grad_overflow", False, "0.19.3",
+                  "bf16 checks for overflows by default from 0.19.3 (PR #8035)"),
+    DefaultChange("zero.allgather_sequential", MISSING, "0.18.5",
+                  "ZeRO-3's sequential all-gather option arrives in 0.18.5 (PR #7661)"),
 )
 
 

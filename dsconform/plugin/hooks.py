@@ -503,7 +503,7 @@ def pytest_runtest_call(item: pytest.Item):
     recorded first, then the test fails naming each one beyond its floor or ceiling."""
     try:
         result = yield
-    except AssertionError as exc:
+    except (AssertionError, BaseExceptionGroup) as exc:  # a group: hypothesis' flaky report
         issues = item.stash.get(COVERED_BY, None)
         if issues:
             failure = known_issues.expected_failure(issues, exc)

@@ -51,8 +51,11 @@ class NvmeIOError(AssertionError):
 def open_handle(settings: AioSettings, kind: str = "aio") -> Any:
     """A DeepSpeed aio_handle (op async_io) or gds_handle (op gds) built with ``settings``.
 
-    Raises dsconform.ops.load.OpUnavailable when the op does not build or load."""
+    Raises dsconform.ops.load.OpUnavailable when the op does not build or load; skips on a
+    release whose handle is missing or can hang (dsconform/gate/compat.py)."""
     from dsconform.ops.load import require_op
+    if kind == "aio":
+        compat.require(compat.AIO_WAIT)
     if kind not in ("aio", "gds"):
         raise ValueError(f"kind must be 'aio' or 'gds', not {kind!r}")
     module = require_op("gds" if kind == "gds" else "async_io").module

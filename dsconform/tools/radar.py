@@ -53,8 +53,12 @@ GPU_TIER = ("-m", "gpu")
 #: DeepNVMe size and getter properties start a rank per example, and an older release's handle
 #: that hangs is started again for every example hypothesis shrinks). The deterministic checks
 #: of the same things stay (LOSS-SCALE-1's _on_sequence cells, NVME-IO-1 and NVME-IO-3).
+#: And the ops suite's check of the profile's promised ops: DeepNVMe's and the ZeRO suite's
+#: cells load them already, and on 0.17.6 its 64 MiB async_io round trip hangs in
+#: aio_handle.wait() (DeepSpeed #7727, fixed in 0.18.4) until its 900 s timeout: a hang is no
+#: strict xfail (docs/known-issues.md). The ops capability keeps its two ds_report tests.
 RADAR_LEAVES_OUT = ("test_scaler_follows_model", "test_aio_offsets_and_sizes",
-                    "test_aio_handle_getters")
+                    "test_aio_handle_getters", "test_promised_op")
 #: Cells whose parameters name an op that compiles on first use in each release (cpu_adam's
 #: -O3 AVX-512 build: minutes; fused_adam, which the CPU accelerator JIT-builds too: about 100 s
 #: on the 2-core CPU machine): the radar tier takes their test's other cells.

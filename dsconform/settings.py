@@ -78,6 +78,11 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
     Setting("DSCONFORM_CACHE", "",
             "the suite's cache directory (JIT-built ops, keyed by torch/DeepSpeed/Python "
             "versions); empty: ~/.cache/dsconform"),
+    Setting("DSCONFORM_PYCACHE", "1",
+            "1: where PYTHONDONTWRITEBYTECODE is set, the suite's processes keep compiled "
+            "Python in DSCONFORM_CACHE/pycache (PYTHONPYCACHEPREFIX) instead of compiling "
+            "torch and DeepSpeed anew in every rank; 0: leave the environment as it is",
+            _switch, "0 or 1"),
     Setting("DSCONFORM_HYPOTHESIS_DIR", "",
             "where hypothesis keeps its example database (empty: .hypothesis in the working "
             "directory)"),
@@ -94,8 +99,9 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "0: standby and lane ranks do not build a tiny engine before they report ready",
             _switch, "0 or 1"),
     Setting("DSCONFORM_LANES", "auto",
-            "pools per world size that cell batches spread over: auto (3 on cuda machines "
-            "with at least 16 cores, else 1) or a number", _lower, "auto or a number"),
+            "pools per world size that cell batches spread over: auto (on cuda machines "
+            "with at least 16 cores 3, or 9 with one GPU; else 1) or a number", _lower,
+            "auto or a number"),
     Setting("DSCONFORM_PORT_BASE", "",
             "first rendezvous port of xdist worker 0; each worker takes its own range of 100 "
             "(empty: 29500)", _optional_int, "an integer port"),

@@ -40,7 +40,13 @@ def _call(fn, ws: int = 2, *args, timeout_s: float = TIMEOUT_S) -> RankCall:
 def test_auto_lanes_only_on_big_cuda_machines(monkeypatch):
     monkeypatch.setattr(harness_lanes, "LANES", "auto")
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    monkeypatch.setattr(harness_lanes, "my_gpus", lambda: (0, 1, ["0", "1"], ["0", "1"]))
     assert harness_lanes.lanes_for("cuda") == harness_lanes.LANES_AUTO
+    monkeypatch.setattr(harness_lanes, "my_gpus", lambda: (0, 1, ["0"], ["0"]))
+    assert harness_lanes.lanes_for("cuda") == harness_lanes.LANES_ONE_GPU  # one-rank lanes only
+    monkeypatch.setattr(harness_lanes, "check_accelerator", lambda a=None: a or "cuda")
+    assert harness_lanes._lane_threads() == 32 // harness_lanes.LANES_ONE_GPU
+    monkeypatch.setattr(harness_lanes, "check_accelerator", lambda a=None: a or "cpu")
     assert harness_lanes.lanes_for("cpu") == 1
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert harness_lanes.lanes_for("cuda") == 1

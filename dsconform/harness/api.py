@@ -55,6 +55,7 @@ from dsconform.harness.pool import (
     replies_healthy,
     send_and_collect,
     start_pool,
+    startup_phases,
     startup_stats,
 )
 from dsconform.harness.rank import all_agree, device, gather, rank, seed_everything, world
@@ -74,7 +75,8 @@ __all__ = [
     "InsufficientGPUs", "RankError", "RankTimeout", "WorldSizeMismatch",
     "all_agree", "device", "external_rendezvous", "free_port", "gather", "gpu_slice",
     "gpus_per_worker", "hold_spares", "port_range", "rank", "run_ranks", "seed_everything",
-    "settle_spares", "shutdown_pools", "spares_enabled", "start_spares", "startup_stats",
+    "settle_spares", "shutdown_pools", "spares_enabled", "start_spares",
+    "startup_phases", "startup_stats",
     "visible_gpus", "worker_gpus", "world", "xdist_worker",
 ]
 

@@ -72,6 +72,12 @@ LANES_AUTO = 3
 LANES_MIN_CORES = 16
 
 
+#: Lanes on a worker with one GPU, where only one-rank lanes run: the 9 ranks that 3 lanes of
+#: one- and two-rank calls hold on a two-GPU node. 1xH200, warm acceptance tier: 81 s with 3
+#: lanes, 75 s with 6, 69 s with 9 (results/reference/h200-x1/ds-0.19.8/speed/lanes.txt).
+LANES_ONE_GPU = 9
+
+
 @dataclass(frozen=True)
 class RankCall:
     """One run_ranks call, to be run with others by run_concurrently. fresh: run it on new
@@ -110,7 +116,7 @@ def lanes_for(accelerator: str | None = None) -> int:
             raise ValueError(f"DSCONFORM_LANES must be 'auto' or a number, got {LANES!r}") from None
     if check_accelerator(accelerator) != "cuda" or (os.cpu_count() or 1) < LANES_MIN_CORES:
         return 1
-    return LANES_AUTO
+    return LANES_ONE_GPU if len(my_gpus()[3]) == 1 else LANES_AUTO
 
 
 def _lane_keys(world_size: int, accelerator: str, count: int) -> list[tuple]:
@@ -125,8 +131,11 @@ def _lane_keys(world_size: int, accelerator: str, count: int) -> list[tuple]:
 
 def _lane_threads() -> int:
     """CPU threads per lane rank: the cores shared by every lane of one- and two-rank calls
-    (9 ranks with 3 lanes), so CPU Adam in several lanes at once does not oversubscribe them."""
-    return max(1, (os.cpu_count() or 1) // (3 * lanes_for()))
+    (9 ranks with 3 lanes; 9 one-rank lanes on one GPU), so CPU Adam in several lanes at once
+    does not oversubscribe them."""
+    lanes = lanes_for()
+    ranks = lanes if lanes == LANES_ONE_GPU and len(my_gpus()[3]) == 1 else 3 * lanes
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 def _new_lane(key: tuple, pg_timeout_s: float, fresh: bool = False) -> Pool:

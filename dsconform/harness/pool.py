@@ -16,6 +16,7 @@ import os
 import pickle
 import shutil
 import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -27,7 +28,7 @@ from multiprocessing.connection import wait as _wait_any
 from dsconform import settings
 from dsconform.harness import output
 from dsconform.harness.errors import RankError, RankTimeout, describe, fn_name, rank_error
-from dsconform.harness.rank import RANK_OWNED_ENV, STACK_DUMP_SIGNAL, rank_main
+from dsconform.harness.rank import RANK_OWNED_ENV, SPAWNED_AT_ENV, STACK_DUMP_SIGNAL, rank_main
 from dsconform.harness.xdist import (
     InsufficientGPUs,
     free_port,
@@ -124,7 +125,8 @@ class Pool:
             base_env["OMP_NUM_THREADS"] = str(threads)
         try:
             for index in range(world_size):
-                env = dict(base_env, RANK=str(index), LOCAL_RANK=str(index))
+                env = dict(base_env, RANK=str(index), LOCAL_RANK=str(index),
+                           **{SPAWNED_AT_ENV: repr(time.time())})
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
                     target=rank_main, name=f"dsconform-rank{index}",
@@ -437,16 +439,42 @@ def await_start(pool: Pool) -> Pool:
     if pool.ready:
         return pool
     try:
-        pool.collect(pool.started + STARTUP_TIMEOUT_S,
+        replies = pool.collect(pool.started + STARTUP_TIMEOUT_S,
                      "while starting (import deepspeed, init_distributed)",
                      f"STARTUP_TIMEOUT_S={STARTUP_TIMEOUT_S:g} s "
                      "(env DSCONFORM_STARTUP_TIMEOUT_S)")
     except BaseException:
         pool.kill()
         raise
+    else:
+        record_startup(replies)
     pool.ready = True
     pool.drain()
     return pool
+
+
+#: Per rank start-up: the seconds each phase took (dsconform.harness.rank.rank_main: "python"
+#: from the spawn to the rank's code, "import torch", "import deepspeed", "CUDA",
+#: "init_distributed", "warm-up"); startup_phases() sums them up for the summary.
+STARTUP_PHASES: list[dict[str, float]] = []
+_PHASES_LOCK = threading.Lock()
+
+
+def record_startup(replies: list) -> None:
+    with _PHASES_LOCK:
+        STARTUP_PHASES.extend(r[2] for r in replies
+                              if isinstance(r, tuple) and len(r) > 2 and isinstance(r[2], dict))
+
+
+def startup_phases() -> tuple[int, dict[str, float]]:
+    """How many ranks started in this process, and each start-up phase's median seconds over
+    the ranks that had it, in the order of a start-up."""
+    with _PHASES_LOCK:
+        phases = list(STARTUP_PHASES)
+    order: list[str] = []
+    for ph in phases:
+        order += [k for k in ph if k not in order]
+    return len(phases), {k: statistics.median(ph[k] for ph in phases if k in ph) for k in order}
 
 
 def start_pool(world_size: int, accelerator: str, gpus: tuple[str, ...],

@@ -25,9 +25,12 @@ if TYPE_CHECKING:
 
     import torch
 
+#: Set by the parent in a rank's environment: when it spawned the rank (time.time()).
+SPAWNED_AT_ENV = "DSC_RANK_SPAWNED_AT"  # the harness's own, not a setting
 #: Variables the harness sets per rank; the parent's environment never overrides them.
-RANK_OWNED_ENV = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "LOCAL_WORLD_SIZE",
-                            "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR", "CUDA_VISIBLE_DEVICES"})
+RANK_OWNED_ENV = frozenset({SPAWNED_AT_ENV, "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE",
+                            "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR",
+                            "CUDA_VISIBLE_DEVICES"})
 #: The signal the parent sends to make a hung rank write its Python stacks.
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 
@@ -302,12 +305,17 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
     faulthandler.register(STACK_DUMP_SIGNAL, file=stack_file, all_threads=True, chain=False)
     _exit_when_orphaned(parent_pid)
 
+    # When each start-up phase ended (time.time(): the parent's spawn time is on the same
+    # clock); the "ready" reply carries them (dsconform.harness.pool.STARTUP_PHASES).
+    marks = [("spawn", float(env.get(SPAWNED_AT_ENV) or time.time())), ("python", time.time())]
     try:
-        import deepspeed  # imported once per rank process: ~1.2 s that pooled calls do not repay
         import torch
+        marks.append(("import torch", time.time()))
+        import deepspeed  # imported once per rank process: ~1.2 s that pooled calls do not repay
         from deepspeed.accelerator import get_accelerator
 
         chosen = get_accelerator().device_name()
+        marks.append(("import deepspeed", time.time()))
         if chosen != accelerator:
             raise RuntimeError(
                 f"deepspeed picked accelerator {chosen!r} in this rank, not {accelerator!r}: "
@@ -317,12 +325,16 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
                 "`if __name__ == '__main__':` there")
         if accelerator == "cuda":
             torch.cuda.set_device(rank_index)
+            torch.cuda.init()
+            marks.append(("CUDA", time.time()))
         deepspeed.init_distributed(dist_backend="nccl" if accelerator == "cuda" else "gloo",
                                    timeout=timedelta(seconds=pg_timeout_s), verbose=False)
+        marks.append(("init_distributed", time.time()))
         _accelerator = accelerator
         if warm:
             warm_up()
             _warmed_up = True
+            marks.append(("warm-up", time.time()))
         # torch and deepspeed leave ~200k long-lived objects; freezing them keeps the full
         # gc.collect() after each call at milliseconds instead of ~0.1 s.
         gc.collect()
@@ -330,7 +342,8 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         for stream in (sys.stdout, sys.stderr):  # the parent reads the start-up's output next
             stream.flush()
         _flush_native()
-        _reply(conn, ("ready", os.getpid()))
+        phases = {name: round(t - marks[i - 1][1], 3) for i, (name, t) in enumerate(marks) if i}
+        _reply(conn, ("ready", os.getpid(), phases))
     except BaseException as exc:  # the parent must hear why startup failed
         try:
             _reply(conn, _error_outcome(exc))

@@ -80,7 +80,7 @@ class _Progress:
 
 def cmd_build_ops(args: argparse.Namespace) -> int:
     from dsconform.ops.buildlock import StaleBuildLock, clear_stale
-    from dsconform.ops.cache import ensure_extensions_dir
+    from dsconform.ops.cache import enable_bytecode_cache, ensure_extensions_dir
     from dsconform.ops.prebuild import ParallelBuilds, available_cores
 
     def bad(msg: str) -> int:
@@ -90,6 +90,7 @@ def cmd_build_ops(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         return bad(f"--jobs {args.jobs}: must be at least 1")
     ext_dir = ensure_extensions_dir()
+    enable_bytecode_cache()  # the build processes' imports fill it for the runs after
     try:
         for line in clear_stale(ext_dir):
             _say(line)

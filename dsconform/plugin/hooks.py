@@ -101,6 +101,9 @@ def _is_xdist_worker(config: pytest.Config) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before junitxml's configure reads xmlpath
 def pytest_configure(config: pytest.Config) -> None:
+    # Before anything imports torch's lazy modules or starts a rank (dsconform.ops.cache).
+    from dsconform.ops.cache import enable_bytecode_cache
+    enable_bytecode_cache()
     for name, text in _MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     # --collect-only runs no test: writing results would replace the last real run's with an

@@ -207,6 +207,12 @@ class Recorder:
             terminalreporter.write_line(
                 f"lane start-ups: {stats['lanes']}, {stats['lane_waited_s']:.1f} s waited for "
                 f"them (summed over lanes); {stats['lane_calls']} calls ran on lanes")
+        if dist is not None:
+            ranks, phases = dist.startup_phases()
+            if ranks:
+                terminalreporter.write_line(
+                    f"rank start-up, median of {ranks} ranks: "
+                    + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
         if "dsconform.plugin.batch" in sys.modules:
             for b in sys.modules["dsconform.plugin.batch"].batch_stats(config):
                 wait = b["longest_wait"]

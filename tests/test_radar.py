@@ -298,3 +298,17 @@ def test_the_radar_is_a_command_a_tox_environment_and_documented():
     with pytest.raises(SystemExit) as e:
         main(["radar", "--help"])
     assert e.value.code == 0
+
+
+def test_finished_runs_are_named_by_what_they_ran_on(tmp_path):
+    """A radar of --from-results folders only runs nothing here: its tier line names the runs'
+    node and profile, never this machine's tier."""
+    from dsconform.tools.radar import Release, finished_runs_words
+    ref = Path(__file__).resolve().parents[1] / "results" / "reference" / "h200-x1"
+    words = finished_runs_words([Release("0.19.6", ref / "ds-0.19.6"),
+                                 Release("0.19.8", ref / "ds-0.19.8")])
+    assert words == ("the finished runs given with --from-results (1x NVIDIA H200, profile "
+                     "auto-h200-x1)")
+    assert "CPU tier" not in words
+    assert finished_runs_words([Release("0.19.6", tmp_path)]) == \
+        "the finished runs given with --from-results"

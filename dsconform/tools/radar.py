@@ -409,12 +409,32 @@ def run_release(release: Release, *, index: int, total: int, args: argparse.Name
     return out
 
 
+def finished_runs_words(every: Sequence[Release]) -> str:
+    """What runs given by --from-results were, in words, from their summary.json: the node
+    (its GPUs, or no GPU) and the profile, each distinct one named."""
+    seen: list[str] = []
+    for r in every:
+        try:
+            summary = json.loads((Path(r.results) / "summary.json").read_text())
+        except (OSError, ValueError, TypeError):
+            continue
+        gpus = [g.get("name", "?") for g in (summary.get("node") or {}).get("gpus") or []]
+        where = (f"{len(gpus)}x {', '.join(sorted(set(gpus)))}" if gpus else "no GPU")
+        text = f"{where}, profile {(summary.get('profile') or {}).get('name', '?')}"
+        if text not in seen:
+            seen.append(text)
+    return ("the finished runs given with --from-results"
+            + (f" ({'; '.join(seen)})" if seen else ""))
+
+
 def main(args: argparse.Namespace, report: Callable[..., int]) -> int:
     """``dsconform radar``: every release's run, then ``report`` (the timeline and verdict)."""
     try:
         every = releases(args.versions, args.from_results, args.venv)
         tier, words = tier_args(args.tier, args.pytest_args)
         need_runs = any(r.results is None for r in every)
+        if not need_runs:  # nothing runs here: the tier is whatever those runs were
+            words = finished_runs_words(every)
         suites = suites_dir(args.suites) if need_runs else Path(".")
     except RadarError as e:
         print(f"dsconform radar: {e}", file=sys.stderr)

@@ -248,14 +248,18 @@ def test_a_flaky_report_of_a_race_is_its_xfail_and_other_groups_stay():
 
 
 def test_a_release_whose_api_can_hang_skips_naming_the_fix(monkeypatch):
-    """0.17.6's aio_handle.wait() can deadlock (DeepSpeed #7727, fixed in 0.18.4): DeepNVMe's
-    I/O there skips instead of waiting out a 900 s timeout; 0.16.9's older handle does not."""
+    """0.17.6's aio_handle.wait() (DeepSpeed #7727, fixed in 0.18.4) and 0.19.0's blocking aio
+    bindings (#8196, fixed in 0.19.4) can deadlock: DeepNVMe's I/O there skips instead of
+    waiting out a 900 s timeout; 0.16.9's older handle and 0.19.4 on do not."""
     assert compat.skip_reason(compat.AIO_WAIT, "0.16.9") is None
-    assert compat.skip_reason(compat.AIO_WAIT, "0.18.4") is None
-    reason = compat.skip_reason(compat.AIO_WAIT, "0.17.6")
-    assert reason.startswith("Skipped: aio_handle.wait() can deadlock") and "0.18.4" in reason
+    assert compat.skip_reason(compat.AIO_WAIT, "0.19.4") is None
+    assert compat.skip_reason(compat.AIO_WAIT, "0.19.8") is None
+    for v in ("0.17.6", "0.18.9", "0.19.0", "0.19.3"):
+        reason = compat.skip_reason(compat.AIO_WAIT, v)
+        assert reason.startswith("Skipped: aio_handle.wait() and the blocking aio bindings can "
+                                 "deadlock") and "fixed in 0.19.4" in reason, v
     from dsconform.storage import io as nvme_io
     from dsconform.storage.nvme import AioSettings
-    monkeypatch.setattr(compat, "installed_deepspeed", lambda: "0.17.6")
-    with pytest.raises(pytest.skip.Exception, match="PR #7727"):
+    monkeypatch.setattr(compat, "installed_deepspeed", lambda: "0.19.0")
+    with pytest.raises(pytest.skip.Exception, match="PR #8196"):
         nvme_io.open_handle(AioSettings())

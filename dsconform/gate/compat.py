@@ -54,8 +54,9 @@ ADDITIONS: dict[str, Addition] = {
                           "https://github.com/deepspeedai/DeepSpeed/pull/7515"),
     # DeepSpeed 0.16.9's aio_handle has no get_alignment() (AttributeError, NVME-IO-4), aborted
     # the process on a size NVME-IO-2 draws (SIGABRT) and never returned from one wait() for
-    # eight outstanding writes (NVME-IO-3 killed at its 900 s timeout); 0.18.9 and later pass
-    # all three (0.17.6: the hazard below). The integrity round trip (NVME-IO-1) runs on 0.16.9.
+    # eight outstanding writes (NVME-IO-3 killed at its 900 s timeout); 0.18.9 passed all three
+    # (0.17.1-0.19.3 can deadlock: the hazard below). The integrity round trip (NVME-IO-1)
+    # runs on 0.16.9.
     AIO_HANDLE: Addition("DeepNVMe's reworked aio handle (get_alignment(), any aligned size, "
                          "several operations outstanding at one wait())", "0.17.1",
                          "https://github.com/deepspeedai/DeepSpeed/pull/7215"),
@@ -88,12 +89,17 @@ class Hazard:
 
 HAZARDS: dict[str, Hazard] = {
     # 0.17.6 (2 cores, torch 2.13): a 64 MiB async_io round trip and a DeepNVMe rank of the
-    # radar stayed in aio_handle.wait() until their 900 s timeouts; 0.16.9, 0.18.9 and 0.19.0
-    # finished the same round trip in under 35 s. #7727 releases the GIL in wait(); the range
-    # starts at the reworked handle (#7215, 0.17.1).
-    AIO_WAIT: Hazard("aio_handle.wait() can deadlock holding the Python GIL",
-                       ">=0.17.1,<0.18.4", "https://github.com/deepspeedai/DeepSpeed/pull/7727",
-                       "0.18.4"),
+    # radar stayed in aio_handle.wait() until their 900 s timeouts; #7727 releases the GIL in
+    # wait() (0.18.4). 0.19.0, whose aio sources equal 0.18.9's: NVME-IO-3 (eight writes, one
+    # wait, then the blocking reads that check them) hung in one radar run where 0.18.9 passed
+    # in 0.3 s: the blocking bindings (pread, pwrite, sync_pread, sync_pwrite) still call the
+    # handle's wait() holding the GIL, which an I/O thread may need; #8196 releases it there,
+    # with a lock around the handle's queue (0.19.4). The range starts at the reworked handle
+    # (#7215, 0.17.1).
+    AIO_WAIT: Hazard("aio_handle.wait() and the blocking aio bindings can deadlock holding the "
+                     "Python GIL (wait() fixed in 0.18.4 by PR #7727)",
+                     ">=0.17.1,<0.19.4", "https://github.com/deepspeedai/DeepSpeed/pull/8196",
+                     "0.19.4"),
 }
 
 

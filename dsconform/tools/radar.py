@@ -55,8 +55,9 @@ GPU_TIER = ("-m", "gpu")
 #: of the same things stay (LOSS-SCALE-1's _on_sequence cells, NVME-IO-1 and NVME-IO-3).
 #: And the ops suite's check of the profile's promised ops: DeepNVMe's and the ZeRO suite's
 #: cells load them already, and on 0.17.6 its 64 MiB async_io round trip hangs in
-#: aio_handle.wait() (DeepSpeed #7727, fixed in 0.18.4) until its 900 s timeout: a hang is no
-#: strict xfail (docs/known-issues.md). The ops capability keeps its two ds_report tests.
+#: aio_handle.wait() (DeepSpeed #7727, fixed in 0.18.4; #8196 in 0.19.4) until its 900 s
+#: timeout: a hang is no strict xfail (docs/known-issues.md). The ops capability keeps its
+#: two ds_report tests.
 RADAR_LEAVES_OUT = ("test_scaler_follows_model", "test_aio_offsets_and_sizes",
                     "test_aio_handle_getters", "test_promised_op")
 #: Cells whose parameters name an op that compiles on first use in each release (cpu_adam's

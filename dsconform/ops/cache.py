@@ -70,10 +70,14 @@ def _install_tag(dist: str) -> str:
     return hashlib.sha256(where.encode()).hexdigest()[:8]
 
 
+def cache_root() -> Path:
+    """$DSCONFORM_CACHE, default ~/.cache/dsconform."""
+    return Path(settings.get("DSCONFORM_CACHE") or Path.home() / ".cache" / "dsconform")
+
+
 def extensions_dir() -> Path:
     """$DSCONFORM_CACHE (default ~/.cache/dsconform)/torch_extensions/<environment_key()>."""
-    root = settings.get("DSCONFORM_CACHE") or Path.home() / ".cache" / "dsconform"
-    return Path(root) / "torch_extensions" / environment_key()
+    return cache_root() / "torch_extensions" / environment_key()
 
 
 def ensure_extensions_dir() -> Path:
@@ -89,8 +93,7 @@ def ensure_extensions_dir() -> Path:
 def bytecode_dir() -> Path:
     """$DSCONFORM_CACHE (default ~/.cache/dsconform)/pycache: compiled Python of the suite's
     processes where the environment forbids writing it beside the sources."""
-    root = settings.get("DSCONFORM_CACHE") or Path.home() / ".cache" / "dsconform"
-    return Path(root) / "pycache"
+    return cache_root() / "pycache"
 
 
 def enable_bytecode_cache(env: dict[str, str] | None = None) -> Path | None:

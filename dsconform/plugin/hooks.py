@@ -44,7 +44,7 @@ _register_hypothesis_profiles()
 
 PROMISE_MODULE = "test_profile.py"
 
-#: Where this session's rank output goes (dsconform.harness.output): --results/ranks.log.
+#: Where a pytest run's rank output goes (dsconform.harness.output): --results/ranks.log.
 RANK_LOG = pytest.StashKey[object]()
 RANK_LOG_NAME = "ranks.log"
 
@@ -200,7 +200,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _owns_process(config: pytest.Config) -> bool:
-    """Whether this session is the one the process runs for (not a pytester run inside
+    """Whether this pytest run is the one the process runs for (not a pytester run inside
     another, not an xdist worker): the process ends with it."""
     return not _is_xdist_worker(config) and \
         tuple(map(str, config.invocation_params.args)) == tuple(sys.argv[1:])

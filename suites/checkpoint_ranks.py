@@ -523,6 +523,20 @@ def load_tag(case: CkptCase, ckpt_dir: str, tag: str) -> dict[str, Any]:
         _destroy(b)
 
 
+def refusal_at_one_rank(case: CkptCase, ckpt_dir: str, tag: str) -> dict[str, Any]:
+    """load_tag on a single rank, with the refusal returned instead of raised: no peer waits
+    for this rank, and the engine is destroyed either way, so its pool serves the next call
+    (a raised error stops the ranks, and new ones cost a CUDA context and DeepSpeed's warm-up,
+    about 8 s on a GPU node). ``{"refused": the error}``, or load_tag's result."""
+    if case.world_size != 1:
+        raise ValueError(f"refusal_at_one_rank runs on one rank, not {case.world_size}: on more, "
+                         "a refusing rank's peers may wait in a collective; use load_tag")
+    try:
+        return load_tag(case, ckpt_dir, tag)
+    except CheckpointRefused as e:
+        return {"refused": str(e)}
+
+
 def measure_saves(case: CkptCase, ckpt_dir: str, rounds: int) -> dict[str, Any]:
     """Save ``rounds`` checkpoints (tags r0, r1, ...) of one trained engine. A round's time runs
     from the call to save_checkpoint until every file of the tag is fsynced on every rank (the

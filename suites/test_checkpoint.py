@@ -607,14 +607,22 @@ def _corrupt_params() -> list:
 def expect_refusal(case: CkptCase, d: str, tag: str, accelerator: str, what: str, *,
                    load=ranks.load_tag) -> str:
     """Load ``tag`` (with the rank function ``load``); the load MUST fail with an error on some
-    rank. Returns that error."""
-    try:
-        results = run_ranks(load, case.world_size, args=(case, d, tag),
-                            accelerator=accelerator, timeout_s=TIMEOUT_S)
-    except RankError as e:
-        if e.exc_type != ranks.CheckpointRefused.__name__:
-            raise
-        return str(e).splitlines()[0]
+    rank. Returns that error. On one rank (``load`` being load_tag) the refusal comes back as
+    a result, and the rank stays for the next call."""
+    if case.world_size == 1 and load is ranks.load_tag:
+        (result,) = run_ranks(ranks.refusal_at_one_rank, 1, args=(case, d, tag),
+                              accelerator=accelerator, timeout_s=TIMEOUT_S)
+        if "refused" in result:
+            return f"rank 0 of 1 raised CheckpointRefused: {result['refused'].splitlines()[0]}"
+        results = [result]
+    else:
+        try:
+            results = run_ranks(load, case.world_size, args=(case, d, tag),
+                                accelerator=accelerator, timeout_s=TIMEOUT_S)
+        except RankError as e:
+            if e.exc_type != ranks.CheckpointRefused.__name__:
+                raise
+            return str(e).splitlines()[0]
     raise AssertionError(f"{what}: DeepSpeed loaded it without an error: load_checkpoint returned "
                          f"{[r['load_path'] for r in results]}")
 

@@ -137,7 +137,9 @@ class Recorder:
             self.gpu_tests.add(report.nodeid)
             if outcome != "skipped":
                 self.gpu_tests_ran += 1
-        self._journal({"outcome": asdict(o)})
+        # When the phase that decided it ran (epoch seconds): where a run's time went.
+        self._journal({"outcome": asdict(o), "start": round(report.start, 3),
+                       "stop": round(report.stop, 3)})
 
     def _journal(self, entry: dict) -> None:
         """Append to records.jsonl as each test ends: if the run dies (a native crash, a kill at

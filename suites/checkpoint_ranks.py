@@ -523,18 +523,46 @@ def load_tag(case: CkptCase, ckpt_dir: str, tag: str) -> dict[str, Any]:
         _destroy(b)
 
 
-def refusal_at_one_rank(case: CkptCase, ckpt_dir: str, tag: str) -> dict[str, Any]:
-    """load_tag on a single rank, with the refusal returned instead of raised: no peer waits
-    for this rank, and the engine is destroyed either way, so its pool serves the next call
-    (a raised error stops the ranks, and new ones cost a CUDA context and DeepSpeed's warm-up,
-    about 8 s on a GPU node). ``{"refused": the error}``, or load_tag's result."""
+DAMAGE = ("truncated", "missing_rank_file", "wrong_tag")
+
+
+def damage(ckpt: Path, kind: str) -> tuple[str, str]:
+    """Damage the checkpoint saved under tag "bad"; returns (the tag to load, what was done)."""
+    if kind == "wrong_tag":
+        return "no-such-tag", "load_checkpoint(tag='no-such-tag')"
+    shards = sorted((ckpt / "bad").glob("*zero_pp_rank_1_*optim_states.pt"))
+    if not shards:
+        raise AssertionError(f"no rank-1 optimizer shard under {ckpt / 'bad'} to damage")
+    if kind == "truncated":
+        size = shards[0].stat().st_size
+        new = checkpoint_storage.truncate(shards[0])
+        return "bad", f"{shards[0].name} truncated from {size} to {new} bytes"
+    if kind == "missing_rank_file":
+        shards[0].unlink()
+        return "bad", f"{shards[0].name} deleted"
+    raise ValueError(f"unknown damage {kind!r}; known: {', '.join(DAMAGE)}")
+
+
+def damaged_round_at_one_rank(case: CkptCase, ckpt_dir: str, kind: str) -> dict[str, Any]:
+    """CKPT-CORRUPT-1 on a single rank, in one call: save "good" and "bad", damage "bad"
+    (``damage``), load the damaged tag, then "good". On one rank no peer waits for a rank that
+    refuses, so the refusal comes back as a value (``refused``: its error, None when the load
+    went through) and the rank serves the next call (a raised error stops the ranks, and new
+    ones cost a CUDA context and DeepSpeed's warm-up, about 8 s on a GPU node). Returns
+    {"rank", "good", "what", "refused", "load_path", "loaded"}."""
     if case.world_size != 1:
-        raise ValueError(f"refusal_at_one_rank runs on one rank, not {case.world_size}: on more, "
-                         "a refusing rank's peers may wait in a collective; use load_tag")
+        raise ValueError(f"damaged_round_at_one_rank runs on one rank, not {case.world_size}: "
+                         "on more, a refusing rank's peers may wait in a collective")
+    saved = save_good_then_bad(case, ckpt_dir)
+    tag, what = damage(Path(ckpt_dir), kind)
     try:
-        return load_tag(case, ckpt_dir, tag)
+        wrong = load_tag(case, ckpt_dir, tag)
+        refused, load_path = None, wrong["load_path"]
     except CheckpointRefused as e:
-        return {"refused": str(e)}
+        refused, load_path = str(e), None
+    again = load_tag(case, ckpt_dir, "good")
+    return {"rank": saved["rank"], "good": saved["good"], "what": what, "refused": refused,
+            "load_path": load_path, "loaded": again["loaded"]}
 
 
 def measure_saves(case: CkptCase, ckpt_dir: str, rounds: int) -> dict[str, Any]:

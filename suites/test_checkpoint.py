@@ -558,24 +558,8 @@ def test_stage_change(accelerator, source_stage, target_stage, world_size, scrat
 
 # ---------------------------------------------------------------------------- CKPT-CORRUPT-1/2
 
-DAMAGE = ("truncated", "missing_rank_file", "wrong_tag")
-
-
-def damage(ckpt: Path, kind: str) -> tuple[str, str]:
-    """Damage the checkpoint saved under tag "bad"; returns (the tag to load, what was done)."""
-    if kind == "wrong_tag":
-        return "no-such-tag", "load_checkpoint(tag='no-such-tag')"
-    shards = sorted((ckpt / "bad").glob("*zero_pp_rank_1_*optim_states.pt"))
-    if not shards:
-        raise AssertionError(f"no rank-1 optimizer shard under {ckpt / 'bad'} to damage")
-    if kind == "truncated":
-        size = shards[0].stat().st_size
-        new = checkpoint_storage.truncate(shards[0])
-        return "bad", f"{shards[0].name} truncated from {size} to {new} bytes"
-    if kind == "missing_rank_file":
-        shards[0].unlink()
-        return "bad", f"{shards[0].name} deleted"
-    raise ValueError(f"unknown damage {kind!r}; known: {', '.join(DAMAGE)}")
+DAMAGE = ranks.DAMAGE
+damage = ranks.damage
 
 
 CORRUPT_GPU_TIER = (3, "wrong_tag")
@@ -607,38 +591,48 @@ def _corrupt_params() -> list:
 def expect_refusal(case: CkptCase, d: str, tag: str, accelerator: str, what: str, *,
                    load=ranks.load_tag) -> str:
     """Load ``tag`` (with the rank function ``load``); the load MUST fail with an error on some
-    rank. Returns that error. On one rank (``load`` being load_tag) the refusal comes back as
-    a result, and the rank stays for the next call."""
-    if case.world_size == 1 and load is ranks.load_tag:
-        (result,) = run_ranks(ranks.refusal_at_one_rank, 1, args=(case, d, tag),
-                              accelerator=accelerator, timeout_s=TIMEOUT_S)
-        if "refused" in result:
-            return f"rank 0 of 1 raised CheckpointRefused: {result['refused'].splitlines()[0]}"
-        results = [result]
-    else:
-        try:
-            results = run_ranks(load, case.world_size, args=(case, d, tag),
-                                accelerator=accelerator, timeout_s=TIMEOUT_S)
-        except RankError as e:
-            if e.exc_type != ranks.CheckpointRefused.__name__:
-                raise
-            return str(e).splitlines()[0]
+    rank. Returns that error."""
+    try:
+        results = run_ranks(load, case.world_size, args=(case, d, tag),
+                            accelerator=accelerator, timeout_s=TIMEOUT_S)
+    except RankError as e:
+        if e.exc_type != ranks.CheckpointRefused.__name__:
+            raise
+        return str(e).splitlines()[0]
     raise AssertionError(f"{what}: DeepSpeed loaded it without an error: load_checkpoint returned "
                          f"{[r['load_path'] for r in results]}")
 
 
+def _damage_plan(params: dict, workdir: Path, run) -> RankCall:
+    """A one-rank CKPT-CORRUPT-1 cell's call: the whole round on one rank, which stays."""
+    case = CkptCase(stage=params["stage"], dtype="fp32", world_size=1)
+    return RankCall(ranks.damaged_round_at_one_rank, 1, TIMEOUT_S,
+                    args=(case, ckpt_dir(workdir, case, tags=2), params["kind"]),
+                    accelerator=params["accelerator"])
+
+
 @pytest.mark.parametrize("accelerator, stage, kind, world_size", _corrupt_params())
-def test_damaged_checkpoint_is_refused(accelerator, stage, kind, world_size, scratch, profile):
+# one-rank cells run at once with other cells where lanes are on (dsconform.plugin.batch)
+@batched(_damage_plan, cost=3, where=lambda params: params["world_size"] == 1)
+def test_damaged_checkpoint_is_refused(accelerator, stage, kind, world_size, scratch, profile,
+                                       request):
     """CKPT-CORRUPT-1: a truncated file, a missing rank file or a wrong tag MUST give an error,
     never a load, and the previous good checkpoint MUST still load bit for bit."""
     case = CkptCase(stage=stage, dtype="fp32", world_size=world_size)
-    d = ckpt_dir(scratch, case, tags=2)
-    good = run_ranks(ranks.save_good_then_bad, case.world_size, args=(case, d),
-                     accelerator=accelerator, timeout_s=TIMEOUT_S)
-    tag, what = damage(Path(d), kind)
-    expect_refusal(case, d, tag, accelerator, what)
-    again = run_ranks(ranks.load_tag, case.world_size, args=(case, d, "good"),
-                      accelerator=accelerator, timeout_s=TIMEOUT_S)
+    if world_size == 1:
+        (r,) = cell_results(request, scratch)
+        if r["refused"] is None:
+            raise AssertionError(f"{r['what']}: DeepSpeed loaded it without an error: "
+                                 f"load_checkpoint returned {[r['load_path']]}")
+        good, again, what = [r], [r], r["what"]
+    else:
+        d = ckpt_dir(scratch, case, tags=2)
+        good = run_ranks(ranks.save_good_then_bad, case.world_size, args=(case, d),
+                         accelerator=accelerator, timeout_s=TIMEOUT_S)
+        tag, what = damage(Path(d), kind)
+        expect_refusal(case, d, tag, accelerator, what)
+        again = run_ranks(ranks.load_tag, case.world_size, args=(case, d, "good"),
+                          accelerator=accelerator, timeout_s=TIMEOUT_S)
     tol = tolerance("checkpoint", "fp32", "adam", profile.tolerances, accelerator=accelerator)
     cmp = Comparison(tol=tol, label=f"{accelerator}-z{stage} good checkpoint after {what}")
     for saved, loaded in zip(good, again):

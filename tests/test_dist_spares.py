@@ -177,3 +177,14 @@ def test_fresh_process_calls_never_get_warmed_up_ranks(spares):
     assert _spare_pids() == warm, "a fresh-process call took the warmed-up standby ranks"
     assert dist.run_ranks(rank_fns.warmed_up, 2, timeout_s=TIMEOUT_S,
                           accelerator="cpu") == [True, True]
+
+
+@pytest.mark.parametrize("markexpr, selects", [
+    ("gpu", True), ("gpu and not slow", True), ("anynode or gpu", True), ("not gpu", False),
+    ("not gpu and not slow", False), ("", False), ("multigpu", False), ("gpu_x", False)])
+def test_ranks_start_before_collection_only_under_a_gpu_selection(markexpr, selects):
+    """The standby ranks and lanes start at configure (before collection) only when -m selects
+    GPU tests: `-m "not gpu"` on a GPU node starts none early."""
+    from dsconform.plugin.hooks import _selects_gpu_tests
+
+    assert _selects_gpu_tests(markexpr) is selects

@@ -140,6 +140,33 @@ def pytest_configure(config: pytest.Config) -> None:
         state.neighbours = NeighbourWatch.on_this_node().start()
     if not _is_xdist_worker(config):
         config.pluginmanager.register(Recorder(state), "dsconform-recorder")
+    _start_ranks_early(config, state)
+
+
+def _selects_gpu_tests(markexpr: str) -> bool:
+    """Whether ``-m`` names the gpu mark other than as ``not gpu``."""
+    return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None
+
+
+def _start_ranks_early(config: pytest.Config, state: RunState) -> None:
+    """Under ``-m gpu`` on a GPU node, start the one-GPU standby ranks and the cell batch's
+    lanes now, before collection (4 s of a warm 1xH200 run) instead of at its end: a lane's
+    start-up (a CUDA context, deepspeed, a first engine: about 8 s) is the first thing the
+    batch waits for. Collection's end starts what the selection needs beyond them
+    (_start_standby_ranks); what it does not use is stopped with the rest at the end."""
+    if (config.option.collectonly or state.node.gpu_count < 1 or _is_xdist_worker(config)
+            or not _selects_gpu_tests(config.option.markexpr)):
+        return
+    from dsconform.harness import api as dist
+    if dist.external_rendezvous() or not dist.spares_enabled("cuda"):
+        return
+    with rank_output.capture("(start-up)"):
+        dist.start_spares([1], "cuda")
+        dist.start_spares([1], "cuda", fresh=True)
+        from dsconform.plugin import batch
+        if batch.enabled(state):
+            from dsconform.harness.lanes import start_lanes
+            start_lanes([1], "cuda")
 
 
 def _profile_named(config: pytest.Config) -> str:

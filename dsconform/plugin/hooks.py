@@ -149,13 +149,22 @@ def _selects_gpu_tests(markexpr: str) -> bool:
 
 
 def _start_ranks_early(config: pytest.Config, state: RunState) -> None:
-    """Under ``-m gpu`` on a GPU node, start the one-GPU standby ranks and the cell batch's
-    lanes now, before collection (4 s of a warm 1xH200 run) instead of at its end: a lane's
-    start-up (a CUDA context, deepspeed, a first engine: about 8 s) is the first thing the
-    batch waits for. Collection's end starts what the selection needs beyond them
-    (_start_standby_ranks); what it does not use is stopped with the rest at the end."""
+    """Under ``-m gpu`` on a GPU node whose op cache holds the run's ops, start the one-GPU
+    standby ranks and the cell batch's lanes now, before collection (4 s of a warm 1xH200 run)
+    instead of at its end: a lane's start-up (a CUDA context, deepspeed, a first engine: about
+    8 s) is the first thing the batch waits for. Collection's end starts what the selection
+    needs beyond them (_start_standby_ranks); what it does not use is stopped with the rest at
+    the end. With ops to build (a cold cache) they start at collection's end as before: started
+    beside the builds, ten rank processes took the cores the build scheduler waits for, and on
+    1xH200 fused_adam's build started 26 s later and the batch, which waits for it, ended 21 s
+    later (docs/performance.md)."""
     if (config.option.collectonly or state.node.gpu_count < 1 or _is_xdist_worker(config)
             or not _selects_gpu_tests(config.option.markexpr)):
+        return
+    from dsconform.ops.cache import ensure_extensions_dir
+    from dsconform.ops.prebuild import RUN_OPS, is_cached
+    ext_dir = ensure_extensions_dir()
+    if not all(is_cached(op, ext_dir) for op in RUN_OPS["cuda"]):
         return
     from dsconform.harness import api as dist
     if dist.external_rendezvous() or not dist.spares_enabled("cuda"):

@@ -16,10 +16,12 @@ from dsconform.ops.prebuild import RUN_OPS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _build_ops(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def _build_ops(*args: str, env: dict | None = None,
+               drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k not in drop}
     return subprocess.run([sys.executable, "-m", "dsconform.cli", "build-ops", *args],
                           capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})})
+                          env={**environ, **(env or {})})
 
 
 @pytest.mark.parametrize(("args", "says"), [
@@ -44,6 +46,26 @@ def test_ops_in_the_cache_load_and_exit_0():
     assert "dsconform build-ops: cpu_adam: building (MAX_JOBS=" in out.stdout
     assert "dsconform build-ops: cpu_adam: " in lines[-2] and " in " in lines[-2], lines
     assert lines[-1].startswith("dsconform build-ops: all 1 built"), lines
+
+
+def test_a_kept_bytecode_cache_gets_a_rank_warm_up(tmp_path):
+    """Where PYTHONDONTWRITEBYTECODE is set, build-ops also starts one rank the way a run does
+    (a first engine included) beside the builds, so the bytecode cache holds what a run's ranks
+    import; the extensions cache is this environment's, so cpu_adam only loads."""
+    from dsconform.ops.cache import ensure_extensions_dir
+
+    cache = tmp_path / "cache"
+    out = _build_ops("cpu_adam", env={"PYTHONDONTWRITEBYTECODE": "1",
+                                      "DSCONFORM_CACHE": str(cache),
+                                      "TORCH_EXTENSIONS_DIR": str(ensure_extensions_dir())},
+                     drop=("PYTHONPYCACHEPREFIX",))  # this session's own, if it keeps one
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-2].startswith("dsconform build-ops: rank warm-up: "), lines
+    assert lines[-2].endswith(" s (its imports are in the bytecode cache)"), lines
+    assert "rank 0/1 |" not in out.stdout + out.stderr  # DeepSpeed's start-up lines stay out
+    kept = list((cache / "pycache").rglob("*.pyc"))
+    assert any(p.name.startswith("engine.") and "runtime" in p.parts for p in kept), len(kept)
 
 
 def test_a_failing_build_exits_1_with_its_diagnosis(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+import time
 from typing import Any
 
 from dsconform.harness.output import FdCapture
@@ -78,6 +79,39 @@ class _Progress:
                 _say(f"{op}: FAILED after {secs:.1f} s:\n    {failure}")
 
 
+#: The most build-ops waits for its rank warm-up once the builds are done.
+WARM_UP_WAIT_S = 120.0
+
+
+def _warm_up_rank(accel: str, said: list[str]) -> None:
+    """Start one rank as a run does (import torch and DeepSpeed, init_distributed, a first tiny
+    engine) and stop it: what it imports is compiled into the bytecode cache, so a run's first
+    ranks after build-ops start as a warm run's do (on 1xH200 a first run after build-ops
+    without it: 59 s, rank warm-ups of 12.8 s against 6.8 s warm; docs/performance.md). It runs
+    beside the builds and needs no op; a failure only leaves that cache colder. What it has to
+    say goes to ``said``."""
+    from dsconform.harness import output
+    from dsconform.harness.pool import POOL_PG_TIMEOUT_S, Pool, await_start, gpus_for
+
+    t0 = time.monotonic()
+    sink = output.configure(None)  # DeepSpeed's start-up lines: only an error quotes them
+    try:
+        pool = Pool(1, accel, gpus_for(1, accel), POOL_PG_TIMEOUT_S, warm=True,
+                    label="(build-ops warm-up)")
+        try:
+            await_start(pool)
+        finally:
+            pool.close()
+    except Exception as exc:
+        said.append(f"rank warm-up failed ({str(exc).splitlines()[0]}); runs compile its "
+                    "imports themselves")
+        return
+    finally:
+        output.release(sink)
+    said.append(f"rank warm-up: {time.monotonic() - t0:.1f} s (its imports are in the bytecode "
+                "cache)")
+
+
 def cmd_build_ops(args: argparse.Namespace) -> int:
     from dsconform.ops.buildlock import StaleBuildLock, clear_stale
     from dsconform.ops.cache import enable_bytecode_cache, ensure_extensions_dir
@@ -90,7 +124,8 @@ def cmd_build_ops(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         return bad(f"--jobs {args.jobs}: must be at least 1")
     ext_dir = ensure_extensions_dir()
-    enable_bytecode_cache()  # the build processes' imports fill it for the runs after
+    # The build processes' imports fill it for the runs after, and a rank's warm-up (below).
+    bytecode = enable_bytecode_cache()
     try:
         for line in clear_stale(ext_dir):
             _say(line)
@@ -124,10 +159,21 @@ def cmd_build_ops(args: argparse.Namespace) -> int:
     if not ops:
         return 0
     builds = ParallelBuilds.start(ops, cores, on_event=_Progress())
+    said: list[str] = []
+    warm = None
+    if bytecode is not None:  # else pip compiled them at install, or nothing is kept
+        warm = threading.Thread(target=_warm_up_rank, args=(accel, said),
+                                name="dsconform-warm-up", daemon=True)
+        warm.start()
     try:
         results = builds.wait_all(timeout_s=args.timeout)
     finally:
         builds.close()
+    if warm is not None:
+        warm.join(timeout=WARM_UP_WAIT_S)
+        for line in said or [f"rank warm-up: not done within {WARM_UP_WAIT_S:.0f} s of the "
+                             "builds; runs compile the rest of its imports themselves"]:
+            _say(line)
     failed = [op for op, r in results.items() if not (r and r.get("loaded"))]
     if failed:
         _say(f"{len(failed)} of {len(ops)} failed: {', '.join(failed)}")

@@ -356,7 +356,7 @@ def test_kernel_log_lines_are_parsed_with_their_time():
 def test_xids_from_before_the_run_are_reported_and_judged_by_the_table():
     """Application XIDs are monitored. A double-bit error or a fatal SXid since boot is reported,
     but whether its reset is still owed is what the GPU's own counters say (the volatile ECC
-    count, the recovery action): a reset since then leaves no line in the kernel log."""
+    count, the recovery action): a GPU reset after it leaves no line in the kernel log."""
     report = run_gate(FakeNvml([h200()]), kernel_text=KERNEL_LOG)[0]
     by_code = {f.key.split("|", 1)[1]: f for f in report.findings}
     assert set(by_code) == {"Xid|13|before", "Xid|48|before", "SXid|20034|before",

@@ -202,7 +202,7 @@ RULES: dict[str, Rule] = {
                         "XID 74: a GPU reset or node reboot is needed to clear an NVLink "
                         "error"),
     "xid_before_run": Rule(MONITOR, "an XID or SXid from before the run, whose remedy is a reset",
-                           XID_CATALOG, "a reset since then does not show in the kernel log; "
+                           XID_CATALOG, "a GPU reset after it does not show in the kernel log; "
                            "the recovery action, ECC counts and remapped rows show whether one "
                            "is still needed"),
     "sxid_fatal": Rule(RESET, "fatal NVSwitch error (SXid)", FABRIC_MANAGER,

@@ -166,16 +166,9 @@ def _start_ranks_early(config: pytest.Config, state: RunState) -> None:
     ext_dir = ensure_extensions_dir()
     if not all(is_cached(op, ext_dir) for op in RUN_OPS["cuda"]):
         return
-    from dsconform.harness import api as dist
-    if dist.external_rendezvous() or not dist.spares_enabled("cuda"):
-        return
+    from dsconform.plugin import batch
     with rank_output.capture("(start-up)"):
-        dist.start_spares([1], "cuda")
-        dist.start_spares([1], "cuda", fresh=True)
-        from dsconform.plugin import batch
-        if batch.enabled(state):
-            from dsconform.harness.lanes import start_lanes
-            start_lanes([1], "cuda")
+        _start_cuda_pools([1], lanes=batch.enabled(state))
 
 
 def _profile_named(config: pytest.Config) -> str:
@@ -472,19 +465,26 @@ def _start_standby_ranks(session: pytest.Session, state: RunState) -> None:
     gpu_items = [it for it in session.items if it.get_closest_marker("gpu")]
     if not gpu_items or state.node.gpu_count < 1:
         return
-    from dsconform.harness import api as dist
-    if dist.external_rendezvous() or not dist.spares_enabled("cuda"):
-        return
     sizes = [1]
     if state.node.gpu_count >= 2 and any(it.get_closest_marker("multigpu") for it in gpu_items):
         sizes.append(2)
-    dist.start_spares(sizes, "cuda")
-    # And the never-warmed ones fresh-process calls take (a resume, GDS): their first call in a
-    # run would otherwise start its ranks while the test waits (8-12 s on 2xH200).
-    dist.start_spares(sizes, "cuda", fresh=True)
     from dsconform.plugin import batch
-    if batch.enabled(state) and any(batch.has_plan(it) for it in gpu_items):
-        # The cell batch's lanes (dsconform.plugin.batch), starting now with the standby ranks.
+    _start_cuda_pools(sizes, lanes=batch.enabled(state)
+                      and any(batch.has_plan(it) for it in gpu_items))
+
+
+def _start_cuda_pools(sizes: list[int], *, lanes: bool) -> None:
+    """Start, without waiting, the cuda standby ranks of these world sizes, warmed up and
+    never-warmed (the ones fresh-process calls take: a resume, GDS; their first call in a run
+    would otherwise start its ranks while the test waits, 8-12 s on 2xH200), and with lanes the
+    cell batch's lanes (dsconform.plugin.batch). Each is started once: a second call starts only
+    what is missing. Nothing under torchrun/Slurm or with standby ranks off."""
+    from dsconform.harness import api as dist
+    if dist.external_rendezvous() or not dist.spares_enabled("cuda"):
+        return
+    dist.start_spares(sizes, "cuda")
+    dist.start_spares(sizes, "cuda", fresh=True)
+    if lanes:
         from dsconform.harness.lanes import start_lanes
         start_lanes(sizes, "cuda")
 

@@ -565,6 +565,27 @@ def damaged_round_at_one_rank(case: CkptCase, ckpt_dir: str, kind: str) -> dict[
             "load_path": load_path, "loaded": again["loaded"]}
 
 
+def flipped_round_at_one_rank(case: CkptCase, ckpt_dir: str) -> dict[str, Any]:
+    """CKPT-CORRUPT-2 on a single rank, in one call: save "good" (and "bad"), flip one bit of
+    the tensor data of "good"'s optimizer shard (checkpoint_storage.flip_tensor_byte), then load
+    "good". As in damaged_round_at_one_rank, a refusal comes back as a value (``refused``: its
+    error, None when the load went through) and the rank serves the next call. Returns
+    {"rank", "good", "shard", "entry", "offset", "refused", "loaded"} ("loaded": None when
+    refused)."""
+    if case.world_size != 1:
+        raise ValueError(f"flipped_round_at_one_rank runs on one rank, not {case.world_size}: "
+                         "on more, a refusing rank's peers may wait in a collective")
+    saved = save_good_then_bad(case, ckpt_dir)
+    shard = sorted((Path(ckpt_dir) / "good").glob("*zero_pp_rank_0_*optim_states.pt"))[0]
+    flip = checkpoint_storage.flip_tensor_byte(shard)
+    try:
+        loaded, refused = load_tag(case, ckpt_dir, "good")["loaded"], None
+    except CheckpointRefused as e:
+        loaded, refused = None, str(e)
+    return {"rank": saved["rank"], "good": saved["good"], "shard": shard.name,
+            "entry": flip.entry, "offset": flip.offset, "refused": refused, "loaded": loaded}
+
+
 def measure_saves(case: CkptCase, ckpt_dir: str, rounds: int) -> dict[str, Any]:
     """Save ``rounds`` checkpoints (tags r0, r1, ...) of one trained engine. A round's time runs
     from the call to save_checkpoint until every file of the tag is fsynced on every rank (the

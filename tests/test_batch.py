@@ -252,3 +252,27 @@ def test_where_batches_only_the_cells_it_names():
     assert not batch.has_plan(item(2)) and batch.cost(item(2)) == 0
     assert batch.has_plan(SimpleNamespace(function=batch.batched(plan)(lambda: None),
                                           callspec=SimpleNamespace(params={})))
+
+
+def test_known_issue_measurements_run_after_the_other_measurements():
+    """A measurement a known issue covers fails on purpose and stops its ranks; it runs after
+    the other measurements, which would otherwise wait for new ranks. Elsewhere the order
+    stands."""
+    from types import SimpleNamespace
+
+    from dsconform.plugin.hooks import _order_key
+    from dsconform.plugin.keys import COVERED_BY
+
+    def item(name: str, known: bool):
+        stash = {COVERED_BY: ["DS-1"]} if known else {}
+        return SimpleNamespace(fspath=f"/x/suites/test_{name}.py", stash=stash, name=name,
+                               get_closest_marker=lambda _: None)
+
+    known, plain = item("known", True), item("plain", False)
+    assert sorted([known, plain], key=lambda it: _order_key(it, 2)) == [plain, known]
+    assert sorted([known, plain], key=lambda it: _order_key(it, 0)) == [known, plain]
+    assert sorted([known, plain], key=lambda it: _order_key(it, 1)) == [known, plain]
+    # A measurement a known issue covers still runs before a `run_last` test.
+    last = SimpleNamespace(fspath="/x/suites/test_last.py", stash={}, name="last",
+                           get_closest_marker=lambda m: m == "run_last" or None)
+    assert sorted([last, known], key=lambda it: _order_key(it, 2)) == [known, last]

@@ -96,7 +96,8 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "standby ranks: auto (cuda machines with at least 8 cores), 1 (always), 0 (never)",
             _lower, "auto, 0 or 1"),
     Setting("DSCONFORM_RANK_WARMUP", "1",
-            "0: standby and lane ranks do not build a tiny engine before they report ready",
+            "0: standby and lane ranks do not build a tiny engine before they report ready "
+            "(fresh ones: do not import what a first engine imports)",
             _switch, "0 or 1"),
     Setting("DSCONFORM_LANES", "auto",
             "pools per world size that cell batches spread over: auto (on cuda machines "

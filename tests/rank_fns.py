@@ -183,6 +183,13 @@ def warmed_up() -> bool:
     return dist_rank._warmed_up
 
 
+def fresh_state() -> tuple[bool, bool]:
+    """(warmed_up, whether torch._dynamo was imported before this call)."""
+    import sys
+
+    return warmed_up(), "torch._dynamo" in sys.modules
+
+
 def sleep_then_pid(seconds: float) -> int:
     """Sleep, then answer this rank's pid (calls that overlap in time show it)."""
     time.sleep(seconds)

@@ -73,6 +73,7 @@ def test_fresh_calls_get_new_processes_that_ran_nothing(spares):
                            accelerator="cpu")
     assert [calls for _, calls in first] == [1, 1]
     standby = _spare_pids(fresh=True)  # started as the first call began
+    dist.settle_spares()  # its start-up (imports ahead included, rank.prime) is not timed
     t0 = time.monotonic()
     second = dist.run_ranks(rank_fns.pid_and_calls, 2, timeout_s=TIMEOUT_S, reuse=False,
                             accelerator="cpu")
@@ -81,7 +82,7 @@ def test_fresh_calls_get_new_processes_that_ran_nothing(spares):
     assert [calls for _, calls in second] == [1, 1], "a spare had run a function before"
     assert not {p for p, _ in first} & {p for p, _ in second}
     assert not any(psutil.pid_exists(p) for p, _ in first), "fresh ranks left running"
-    # The third set is already starting; the second call found its ranks started.
+    # The third set is already starting.
     assert _spare(fresh=True) is not None
     assert took < 10, f"a call on a started spare took {took:.1f} s"
 
@@ -177,6 +178,22 @@ def test_fresh_process_calls_never_get_warmed_up_ranks(spares):
     assert _spare_pids() == warm, "a fresh-process call took the warmed-up standby ranks"
     assert dist.run_ranks(rank_fns.warmed_up, 2, timeout_s=TIMEOUT_S,
                           accelerator="cpu") == [True, True]
+
+
+def test_fresh_standby_ranks_import_ahead_but_build_no_engine(spares, monkeypatch):
+    """Standby ranks for fresh-process calls import what a first engine would (rank.prime) and
+    build none; with DSCONFORM_RANK_WARMUP=0 they import nothing ahead."""
+    assert dist.run_ranks(rank_fns.fresh_state, 2, timeout_s=TIMEOUT_S, reuse=False,
+                          accelerator="cpu") == [(False, False), (False, False)]  # spawned
+    dist.settle_spares()
+    assert dist.run_ranks(rank_fns.fresh_state, 2, timeout_s=TIMEOUT_S, reuse=False,
+                          accelerator="cpu") == [(False, True), (False, True)]  # the standby
+    dist.shutdown_pools()
+    monkeypatch.setattr(standby, "RANK_WARMUP", False)
+    dist.run_ranks(rank_fns.fresh_state, 2, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
+    dist.settle_spares()
+    assert dist.run_ranks(rank_fns.fresh_state, 2, timeout_s=TIMEOUT_S, reuse=False,
+                          accelerator="cpu") == [(False, False), (False, False)]
 
 
 @pytest.mark.parametrize("markexpr, selects", [

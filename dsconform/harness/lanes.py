@@ -144,7 +144,8 @@ def _new_lane(key: tuple, pg_timeout_s: float, fresh: bool = False) -> Pool:
     clear_build_locks()
     LANE_STATS["started"] += 1
     return Pool(key[0], key[1], key[2], pg_timeout_s, warm=standby.RANK_WARMUP and not fresh,
-                threads=_lane_threads(), label="(lane ranks starting)")
+                primed=standby.RANK_WARMUP and fresh, threads=_lane_threads(),
+                label="(lane ranks starting)")
 
 
 def start_lanes(world_sizes: list[int], accelerator: str = "cuda",

@@ -85,7 +85,7 @@ class Pool:
 
     def __init__(self, world_size: int, accelerator: str, gpus: tuple[str, ...],
                  pg_timeout_s: float, warm: bool = False, threads: int | None = None,
-                 label: str | None = None) -> None:
+                 label: str | None = None, primed: bool = False) -> None:
         self.world_size = world_size
         self.accelerator = accelerator
         self.gpus = gpus
@@ -132,7 +132,7 @@ class Pool:
                     target=rank_main, name=f"dsconform-rank{index}",
                     args=(index, world_size, env, child_conn, self.stack_paths[index],
                           accelerator, pg_timeout_s, os.getpid(), warm,
-                          self.output_paths[index]),
+                          self.output_paths[index], primed),
                 )
                 proc.start()
                 child_conn.close()
@@ -455,7 +455,7 @@ def await_start(pool: Pool) -> Pool:
 
 #: Per rank start-up: the seconds each phase took (dsconform.harness.rank.rank_main: "python"
 #: from the spawn to the rank's code, "import torch", "import deepspeed", "CUDA",
-#: "init_distributed", "warm-up"); startup_phases() sums them up for the summary.
+#: "init_distributed", "warm-up" or "prime"); startup_phases() sums them up for the summary.
 STARTUP_PHASES: list[dict[str, float]] = []
 _PHASES_LOCK = threading.Lock()
 

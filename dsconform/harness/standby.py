@@ -99,8 +99,9 @@ def start_spare(world_size: int, accelerator: str, gpus: tuple[str, ...], *,
         clear_build_locks()
         # Standby ranks for pooled calls also build a first engine (dist_rank.warm_up): nobody
         # waits for them.
+        # Those for fresh-process calls only import what a first engine would (rank.prime).
         SPARES[key] = Pool(world_size, accelerator, gpus, POOL_PG_TIMEOUT_S, warm=key[3],
-                           label="(standby ranks starting)")
+                           primed=RANK_WARMUP and fresh, label="(standby ranks starting)")
     except Exception as exc:  # a spare is an optimisation: the call will spawn
         output.record(output.current_label(), "dsconform.harness",
                       f"standby ranks not started ({exc})")

@@ -254,13 +254,14 @@ def test_where_batches_only_the_cells_it_names():
                                           callspec=SimpleNamespace(params={})))
 
 
-def test_known_issue_measurements_run_after_the_other_measurements():
+def test_known_issue_measurements_and_build_waiters_run_after_the_others():
     """A measurement a known issue covers fails on purpose and stops its ranks; it runs after
-    the other measurements, which would otherwise wait for new ranks. Elsewhere the order
+    the other measurements, which would otherwise wait for new ranks. A test beside the batch
+    that waits for an op build runs after the others of its phase. Elsewhere the order
     stands."""
     from types import SimpleNamespace
 
-    from dsconform.plugin.hooks import _order_key
+    from dsconform.plugin.order import order_key as _order_key
     from dsconform.plugin.keys import COVERED_BY
 
     def item(name: str, known: bool):
@@ -272,6 +273,11 @@ def test_known_issue_measurements_run_after_the_other_measurements():
     assert sorted([known, plain], key=lambda it: _order_key(it, 2)) == [plain, known]
     assert sorted([known, plain], key=lambda it: _order_key(it, 0)) == [known, plain]
     assert sorted([known, plain], key=lambda it: _order_key(it, 1)) == [known, plain]
+    # Beside the batch, a test waiting for an op this run builds runs after those that do not.
+    assert sorted([plain, known], key=lambda it: _order_key(it, 0, it is plain)) == \
+        [known, plain]
+    assert sorted([plain, known], key=lambda it: _order_key(it, 2, it is plain)) == \
+        [plain, known]
     # A measurement a known issue covers still runs before a `run_last` test.
     last = SimpleNamespace(fspath="/x/suites/test_last.py", stash={}, name="last",
                            get_closest_marker=lambda m: m == "run_last" or None)

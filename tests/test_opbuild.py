@@ -298,3 +298,29 @@ def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
 
 def test_available_cores_is_this_process_share():
     assert 1 <= opbuild.available_cores() <= (os.cpu_count() or 1)
+
+
+def test_tests_waiting_for_a_build_are_the_gpu_tests_of_uncached_ops(monkeypatch, tmp_path):
+    """On a GPU node, a gpu test that loads an op the cache lacks waits for its build (it runs
+    after the others beside the batch); one whose op is cached, one needing no op and a CPU
+    test do not; off GPU nodes nothing does."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from dsconform.gate.requires import requires
+    from dsconform.plugin.order import waits_for_a_build as _waits_for_a_build
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    gpu = pytest.mark.gpu
+    waiting = _Item("suites/test_deepnvme.py", gpu, requires(op="async_io"))
+    cached = _Item("suites/test_checkpoint.py", gpu, requires(op="cpu_adam"))
+    no_op = _Item("suites/test_schedules.py", gpu)
+    cpu = _Item("suites/test_deepnvme.py", requires(op="async_io"))
+    items = [waiting, cached, no_op, cpu]
+    state = SimpleNamespace(profile=SimpleNamespace(ops=[]), node=SimpleNamespace(gpu_count=1))
+    assert _waits_for_a_build(items, state) == {id(waiting)}
+    state.node.gpu_count = 0
+    assert _waits_for_a_build(items, state) == set()

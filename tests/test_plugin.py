@@ -279,3 +279,51 @@ def test_a_killed_run_does_not_leave_the_previous_summary_for_aggregate(tmp_path
     report = aggregate.analyse(aggregate.collect([out]))
     [node] = report.failed_nodes
     assert "the run did not finish: no summary.json" in " ".join(node.problems), node.problems
+
+
+BUILDS_THEN_MEASURE = '''
+import time
+
+import pytest
+from dsconform.plugin.runstate import run_state
+
+ORDER = []
+
+
+class SlowBuilds:
+    """Stands in for a cold run's op builds (dsconform.ops.prebuild.ParallelBuilds)."""
+
+    def wait_all(self, timeout_s=3600):
+        time.sleep(0.5)
+        ORDER.append("builds ended")
+        return {}
+
+    def close(self):
+        pass
+
+    def timings(self):
+        return {"order": [], "cores": 1, "cached": [], "builds": [], "build_seconds": {}}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def builds(request):
+    run_state(request.config).op_builds = SlowBuilds()
+
+
+def test_measures(metrics):
+    ORDER.append("measured")
+    metrics.record("demo.value", 1.0, unit="x", better="higher")
+
+
+def test_after():
+    assert ORDER == ["builds ended", "measured"]
+'''
+
+
+def test_a_measurement_waits_for_the_op_builds_to_end(pytester):
+    """A test that measures does not share the node with an op build (a cold cache): the
+    metrics fixture waits for every build to end first."""
+    pytester.makepyfile(test_builds=BUILDS_THEN_MEASURE)
+    result = pytester.runpytest("-p", "fixtures.plugin", "--results",
+                                str(pytester.path / "res"), "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)

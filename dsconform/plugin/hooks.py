@@ -27,6 +27,13 @@ from dsconform.node import nccl_env
 from dsconform.plugin.hypothesis_profiles import register as _register_hypothesis_profiles
 from dsconform.plugin.keys import BROKEN_PROMISE, COVERED_BY, ITEM_CAPABILITY, RECORDER
 from dsconform.plugin.options import add_options
+from dsconform.plugin.order import (
+    build_needs,
+    ops_to_build,
+    order_key,
+    selects_ops_suite,
+    waits_for_a_build,
+)
 from dsconform.plugin.recorder import (
     Recorder,
     capability_from_nodeid,
@@ -42,16 +49,9 @@ from dsconform.profile.select import (
 _register_hypothesis_profiles()
 
 
-PROMISE_MODULE = "test_profile.py"
-
 #: Where a pytest run's rank output goes (dsconform.harness.output): --results/ranks.log.
 RANK_LOG = pytest.StashKey[object]()
 RANK_LOG_NAME = "ranks.log"
-
-#: What the build order assumes a test the main thread runs takes, in seconds (a GPU node's
-#: typical acceptance test; a batched cell states its own cost).
-MAIN_ITEM_S = 1.0
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     # Normally the installed entry point registered them already, before argument parsing. With
@@ -304,18 +304,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     # beside the batch, the batched cells, then the measurements on a quiet node.
     from dsconform.plugin import batch
     phase = batch.phases(items) if batch.enabled(state) else {}
-    items.sort(key=lambda it: _order_key(it, phase.get(id(it), 0)))
-
-
-def _order_key(item: pytest.Item, phase: int) -> tuple[int, int, int, int]:
-    """Where an item runs: `run_first`, the profile's promises, the batch's phase (0 without a
-    batch), `run_last`. Among the measurements (phase 2) the cells of a known issue come last:
-    their failure stops their ranks, and while a measurement runs no standby ranks start, so
-    the measurement after one would wait for new ranks (about 3 s on a GPU node)."""
-    if Path(str(item.fspath)).name == PROMISE_MODULE and \
-            Path(str(item.fspath)).parent.name == "suites":
-        return (_run_order(item), 0, 0, 0)
-    return (_run_order(item), 1, phase, int(phase == 2 and COVERED_BY in item.stash))
+    waits = waits_for_a_build(items, state) if phase else set()
+    items.sort(key=lambda it: order_key(it, phase.get(id(it), 0), id(it) in waits))
 
 
 def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -355,32 +345,6 @@ def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
         items[:] = [it for it in items if not left_out(it)]
 
 
-def _run_order(item: pytest.Item) -> int:
-    """-1: `run_first` (before the profile's promises), 1: `run_last`, 0: the rest."""
-    if item.get_closest_marker("run_first"):
-        return -1
-    return 1 if item.get_closest_marker("run_last") else 0
-
-
-def _selects_ops_suite(items: list) -> bool:
-    return any(Path(str(it.fspath)).name == "test_ops.py" for it in items)
-
-
-def ops_to_build(items: list, state: RunState) -> list[str]:
-    """The ops to build in parallel when the run starts: the profile's promised ops when an ops
-    test is selected; on a GPU node also every op a selected GPU test loads in its ranks
-    (``requires(op=...)``; FastPersist's ``utils``, built inside a measuring test otherwise:
-    16 s of a cold 2xH200 run)."""
-    ops: list[str] = []
-    if _selects_ops_suite(items):
-        ops += list(state.profile.ops)
-    if state.node.gpu_count:
-        for it in items:
-            if it.get_closest_marker("gpu"):
-                ops += [op for op in gating.item_ops(it) if op not in ops]
-    return ops
-
-
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the ops' builds (ops_to_build) once the selection is known, in the order the run
     needs them (build_needs), those the cache holds left out: they overlap with the tests that
@@ -409,35 +373,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             "size); the tests that measure wait for it to end")
 
 
-def build_needs(items: list, state: RunState, cells: list) -> list[tuple[float, list[str], float]]:
-    """When the run needs each op, for build_order: (seconds from its start, the ops, the work
-    waiting). The background batch runs its cells that need no op first, spread over its
-    lanes, then those that do; the main thread runs the other tests in their order, about
-    MAIN_ITEM_S each, those that measure after the batch (dsconform.plugin.batch)."""
-    from dsconform.harness.lanes import lanes_for
-    from dsconform.plugin import batch
-
-    needs: list[tuple[float, list[str], float]] = []
-    lanes = lanes_for("cuda" if state.node.gpu_count else "cpu") if cells else 1
-    costs = {id(c): batch.cost(c) for c in cells}
-    ops_free = sum(costs[id(c)] for c in cells if not gating.item_ops(c)) / lanes
-    batch_end = sum(costs.values()) / lanes
-    for c in cells:
-        if gating.item_ops(c):
-            needs.append((ops_free, gating.item_ops(c), costs[id(c)]))
-    t = 0.0
-    for it in items:
-        if id(it) in costs:
-            continue  # its test only reads the batch's outcome
-        if cells and batch.measures(it):
-            t = max(t, batch_end)
-        ops = gating.item_ops(it) + (list(state.profile.ops) if _selects_ops_suite([it]) else [])
-        if ops:
-            needs.append((t, ops, MAIN_ITEM_S))
-        t += MAIN_ITEM_S
-    return needs
-
-
 def _start_cell_batch(session: pytest.Session, state: RunState, cells: list) -> int:
     """Start the background cell batch (dsconform.plugin.batch) of these cells, and the ops
     suite's checks beside it; returns how many cells it started."""
@@ -453,7 +388,7 @@ def _start_ops_suite(session: pytest.Session, state: RunState) -> None:
     check) start now too and run beside the tests that do not measure: the ops tests, which come
     with the measuring ones, then only read their results. Their numbers (load seconds) are
     then taken beside the batch."""
-    if not _selects_ops_suite(session.items):
+    if not selects_ops_suite(session.items):
         return
     from concurrent.futures import ThreadPoolExecutor
 

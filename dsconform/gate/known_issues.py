@@ -31,6 +31,7 @@ registry names cells of a matrix without listing them one by one.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import re
 from dataclasses import dataclass
@@ -561,6 +562,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     ),
 )
 
+@functools.lru_cache(maxsize=None)
 def _pattern(case: str) -> re.Pattern[str]:
     return re.compile(".*".join(re.escape(part) for part in case.split("*")))
 
@@ -575,8 +577,15 @@ def issues_for(case: str, deepspeed_version: str | None,
                torch_version: str | None = None) -> list[KnownIssue]:
     """The registry's issues that cover ``case`` on this DeepSpeed version (and torch:
     default the installed one)."""
-    return [ki for ki in issues if ki.covers(case) and ki.affects(deepspeed_version,
-                                                                  torch_version)]
+    return [ki for ki in _affecting(issues, deepspeed_version, torch_version) if ki.covers(case)]
+
+
+@functools.lru_cache(maxsize=32)
+def _affecting(issues: tuple[KnownIssue, ...], deepspeed_version: str | None,
+               torch_version: str | None) -> tuple[KnownIssue, ...]:
+    """The issues of this DeepSpeed and torch: a collection asks for each of its thousands of
+    cases, with the same versions."""
+    return tuple(ki for ki in issues if ki.affects(deepspeed_version, torch_version))
 
 
 def by_id(issue_id: str, issues: tuple[KnownIssue, ...] = KNOWN_ISSUES) -> KnownIssue:

@@ -261,8 +261,8 @@ def test_known_issue_measurements_and_build_waiters_run_after_the_others():
     stands."""
     from types import SimpleNamespace
 
-    from dsconform.plugin.order import order_key as _order_key
     from dsconform.plugin.keys import COVERED_BY
+    from dsconform.plugin.order import order_key as _order_key
 
     def item(name: str, known: bool):
         stash = {COVERED_BY: ["DS-1"]} if known else {}

@@ -562,7 +562,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     ),
 )
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pattern(case: str) -> re.Pattern[str]:
     return re.compile(".*".join(re.escape(part) for part in case.split("*")))
 

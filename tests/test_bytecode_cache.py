@@ -48,3 +48,17 @@ def test_a_process_started_after_it_writes_its_bytecode_there(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, env=env)
     assert not (mod.parent / "__pycache__").exists()
     assert list((tmp_path / "c" / "pycache").rglob("dsc_probe_mod*.pyc"))
+
+
+def test_a_run_keeps_the_bytecode_of_what_its_plugin_imports(tmp_path):
+    """The plugin turns the cache on as it is imported, before it imports hypothesis: a pytest
+    run keeps hypothesis' compiled files there too, not only those of the processes it
+    starts."""
+    (tmp_path / "test_nothing.py").write_text("def test_nothing():\n    pass\n")
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "DSCONFORM_CACHE": str(tmp_path / "c")}
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    subprocess.run([sys.executable, "-m", "pytest", "-p", "fixtures.plugin", "--collect-only",
+                    "-q", "-p", "no:cacheprovider", str(tmp_path / "test_nothing.py")],
+                   check=True, env=env, capture_output=True, cwd=os.getcwd())
+    kept = [p for p in (tmp_path / "c" / "pycache").rglob("*.pyc") if "hypothesis" in p.parts]
+    assert kept, "hypothesis was imported before the bytecode cache was on"

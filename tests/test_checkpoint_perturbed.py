@@ -386,7 +386,7 @@ def test_a_crash_is_not_the_flipped_bit_limitation(monkeypatch, tmp_path):
     monkeypatch.setattr(suite, "run_ranks", crash)
     with pytest.raises(RankError) as err:
         suite.test_flipped_bit_is_detected("cpu", 2, tmp_path, Profile(name="t", source="t",
-                                                                        gpu_count=0))
+                                                                        gpu_count=0), None)
     mark = next(m for m in suite.test_flipped_bit_is_detected.pytestmark if m.name == "xfail")
     # the limitation, or a registered known issue that stops the case first; never a crash
     assert suite.FlipLoadedSilently in mark.kwargs["raises"]

@@ -583,8 +583,7 @@ def issues_for(case: str, deepspeed_version: str | None,
 @functools.lru_cache(maxsize=32)
 def _affecting(issues: tuple[KnownIssue, ...], deepspeed_version: str | None,
                torch_version: str | None) -> tuple[KnownIssue, ...]:
-    """The issues of this DeepSpeed and torch: a collection asks for each of its thousands of
-    cases, with the same versions."""
+    """The issues of this DeepSpeed and torch (asked for each of a collection's cases)."""
     return tuple(ki for ki in issues if ki.affects(deepspeed_version, torch_version))
 
 

@@ -35,6 +35,11 @@ def order_key(item: pytest.Item, phase: int, waits: bool = False) -> tuple[int, 
     return (run_order(item), 1, phase, int(later))
 
 
+def item_run_ops(item: pytest.Item, state: RunState) -> list[str]:
+    """The ops a test loads: its ``requires(op=...)``, and for the ops suite the profile's."""
+    return gating.item_ops(item) + (list(state.profile.ops) if selects_ops_suite([item]) else [])
+
+
 def waits_for_a_build(items: list, state: RunState) -> set[int]:
     """The ids of the GPU tests that load an op the extensions cache does not hold (this run
     builds it, ops_to_build), all the tests of a module sharing a module-scoped fixture when
@@ -49,11 +54,10 @@ def waits_for_a_build(items: list, state: RunState) -> set[int]:
         return set()
     from dsconform.plugin import batch
 
-    profile_ops = list(state.profile.ops)
     cached: dict[str, bool] = {}
 
     def waits(it: pytest.Item) -> bool:
-        ops = gating.item_ops(it) + (profile_ops if selects_ops_suite([it]) else [])
+        ops = item_run_ops(it, state)
         for op in ops:
             if op not in cached:
                 cached[op] = is_cached(op, ext_dir)
@@ -113,7 +117,7 @@ def build_needs(items: list, state: RunState, cells: list) -> list[tuple[float, 
             continue  # its test only reads the batch's outcome
         if cells and batch.measures(it):
             t = max(t, batch_end)
-        ops = gating.item_ops(it) + (list(state.profile.ops) if selects_ops_suite([it]) else [])
+        ops = item_run_ops(it, state)
         if ops:
             needs.append((t, ops, MAIN_ITEM_S))
         t += MAIN_ITEM_S

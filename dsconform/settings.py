@@ -99,6 +99,10 @@ SETTINGS: dict[str, Setting] = {s.name: s for s in (
             "0: standby and lane ranks do not build a tiny engine before they report ready "
             "(fresh ones: do not import what a first engine imports)",
             _switch, "0 or 1"),
+    Setting("DSCONFORM_FORKSERVER", "1",
+            "1: ranks are forks of one server process per run that imported torch once "
+            "(Linux); 0: every rank is a new interpreter (multiprocessing spawn)",
+            _switch, "0 or 1"),
     Setting("DSCONFORM_LANES", "auto",
             "pools per world size that cell batches spread over: auto (on cuda machines "
             "with at least 16 cores 3, or 9 with one GPU; else 1) or a number", _lower,

@@ -247,3 +247,17 @@ def zero_layout(asked: dict, built: dict) -> list[str]:
         return layout_problems(engine, case)
     finally:
         engine.destroy()
+
+
+def process_facts() -> dict:
+    """What a rank process inherited: its parent, whether torch's lazy imports were there
+    before this call, its CPU threads and a few variables."""
+    import sys
+
+    import torch
+
+    return {"ppid": os.getppid(), "dynamo": "torch._dynamo" in sys.modules,
+            "threads": torch.get_num_threads(),
+            "late": os.environ.get("DSCONFORM_TEST_LATE"),
+            "server_env": os.environ.get("DSCONFORM_FORK_SERVER"),
+            "cuda_initialized": torch.cuda.is_initialized()}

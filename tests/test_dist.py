@@ -33,11 +33,13 @@ REPO = os.path.dirname(HERE)
 
 def rank_processes() -> list[psutil.Process]:
     """Live or unreaped processes below this one, except multiprocessing's resource tracker
-    (one per parent, started by the spawn context itself and gone when the parent exits)."""
+    and fork server (one per parent, started by multiprocessing itself, gone when the parent
+    exits; the fork server's own children are ranks and count)."""
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" in " ".join(child.cmdline()):
+            command = " ".join(child.cmdline())
+            if "resource_tracker" in command or "multiprocessing.forkserver" in command:
                 continue
         except psutil.NoSuchProcess:
             continue

@@ -148,10 +148,12 @@ def test_start_spares_and_shutdown_leave_nothing(spares):
 
 def test_standby_ranks_have_built_an_engine_and_a_tests_first_call_is_cheaper(spares,
                                                                              monkeypatch):
-    """warm_up: the first engine in a process costs ~4 s more than the next on this machine;
-    a standby rank pays that before anyone waits."""
+    """warm_up: the first engine in a spawned process costs ~4 s more than the next on this
+    machine; a standby rank pays that before anyone waits. (A forked rank's torch imports
+    come from the fork server: there the difference is a few tenths of a second.)"""
     from dsconform.checks.zero_vs_ddp import ZeroCase, train_zero_and_ddp
 
+    monkeypatch.setenv("DSCONFORM_FORKSERVER", "0")
     case = ZeroCase(stage=2, dtype="fp32", optimizer="sgd", grad_accum=1, world_size=2)
     timings = {}
     for label, warm in (("cold", False), ("warm", True)):
@@ -182,7 +184,9 @@ def test_fresh_process_calls_never_get_warmed_up_ranks(spares):
 
 def test_fresh_standby_ranks_import_ahead_but_build_no_engine(spares, monkeypatch):
     """Standby ranks for fresh-process calls import what a first engine would (rank.prime) and
-    build none; with DSCONFORM_RANK_WARMUP=0 they import nothing ahead."""
+    build none; with DSCONFORM_RANK_WARMUP=0 they import nothing ahead. Spawned ranks: a
+    forked one has the fork server's imports whatever the setting."""
+    monkeypatch.setenv("DSCONFORM_FORKSERVER", "0")
     assert dist.run_ranks(rank_fns.fresh_state, 2, timeout_s=TIMEOUT_S, reuse=False,
                           accelerator="cpu") == [(False, False), (False, False)]  # spawned
     dist.settle_spares()

@@ -11,7 +11,6 @@ into the rank log with the call's test (dsconform.harness.output); pools are sto
 from __future__ import annotations
 
 import glob
-import multiprocessing
 import os
 import pickle
 import shutil
@@ -26,7 +25,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait as _wait_any
 
 from dsconform import settings
-from dsconform.harness import output
+from dsconform.harness import output, zygote
 from dsconform.harness.errors import RankError, RankTimeout, describe, fn_name, rank_error
 from dsconform.harness.rank import RANK_OWNED_ENV, SPAWNED_AT_ENV, STACK_DUMP_SIGNAL, rank_main
 from dsconform.harness.xdist import (
@@ -110,7 +109,6 @@ class Pool:
         self.started = time.monotonic()
         # What the ranks inherited; each call forwards the parent's changes since (see env_delta).
         self.spawn_env = dict(os.environ)
-        ctx = multiprocessing.get_context("spawn")  # never the global start method
         base_env = {
             "WORLD_SIZE": str(world_size),
             "LOCAL_SIZE": str(world_size),  # DeepSpeed's CPU accelerator and shm op read it
@@ -123,25 +121,44 @@ class Pool:
         }
         if threads:  # lanes share the cores (CPU Adam, torch's CPU ops), read at import
             base_env["OMP_NUM_THREADS"] = str(threads)
+        self.start_method = zygote.method()
         try:
             for index in range(world_size):
-                env = dict(base_env, RANK=str(index), LOCAL_RANK=str(index),
+                env = dict(self.spawn_env, **base_env, RANK=str(index), LOCAL_RANK=str(index),
                            **{SPAWNED_AT_ENV: repr(time.time())})
-                parent_conn, child_conn = ctx.Pipe(duplex=True)
-                proc = ctx.Process(
-                    target=rank_main, name=f"dsconform-rank{index}",
-                    args=(index, world_size, env, child_conn, self.stack_paths[index],
-                          accelerator, pg_timeout_s, os.getpid(), warm,
-                          self.output_paths[index], primed),
-                )
-                proc.start()
-                child_conn.close()
-                self.procs.append(proc)
-                self.conns.append(parent_conn)
-                self.pids.append(proc.pid)
+                self._start_rank(index, env, (accelerator, pg_timeout_s, warm,
+                                              self.output_paths[index], primed))
         except BaseException:
             self.kill()
             raise
+
+    def _start_rank(self, index: int, env: dict, rest: tuple) -> None:
+        """Start rank index: forked from the fork server, or spawned where it fails (then
+        every later rank is spawned too; harness.zygote)."""
+        while True:
+            ctx = zygote.context()
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            accelerator, pg_timeout_s, *tail = rest
+            forked = ctx.get_start_method() == "forkserver"
+            proc = ctx.Process(target=rank_main, name=f"dsconform-rank{index}",
+                               args=(index, self.world_size, env, child_conn,
+                                     self.stack_paths[index], accelerator, pg_timeout_s,
+                                     None if forked else os.getpid(), *tail))
+            try:
+                proc.start()
+            except Exception as exc:
+                parent_conn.close()
+                child_conn.close()
+                if ctx.get_start_method() != "forkserver":
+                    raise
+                output.record(self.label, "dsconform.harness", zygote.give_up(exc))
+                self.start_method = zygote.method()
+                continue
+            child_conn.close()
+            self.procs.append(proc)
+            self.conns.append(parent_conn)
+            self.pids.append(proc.pid)
+            return
 
     def env_delta(self, now: dict | None = None) -> tuple[dict, list]:
         """Variables the parent set or removed since the ranks started (a test's monkeypatch),

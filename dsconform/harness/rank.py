@@ -165,7 +165,8 @@ def picklable_outcome(outcome: tuple) -> tuple:
 
 def _exit_when_orphaned(parent_pid: int) -> None:
     """If the pytest process is SIGKILLed its atexit cleanup never runs: the ranks must leave
-    by themselves instead of holding GPUs and ports forever."""
+    by themselves instead of holding GPUs and ports forever. parent_pid: the process that
+    started this one (a forked rank's is the fork server, which exits with pytest)."""
     try:
         import ctypes
 
@@ -234,6 +235,20 @@ def _redirect_output(path: str) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+
+
+def _take_environment(env: dict) -> None:
+    """The rank's whole environment is env (the parent's, with the rank's own variables): a
+    forked rank inherits the fork server's instead. What Python and torch read at start-up
+    from it is set again: where compiled Python is kept, and the CPU threads
+    (OMP_NUM_THREADS), which a forked rank's torch read in the server."""
+    os.environ.clear()
+    os.environ.update(env)
+    sys.dont_write_bytecode = bool(env.get("PYTHONDONTWRITEBYTECODE"))
+    sys.pycache_prefix = env.get("PYTHONPYCACHEPREFIX") or None
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0 and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(threads))
 
 
 def _restore(environ: dict, cwd: str, default_dtype: Any, grad_enabled: bool) -> None:
@@ -311,7 +326,7 @@ def warm_up() -> None:
 
 
 def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, stack_path: str,
-              accelerator: str, pg_timeout_s: float, parent_pid: int,
+              accelerator: str, pg_timeout_s: float, parent_pid: int | None,
               warm: bool = False, output_path: str | None = None, primed: bool = False) -> None:
     """Entry point of a spawned rank: initialise once (warm: and warm_up(); primed: and prime(),
     for ranks that must stay fresh), then run tasks until told to stop. output_path: the file
@@ -319,10 +334,12 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
     global _accelerator, _warmed_up
     # Own process group: the parent kills the rank together with anything it started
     # (compiler jobs of a JIT build, DataLoader workers).
+    # parent_pid None: forked by the fork server (harness.zygote), which exits with pytest.
+    watched = os.getppid() if parent_pid is None else parent_pid
     os.setpgrp()
     if output_path:
         _redirect_output(output_path)
-    os.environ.update(env)
+    _take_environment(env)
     try:
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     except Exception:  # a replaced stdout may not support it
@@ -331,7 +348,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
     # Fatal signals (segfault) and the parent's timeout signal both write every thread's stack.
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(STACK_DUMP_SIGNAL, file=stack_file, all_threads=True, chain=False)
-    _exit_when_orphaned(parent_pid)
+    _exit_when_orphaned(watched)
 
     # When each start-up phase ended (time.time(): the parent's spawn time is on the same
     # clock); the "ready" reply carries them (dsconform.harness.pool.STARTUP_PHASES).

@@ -14,6 +14,7 @@ import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from dsconform import __version__, settings
 from dsconform.gate import known_issues
 from dsconform.gate import requires as gating
 from dsconform.harness import output as rank_output
+from dsconform.harness import zygote
 from dsconform.node import nccl_env
 from dsconform.plugin.hypothesis_profiles import register as _register_hypothesis_profiles
 from dsconform.plugin.keys import BROKEN_PROMISE, COVERED_BY, ITEM_CAPABILITY, RECORDER
@@ -161,14 +163,41 @@ def _start_ranks_early(config: pytest.Config, state: RunState) -> None:
     if (config.option.collectonly or state.node.gpu_count < 1 or _is_xdist_worker(config)
             or not _selects_gpu_tests(config.option.markexpr)):
         return
+    zygote.start_ahead()  # its imports overlap collection, warm or cold
     from dsconform.ops.cache import ensure_extensions_dir
     from dsconform.ops.prebuild import RUN_OPS, is_cached
     ext_dir = ensure_extensions_dir()
     if not all(is_cached(op, ext_dir) for op in RUN_OPS["cuda"]):
         return
     from dsconform.plugin import batch
-    with rank_output.capture("(start-up)"):
-        _start_cuda_pools([1], lanes=batch.enabled(state))
+    if not zygote.enabled():
+        with rank_output.capture("(start-up)"):
+            _start_cuda_pools([1], lanes=batch.enabled(state))
+        return
+    # A forked rank's start waits for the fork server's imports (about 4 s): collection goes on
+    # meanwhile. Its parent is the server, so it does not die with this thread.
+    early = threading.Thread(target=_start_early_in_thread, args=(batch.enabled(state),),
+                             name="dsconform-early-ranks", daemon=True)
+    early.start()
+    _EARLY.append(early)
+
+
+#: The thread starting ranks before collection (joined before collection's end starts more).
+_EARLY: list[threading.Thread] = []
+
+
+def _start_early_in_thread(lanes: bool) -> None:
+    with rank_output.labelled("(start-up)"):
+        try:
+            _start_cuda_pools([1], lanes=lanes)
+        except Exception as exc:  # an optimisation: calls start their own ranks
+            rank_output.record("(start-up)", "dsconform.harness",
+                               f"ranks not started before collection ({exc})")
+
+
+def _join_early() -> None:
+    while _EARLY:
+        _EARLY.pop().join()
 
 
 def _profile_named(config: pytest.Config) -> str:
@@ -248,6 +277,7 @@ def _stop_everything(config: pytest.Config) -> None:
         state.op_builds.close()
     if "dsconform.plugin.batch" in sys.modules:
         sys.modules["dsconform.plugin.batch"].stop(config)
+    _join_early()  # a collection error can end the run while it still starts ranks
     if "dsconform.harness.api" in sys.modules:  # only if some test started ranks
         sys.modules["dsconform.harness.api"].shutdown_pools()
     if state and state.scratch_is_temp:
@@ -423,6 +453,7 @@ def _start_cuda_pools(sizes: list[int], *, lanes: bool) -> None:
     cell batch's lanes (dsconform.plugin.batch). Each is started once: a second call starts only
     what is missing. Nothing under torchrun/Slurm or with standby ranks off."""
     from dsconform.harness import api as dist
+    _join_early()
     if dist.external_rendezvous() or not dist.spares_enabled("cuda"):
         return
     dist.start_spares(sizes, "cuda")

@@ -1,0 +1,24 @@
+"""Imported by the fork server only (dsconform.harness.zygote), never by a rank or pytest:
+torch and what a first engine imports lazily, before any rank is forked from it.
+
+Nothing here may create a CUDA context or start a thread pool: a forked child cannot use
+either. torch.cuda.is_available() initialises the CUDA driver unless PyTorch's NVML check is
+on, so the server turns it on for itself (each rank sets its own environment). An import that
+fails is left to the rank, which imports it again and reports the error there.
+"""
+
+import os
+
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+#: Marks the server's environment; a rank takes its parent's instead (rank._take_environment).
+os.environ["DSCONFORM_FORK_SERVER"] = str(os.getpid())
+
+#: Heaviest first; DeepSpeed is not among them (it picks its accelerator when imported).
+MODULES = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
+           "numpy")
+
+for _name in MODULES:
+    try:
+        __import__(_name)
+    except Exception:  # noqa: BLE001 - the rank reports it
+        pass

@@ -259,5 +259,5 @@ def process_facts() -> dict:
     return {"ppid": os.getppid(), "dynamo": "torch._dynamo" in sys.modules,
             "threads": torch.get_num_threads(),
             "late": os.environ.get("DSCONFORM_TEST_LATE"),
-            "server_env": os.environ.get("DSCONFORM_FORK_SERVER"),
+            "server_env": os.environ.get("DSC_FORK_SERVER_PID"),
             "cuda_initialized": torch.cuda.is_initialized()}

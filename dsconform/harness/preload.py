@@ -11,7 +11,7 @@ import os
 
 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 #: Marks the server's environment; a rank takes its parent's instead (rank._take_environment).
-os.environ["DSCONFORM_FORK_SERVER"] = str(os.getpid())
+os.environ["DSC_FORK_SERVER_PID"] = str(os.getpid())
 
 #: Heaviest first; DeepSpeed is not among them (it picks its accelerator when imported).
 MODULES = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",

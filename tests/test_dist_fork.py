@@ -22,20 +22,14 @@ try:
 except ImportError:
     import rank_fns
 
-from tests.test_dist import REPO, assert_no_leftovers
+from tests.test_dist import REPO
+from tests.test_dist_lanes import clean  # noqa: F401 - the fixture: no pool before or after
 
 TIMEOUT_S = 60.0
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the fork server is used on Linux only")
-
-
-@pytest.fixture
-def clean():
-    dist.shutdown_pools()
-    yield
-    dist.shutdown_pools()
-    assert_no_leftovers()
+_clean_pools = pytest.mark.usefixtures("clean")
 
 
 def _forkserver_pid() -> int | None:
@@ -44,7 +38,8 @@ def _forkserver_pid() -> int | None:
     return forkserver._forkserver._forkserver_pid
 
 
-def test_forked_ranks_take_the_parents_environment_and_threads(clean, monkeypatch):
+@_clean_pools
+def test_forked_ranks_take_the_parents_environment_and_threads(monkeypatch):
     """A variable set after the server started reaches the ranks; one only the server has
     does not; OMP_NUM_THREADS is applied although the server's torch read
     another; the ranks' parent is the server, and no CUDA context came with the fork."""
@@ -60,7 +55,8 @@ def test_forked_ranks_take_the_parents_environment_and_threads(clean, monkeypatc
                         "server_env": None, "cuda_initialized": False}, facts
 
 
-def test_spawned_ranks_when_the_setting_is_off(clean, monkeypatch):
+@_clean_pools
+def test_spawned_ranks_when_the_setting_is_off(monkeypatch):
     monkeypatch.setenv("DSCONFORM_FORKSERVER", "0")
     facts = dist.run_ranks(rank_fns.process_facts, 2, timeout_s=TIMEOUT_S, reuse=False,
                            accelerator="cpu")
@@ -68,7 +64,8 @@ def test_spawned_ranks_when_the_setting_is_off(clean, monkeypatch):
     assert [f["dynamo"] for f in facts] == [False, False]
 
 
-def test_a_failing_server_makes_ranks_spawn_and_says_so(clean, monkeypatch):
+@_clean_pools
+def test_a_failing_server_makes_ranks_spawn_and_says_so(monkeypatch):
     from multiprocessing import forkserver
 
     def refuse(fds):

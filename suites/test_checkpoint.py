@@ -49,6 +49,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -813,27 +815,60 @@ def _record(metrics, name: str, result: dict, case: CkptCase, engine: str, accel
                         source=(entry.source or "profile") if floor else "recorded")
 
 
+@pytest.fixture(scope="session")
+def saved_for_loading(request) -> Iterator[dict[tuple, Path]]:
+    """The checkpoints CKPT-PERF-1 saved, by (accelerator, engine, world size): CKPT-PERF-2
+    loads them instead of saving its own rounds again (1 s of a 1xH200 run per engine). Each
+    lives in a directory of its own under --scratch until CKPT-PERF-2 took it, or the session
+    ends."""
+    kept: dict[tuple, Path] = {}
+    yield kept
+    for path in kept.values():
+        shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("accelerator, engine, world_size", _engine_params())
-def test_save_throughput(accelerator, engine, world_size, scratch, metrics, profile, node):
+def test_save_throughput(accelerator, engine, world_size, metrics, profile, node,
+                         saved_for_loading, run):
     """CKPT-PERF-1: save GB/s (bytes until durable on every rank, median of 3 rounds, per
     engine) MUST be at least the profile's checkpoint floor."""
     case = _engine_case(accelerator, engine, world_size, profile, node)
-    d = _perf_dir(scratch, case, engine)
-    result = run_ranks(ranks.measure_saves, case.world_size, args=(case, d, ROUNDS),
-                       accelerator=accelerator, timeout_s=TIMEOUT_S)[0]
+    own = Path(tempfile.mkdtemp(prefix="ckpt-perf-", dir=run.scratch))
+    try:
+        d = _perf_dir(own, case, engine)
+        result = run_ranks(ranks.measure_saves, case.world_size, args=(case, d, ROUNDS),
+                           accelerator=accelerator, timeout_s=TIMEOUT_S)[0]
+    except BaseException:
+        shutil.rmtree(own, ignore_errors=True)
+        raise
+    # Every round saved on every rank: CKPT-PERF-2 of this cell loads these.
+    replaced = saved_for_loading.get((accelerator, engine, case.world_size))
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    saved_for_loading[(accelerator, engine, case.world_size)] = own
     _record(metrics, "checkpoint.save", result, case, engine, accelerator, profile, "save")
 
 
 @pytest.mark.parametrize("accelerator, engine, world_size", _engine_params())
-def test_load_throughput(accelerator, engine, world_size, scratch, metrics, profile, node):
+def test_load_throughput(accelerator, engine, world_size, scratch, metrics, profile, node,
+                         saved_for_loading):
     """CKPT-PERF-2: load GB/s (bytes read from the device, median of 3 rounds, per engine) MUST
-    be at least the profile's checkpoint floor."""
+    be at least the profile's checkpoint floor. It loads the rounds CKPT-PERF-1 of the same
+    cell saved in this run, else saves its own first."""
     case = _engine_case(accelerator, engine, world_size, profile, node)
-    d = _perf_dir(scratch, case, engine)
-    run_ranks(ranks.measure_saves, case.world_size, args=(case, d, ROUNDS),
-              accelerator=accelerator, timeout_s=TIMEOUT_S)
-    result = run_ranks(ranks.measure_loads, case.world_size, args=(case, d, ROUNDS),
-                       accelerator=accelerator, timeout_s=TIMEOUT_S)[0]
+    saved = saved_for_loading.pop((accelerator, engine, case.world_size), None)
+    try:
+        if saved is not None:
+            d = str(Path(saved) / "ckpt")
+        else:
+            d = _perf_dir(scratch, case, engine)
+            run_ranks(ranks.measure_saves, case.world_size, args=(case, d, ROUNDS),
+                      accelerator=accelerator, timeout_s=TIMEOUT_S)
+        result = run_ranks(ranks.measure_loads, case.world_size, args=(case, d, ROUNDS),
+                           accelerator=accelerator, timeout_s=TIMEOUT_S)[0]
+    finally:
+        if saved is not None:
+            shutil.rmtree(saved, ignore_errors=True)
     _record(metrics, "checkpoint.load", result, case, engine, accelerator, profile, "load")
 
 

@@ -78,15 +78,17 @@ BATCH_SECONDS = "dsconform_batch_seconds"
 BATCH_WAIT = "dsconform_batch_wait_seconds"
 
 
-def batched(plan: Plan, *, cost: float = 1.0,
+def batched(plan: Plan, *, cost: float | Callable[[dict], float] = 1.0,
             where: Callable[[dict], bool] | None = None) -> Callable:
     """Decorate a parametrized test whose body gets its rank results from cell_results().
-    cost: about how long one cell's call takes (seconds on a GPU node); a batch starts the
-    costliest cells first, so that no long cell is left to run alone at the end. where: which
-    cells are batched, from their parametrize values (default all); the body of the others
-    makes its own calls and must not call cell_results()."""
+    cost: about how long one cell's call takes (seconds on a GPU node, in a batch), or a
+    function of its parametrize values that says it; a batch starts the costliest cells first,
+    so that no long cell is left to run alone at the end, and the batched tests take their
+    outcomes in the order the cells are expected to end. where: which cells are batched, from
+    their parametrize values (default all); the body of the others makes its own calls and must
+    not call cell_results()."""
     def decorate(fn: Callable) -> Callable:
-        setattr(fn, _PLAN_ATTR, (plan, float(cost), where))
+        setattr(fn, _PLAN_ATTR, (plan, cost if callable(cost) else float(cost), where))
         return fn
     return decorate
 
@@ -98,7 +100,7 @@ def _batched_of(item: pytest.Item) -> tuple[Plan, float] | None:
     plan, cost_s, where = found
     if where is not None and not where(_params(item)):
         return None
-    return plan, cost_s
+    return plan, float(cost_s(_params(item)) if callable(cost_s) else cost_s)
 
 
 def _plan_of(item: pytest.Item) -> Plan | None:

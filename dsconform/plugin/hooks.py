@@ -31,6 +31,7 @@ from dsconform.plugin.keys import BROKEN_PROMISE, COVERED_BY, ITEM_CAPABILITY, R
 from dsconform.plugin.options import add_options
 from dsconform.plugin.order import (
     build_needs,
+    expected_finish,
     ops_to_build,
     order_key,
     selects_ops_suite,
@@ -332,10 +333,15 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     # The profile's promises are checked first: a node that breaks one is known at once. With a
     # background cell batch, the rest goes in its phases (dsconform.plugin.batch.phases): what runs
     # beside the batch, the batched cells, then the measurements on a quiet node.
+    from dsconform.harness.lanes import lanes_for
     from dsconform.plugin import batch
     phase = batch.phases(items) if batch.enabled(state) else {}
     waits = waits_for_a_build(items, state) if phase else set()
-    items.sort(key=lambda it: order_key(it, phase.get(id(it), 0), id(it) in waits))
+    finish = expected_finish([it for it in items if phase.get(id(it)) == 1],
+                             lanes_for("cuda" if state.node.gpu_count else "cpu"),
+                             waits) if phase else {}
+    items.sort(key=lambda it: order_key(it, phase.get(id(it), 0), id(it) in waits,
+                                        finish.get(id(it), 0.0)))
 
 
 def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -21,18 +21,37 @@ PROMISE_MODULE = "test_profile.py"
 MAIN_ITEM_S = 1.0
 
 
-def order_key(item: pytest.Item, phase: int, waits: bool = False) -> tuple[int, int, int, int]:
+def order_key(item: pytest.Item, phase: int, waits: bool = False,
+              finish: float = 0.0) -> tuple[int, int, int, int, float]:
     """Where an item runs: `run_first`, the profile's promises, the batch's phase (0 without a
     batch), `run_last`. Among the tests beside the batch (phase 0), those that wait for an op
-    this run builds (``waits``) come after the others, which run meanwhile. Among the
-    measurements (phase 2) the cells of a known issue come last: their failure stops their
-    ranks, and while a measurement runs no standby ranks start, so the measurement after one
-    would wait for new ranks (about 3 s on a GPU node)."""
+    this run builds (``waits``) come after the others, which run meanwhile. The batched tests
+    (phase 1) come in the order their cells are expected to end (``finish``, from
+    expected_finish): each takes its outcome as soon as the batch has it, and the batch's end
+    leaves only the last cells' outcomes to check. Among the measurements (phase 2) the cells
+    of a known issue come last: their failure stops their ranks, and while a measurement runs
+    no standby ranks start, so the measurement after one would wait for new ranks (about 3 s
+    on a GPU node)."""
     if Path(str(item.fspath)).name == PROMISE_MODULE and \
             Path(str(item.fspath)).parent.name == "suites":
-        return (run_order(item), 0, 0, 0)
+        return (run_order(item), 0, 0, 0, 0.0)
     later = waits if phase == 0 else phase == 2 and COVERED_BY in item.stash
-    return (run_order(item), 1, phase, int(later))
+    return (run_order(item), 1, phase, int(later), finish if phase == 1 else 0.0)
+
+
+def expected_finish(cells: list[pytest.Item], lanes: int, waits: set[int]) -> dict[int, float]:
+    """When each batched cell is expected to end, by id(item), in the seconds of its @batched
+    cost: the batch's own order (dsconform.plugin.batch.start: the cells that wait for an op
+    build last, the costliest first), each cell taken by the lane that frees first."""
+    from dsconform.plugin import batch
+
+    free = [0.0] * max(1, lanes)
+    ends: dict[int, float] = {}
+    for it in sorted(cells, key=lambda c: (id(c) in waits, -batch.cost(c))):
+        lane = min(range(len(free)), key=free.__getitem__)
+        free[lane] += batch.cost(it)
+        ends[id(it)] = free[lane]
+    return ends
 
 
 def item_run_ops(item: pytest.Item, state: RunState) -> list[str]:

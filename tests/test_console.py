@@ -218,3 +218,53 @@ def test_a_collection_error_is_named_as_the_reason_the_run_stopped(pytester):
     assert f"NOTE: {said}" in (results / "summary.txt").read_text()
     assert "interrupted" not in (results / "summary.txt").read_text()
     result.stdout.fnmatch_lines([f"dsconform: {said}*"])
+
+
+LEAKY_FNS = '''
+import multiprocessing
+import os
+import signal
+
+
+def leave_a_semaphore():
+    # Registered with the run's resource tracker, which every rank shares; a killed rank never
+    # unregisters it, and the tracker names it when the run's last process has ended.
+    sem = multiprocessing.get_context("spawn").Semaphore()
+    os.kill(os.getpid(), signal.SIGKILL)
+    return sem
+'''
+
+LEAKY_SUITE = '''
+import pytest
+from dsconform.suite import RankError, run_ranks
+
+import leaky_fns
+
+
+def test_a_rank_dies_holding_a_semaphore():
+    with pytest.raises(RankError):
+        run_ranks(leaky_fns.leave_a_semaphore, 1, timeout_s=120, accelerator="cpu")
+'''
+
+
+def test_what_the_resource_tracker_says_at_the_end_goes_to_the_rank_log(tmp_path):
+    """multiprocessing's resource tracker, which every rank shares, names the semaphores killed
+    ranks left when the run's last process has ended, after pytest's summary: that goes to
+    ranks.log, not to the console."""
+    (tmp_path / "leaky_fns.py").write_text(LEAKY_FNS)
+    (tmp_path / "test_leaky_demo.py").write_text(LEAKY_SUITE)
+    results = tmp_path / "results"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "test_leaky_demo.py", "-p", "fixtures.plugin",
+         "-p", "no:cacheprovider", "--rootdir", str(tmp_path), "--results", str(results)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    console = proc.stdout + proc.stderr
+    assert proc.returncode == 0, console
+    assert "leaked semaphore" not in console, console
+    # The tracker writes once the pytest process and its ranks are gone: wait for it.
+    deadline = time.monotonic() + 30
+    log = results / "ranks.log"
+    while "leaked semaphore" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "leaked semaphore" in log.read_text(), log.read_text()[-2000:]

@@ -218,6 +218,32 @@ class FdCapture:
 
 
 @contextlib.contextmanager
+def fds_to_log() -> Iterator[None]:
+    """Processes this one starts meanwhile write their fds 1 and 2 straight into the rank log
+    (nothing without one): for helpers that outlive every test and print on their own, such as
+    multiprocessing's resource tracker (its warnings about what killed ranks left behind come
+    at the process's exit, after pytest's summary) and the fork server ranks start from."""
+    with _LOCK:
+        fd = _SINKS[-1].fd if _SINKS else None
+    if fd is None:
+        yield
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in saved:
+            os.close(f)
+
+
+@contextlib.contextmanager
 def capture(label: str, who: str = "controller", *, warnings_too: bool = True) -> Iterator[None]:
     """What this process prints meanwhile (fds 1 and 2, sys.stdout/stderr, warnings) goes to
     the rank log as ``who`` for ``label``, not to the console: the plugin's work outside

@@ -143,7 +143,13 @@ def pytest_configure(config: pytest.Config) -> None:
         state.neighbours = NeighbourWatch.on_this_node().start()
     if not _is_xdist_worker(config):
         config.pluginmanager.register(Recorder(state), "dsconform-recorder")
-    _start_ranks_early(config, state)
+    if not config.option.collectonly:
+        with rank_output.fds_to_log():
+            # Before any rank: every rank process shares this tracker, and what it says at the
+            # process's exit (semaphores a killed rank left) goes to the rank log.
+            from multiprocessing import resource_tracker
+            resource_tracker.ensure_running()
+            _start_ranks_early(config, state)
 
 
 def _selects_gpu_tests(markexpr: str) -> bool:

@@ -307,27 +307,41 @@ def test_aio_handle_getters(settings, run, node):
     assert not out["mismatches"], "; ".join(out["mismatches"])
 
 
+def _gds_failed(what: str, e: RankError):
+    pytest.fail(f"{what} failed in its own process (the run goes on): {e}\nGDS needs "
+                "cuFile to accept the GPU memory and the file (nvidia-fs, or cuFile's "
+                "compatibility mode, and a GDS-capable filesystem for I/O); its output is "
+                "under 'Captured stderr'", pytrace=False)
+
+
 def _gds_call(fn, what: str, **kwargs):
     """GDS in a fresh process; its death is a failure that says what and why, not a lost run."""
     try:
         return run_ranks(fn, 1, timeout_s=TIMEOUT_S, accelerator="cuda", reuse=False,
                          kwargs=kwargs)[0]
     except RankError as e:
-        pytest.fail(f"{what} failed in its own process (the run goes on): {e}\nGDS needs "
-                    "cuFile to accept the GPU memory and the file (nvidia-fs, or cuFile's "
-                    "compatibility mode, and a GDS-capable filesystem for I/O); its output is "
-                    "under 'Captured stderr'", pytrace=False)
+        _gds_failed(what, e)
+
+
+def _gds_handle_plan(params: dict, workdir: Path, run) -> RankCall:
+    """NVME-GDS-1's call, in a fresh process of its own (GDS calls exit() when cuFile refuses):
+    a batch runs it on a lane beside the other cells (a fresh process costs seconds)."""
+    settings = nvme.AioSettings(block_size=1 * MiB, queue_depth=16, intra_op_parallelism=2,
+                                single_submit=True, overlap_events=False)
+    return RankCall(gds_device_tensors, 1, TIMEOUT_S, accelerator="cuda", fresh=True,
+                    kwargs=dict(directory=str(workdir), settings=settings, nbytes=4 * MiB))
 
 
 @pytest.mark.gpu
 @requires(min_gpus=1, op="gds")
-def test_gds_handle_and_device_tensors(scratch):
+@batched(_gds_handle_plan, cost=4)
+def test_gds_handle_and_device_tensors(scratch, request):
     """NVME-GDS-1: a gds_handle's getters and GPU-memory registry (new/free, pin/unpin) MUST
     work."""
-    settings = nvme.AioSettings(block_size=1 * MiB, queue_depth=16, intra_op_parallelism=2,
-                                single_submit=True, overlap_events=False)
-    out = _gds_call(gds_device_tensors, "gds_handle with device tensors",
-                    directory=str(scratch), settings=settings, nbytes=4 * MiB)
+    try:
+        out = cell_results(request, scratch)[0]
+    except RankError as e:
+        _gds_failed("gds_handle with device tensors", e)
     assert not out["mismatches"], "; ".join(out["mismatches"])
     made = out["new_pinned_device_tensor"]
     assert made["device"].startswith("cuda") and made["numel"] == 4 * MiB, made

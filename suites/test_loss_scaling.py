@@ -509,7 +509,8 @@ def engine_call(case: ScalingCase, accelerator: str) -> RankCall:
 
 @pytest.mark.parametrize("accelerator, case", _scaling_params(
     engine_matrix(), engine_tier(), engine_one_rank_tier(), consensus_cells()))
-@batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]))
+@batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]),
+         cost=0.3)
 def test_overflow_handling(accelerator: str, case: ScalingCase, request):
     """LOSS-SCALE-4: every step MUST scale, skip and apply as the model says, on every rank.
 
@@ -620,7 +621,8 @@ def _step_problem(cmp: Any, where: str) -> str:
 
 @pytest.mark.parametrize("accelerator, case", _scaling_params(
     step_size_matrix(), step_size_tier(), step_size_one_rank_tier()))
-@batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]))
+@batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]),
+         cost=0.3)
 def test_applied_steps_match_fp32(accelerator: str, case: ScalingCase, profile, metrics,
                                   request):
     """LOSS-SCALE-7: every step the model applies MUST move the fp32 masters as far as fp32

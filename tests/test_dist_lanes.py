@@ -266,3 +266,34 @@ def test_a_fresh_step_may_change_the_world_size(clean, lanes):
         assert not {p for p, _, _ in second} & {p for p, _ in first}
     assert all(p.world_size == key[0] for key, pools in pool.LANE_POOLS.items() for p in pools), \
         {key: [p.world_size for p in pools] for key, pools in pool.LANE_POOLS.items()}
+
+
+def test_calls_that_load_an_op_gather_on_few_lanes():
+    """Loading a DeepSpeed op costs each rank seconds: a lane whose ranks loaded an op takes the
+    calls that need it first, and no more lanes start loading it than its share of the work
+    calls for, unless nothing else is left."""
+    aio, adam, none = frozenset({"async_io"}), frozenset({"cpu_adam"}), frozenset()
+    # 4 lanes; async_io is a tenth of the work (one lane), cpu_adam half of it (two lanes).
+    ops = [adam] * 5 + [none] * 4 + [aio] * 4
+    costs = [2.0] * 5 + [2.5] * 4 + [0.5] * 4
+    queue = harness_lanes._Queue(list(range(len(ops))), ops, costs, 4)
+    assert queue.limits == {"async_io": 1, "cpu_adam": 2}
+    loaded = {lane: set() for lane in range(4)}
+
+    def take(lane: int) -> int:
+        i = queue.take(lane, loaded[lane])
+        loaded[lane] |= ops[i]
+        return i
+
+    # The first two lanes take cpu_adam calls, the other two may not load it: they take the
+    # calls that need no op, then one of them async_io's.
+    assert [take(0), take(1), take(2), take(3)] == [0, 1, 5, 6]
+    assert take(2) == 7 and take(3) == 8
+    assert take(2) == 9 and ops[9] == aio  # lane 2 claims async_io
+    # Lane 2 goes on with what it loaded; lane 3 may load neither op, but nothing else is left:
+    # it takes the next call rather than wait.
+    assert take(2) == 10
+    assert take(3) == 2 and "cpu_adam" in loaded[3]
+    assert take(3) == 3  # now it has cpu_adam loaded, it takes cpu_adam's calls
+    assert [take(0), take(2), take(2)] == [4, 11, 12]
+    assert queue.take(1, loaded[1]) is None

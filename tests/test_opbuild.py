@@ -127,6 +127,21 @@ def test_the_awaited_build_gets_the_cores_and_the_next_start_as_they_go_idle(mon
     assert line.startswith("op builds: aio ") and "adam" in line and "nice 10" in line
 
 
+def test_once_a_build_starts_at_the_lowest_priority_the_rest_start_with_it(monkeypatch):
+    """a (nice 0) and b (nice 10) keep the cores busy; c starts when they leave cores idle, at
+    nice 19, and d and e start with it at once: another idle spell would only come with a's
+    or b's end, and the run waits for every build before it measures."""
+    specs = {"a": {"seconds": 3.0}, "b": {"seconds": 3.0}, "c": {"seconds": 2.0},
+             "d": {"seconds": 0.3}, "e": {"seconds": 0.3}}
+    profile = {"a": [(0.6, 8.0), (99, 1.0)], "b": [(1.2, 7.0), (99, 1.0)],
+               "c": [(99, 8.0)], "d": [(99, 1.0)], "e": [(99, 1.0)]}
+    _, r, events = _run_fake(monkeypatch, specs, profile, ["a", "b", "c", "d", "e"], 8)
+    assert [op for op, what in events if what == "start"] == ["a", "b", "c", "d", "e"]
+    assert {op: r[op]["niceness"] for op in r} == {"a": 0, "b": 10, "c": 19, "d": 19, "e": 19}
+    assert r["e"]["t_start"] - r["c"]["t_start"] < 0.5, "e waited for idle cores after c"
+    assert r["e"]["t_end"] < r["c"]["t_end"], "e ended after the build it started beside"
+
+
 def test_a_build_that_keeps_every_core_busy_holds_the_next_until_it_ends(monkeypatch):
     specs = {"a": {"seconds": 1.0}, "b": {"seconds": 0.2, "fail": True}}
     profile = {"a": [(99, 2.0)], "b": [(99, 1.0)]}

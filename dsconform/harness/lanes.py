@@ -6,6 +6,7 @@ beside a measurement."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -278,8 +279,50 @@ def _check_steps(steps: tuple[RankCall, ...]) -> str:
     return accels.pop()
 
 
-def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
-          qlock: threading.Lock, active: set, cancel: threading.Event, spawner: _Spawner,
+class _Queue:
+    """The calls of one world size, shared by its lanes, with op affinity: loading a DeepSpeed
+    op costs each process seconds (async_io 2.5 s, cpu_adam about 2 s on 1xH200 beside a
+    batch: DeepSpeed's builder compiles a libaio probe, runs ninja and imports the module),
+    once per rank. A lane whose ranks loaded an op takes the calls that need it first; a lane
+    starts loading an op only while fewer lanes than the op's share of the work calls for
+    (``limits``) took it, unless nothing else is left. ``ops``: each call's ops (empty: none
+    or unknown); the order of ``indices`` stands otherwise."""
+
+    def __init__(self, indices: list[int], ops: list[frozenset[str]],
+                 costs: list[float], lanes: int) -> None:
+        self.order = deque(indices)
+        self.ops = ops
+        self.lock = threading.Lock()
+        self.claims: dict[str, set[int]] = {}
+        total = sum(costs[i] for i in indices) or 1.0
+        self.limits: dict[str, int] = {}
+        for op in sorted({op for i in indices for op in ops[i]}):
+            share = sum(costs[i] for i in indices if op in ops[i]) / total
+            self.limits[op] = max(1, math.ceil(lanes * share))
+
+    def __bool__(self) -> bool:
+        with self.lock:
+            return bool(self.order)
+
+    def take(self, lane: int, loaded: set[str]) -> int | None:
+        """The next call for a lane whose ranks have ``loaded`` these ops (None: none left)."""
+        with self.lock:
+            if not self.order:
+                return None
+            pick = next((i for i in self.order if self.ops[i] and self.ops[i] <= loaded), None)
+            if pick is None:
+                pick = next((i for i in self.order
+                             if all(len(self.claims.get(op, ())) < self.limits[op]
+                                    or lane in self.claims.get(op, ())
+                                    for op in self.ops[i] - loaded)), self.order[0])
+            self.order.remove(pick)
+            for op in self.ops[pick]:
+                self.claims.setdefault(op, set()).add(lane)
+            return pick
+
+
+def _lane(key: tuple, lane: int, queue: _Queue, calls: list, pickled: list, outcomes: list,
+          active: set, cancel: threading.Event, spawner: _Spawner,
           on_done: Callable[[int, tuple, float], None] | None,
           context: tuple[list, dict], labels: list[str | None]) -> None:
     """One lane: take calls of its world size off the shared queue until none is left; an
@@ -287,12 +330,12 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
     another world size, if it says so: that pool is not kept for the lane)."""
     pool: Pool | None = None
     ahead: Pool | None = None  # started while the step before a fresh step runs
+    loaded: set[str] = set()  # the ops the lane's ranks loaded (queue.ops of calls they ran)
     try:
         while not cancel.is_set():
-            with qlock:
-                if not queue:
-                    return
-                i = queue.popleft()
+            i = queue.take(lane, loaded)
+            if i is None:
+                return
             # The ranks' output of this call is logged as its cell's test (output.record).
             with output.labelled(labels[i] or output.current_label()):
                 steps = _steps(calls[i])
@@ -312,6 +355,7 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                                                      active=active,
                                                      fresh=step.fresh, started=ahead), None
                             active.add(pool)
+                            loaded = set()
                         if j + 1 < len(steps) and steps[j + 1].fresh and ahead is None:
                             ahead = spawner.new_lane(_key_of(key, steps[j + 1], i),
                                                      pg_timeout_for(steps[j + 1].timeout_s),
@@ -320,6 +364,8 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                         healthy = False
                         replies = send_and_collect(pool, step.fn, payload, step.timeout_s, context)
                         healthy = replies_healthy(replies)
+                        if pool.world_size == key[0]:
+                            loaded |= queue.ops[i]
                         results.append(resolve(replies))
                     outcome: tuple = ("ok", results if isinstance(calls[i], list) else results[0])
                 except BaseException as exc:  # the call's own outcome, raised in its test
@@ -357,7 +403,9 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
 def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | None = None,
                      on_done: Callable[[int, tuple, float], None] | None = None,
                      cancel: threading.Event | None = None,
-                     labels: list[str] | None = None) -> list[tuple]:
+                     labels: list[str] | None = None,
+                     ops: list[list[str]] | None = None,
+                     costs: list[float] | None = None) -> list[tuple]:
     """Run independent calls at once, spread over `lanes` pools per world size (one-rank pools
     on every GPU in turn). Each outcome is ("ok", the per-rank results) or ("raise", the
     exception run_ranks would have raised for that call alone: RankError, RankTimeout, a
@@ -380,10 +428,16 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
     ("ok", the list of each step's per-rank results), or the first failing step's exception.
 
     labels: what each call's rank output is logged as (its test's node id,
-    dsconform.harness.output); default: the test running when each call starts."""
+    dsconform.harness.output); default: the test running when each call starts.
+
+    ops: the DeepSpeed ops each call loads, costs: about how long each takes (seconds): the
+    calls that need an op gather on as few lanes as their share of the work allows, so that
+    fewer processes pay for loading it (_Queue)."""
     outcomes: list = [None] * len(calls)
     lanes = lanes_for() if lanes is None else lanes
     labels = list(labels) if labels is not None else [None] * len(calls)
+    call_ops = [frozenset(o) for o in ops] if ops is not None else [frozenset()] * len(calls)
+    call_costs = list(costs) if costs is not None else [1.0] * len(calls)
 
     def finish(i: int, outcome: tuple, seconds: float = 0.0) -> None:
         outcomes[i] = outcome
@@ -404,7 +458,7 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
                 outcome = ("raise", exc)
             finish(i, outcome, time.monotonic() - t0)
         return outcomes
-    groups: OrderedDict[tuple, deque] = OrderedDict()
+    groups: OrderedDict[tuple, list[int]] = OrderedDict()
     pickled: list = [None] * len(calls)
     for i, c in enumerate(calls):
         try:  # what run_ranks would refuse, each call's own outcome
@@ -418,22 +472,23 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
         except Exception as exc:
             finish(i, ("raise", exc))
             continue
-        groups.setdefault((steps[0].world_size, accel), deque()).append(i)
+        groups.setdefault((steps[0].world_size, accel), []).append(i)
     cancel = threading.Event() if cancel is None else cancel
-    qlock, active, spawner = threading.Lock(), set(), _Spawner()
+    active, spawner = set(), _Spawner()
     context = (list(sys.path), dict(os.environ))
     threads = []
-    for (ws, accel), queue in groups.items():
+    for (ws, accel), indices in groups.items():
         try:
-            keys = _lane_keys(ws, accel, min(lanes, len(queue)))
+            keys = _lane_keys(ws, accel, min(lanes, len(indices)))
         except InsufficientGPUs as exc:
-            for i in queue:
+            for i in indices:
                 finish(i, ("raise", exc))
             continue
-        for key in keys:
+        queue = _Queue(indices, call_ops, call_costs, len(keys))
+        for lane, key in enumerate(keys):
             threads.append(threading.Thread(
                 target=_lane, name=f"dsconform-lane-ws{ws}",
-                args=(key, queue, calls, pickled, outcomes, qlock, active, cancel, spawner,
+                args=(key, lane, queue, calls, pickled, outcomes, active, cancel, spawner,
                       on_done, context, labels),
                 daemon=True))
     for t in threads:

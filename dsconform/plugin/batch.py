@@ -304,7 +304,9 @@ def _run(state: _State, calls: list[RankCall | list[RankCall]],
     try:
         # Each call's rank output is logged as its cell's test (dsconform.harness.output).
         run_concurrently(calls, lanes=lanes, on_done=done, cancel=state.cancel,
-                         labels=[it.nodeid for it, _, _ in owners])
+                         labels=[it.nodeid for it, _, _ in owners],
+                         ops=[gating.item_ops(it) for it, _, _ in owners],
+                         costs=[cost(it) for it, _, _ in owners])
     except BaseException as exc:  # the harness failed: each waiting cell says so
         with state.cond:
             for it, _, _ in owners:

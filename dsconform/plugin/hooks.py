@@ -122,6 +122,16 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[RANK_LOG] = rank_output.configure(
         results / RANK_LOG_NAME if results is not None else None, worker=worker,
         truncate=not worker)
+    if not config.option.collectonly:
+        with rank_output.fds_to_log():
+            # Before any rank: every rank process shares this tracker, and what it says at the
+            # process's exit (semaphores a killed rank left) goes to the rank log.
+            from multiprocessing import resource_tracker
+            resource_tracker.ensure_running()
+            if _early_ranks_wanted(config) and _gpu_device_files():
+                # Its imports (torch, inductor: about 4 s on 1xH200) overlap this process's
+                # own, which finding the node and the profile begin with.
+                zygote.start_ahead()
     try:
         notices = _use_stable_extension_cache()
         selection = select_profile(config.getoption("--profile"), named=_profile_named(config))
@@ -143,13 +153,20 @@ def pytest_configure(config: pytest.Config) -> None:
         state.neighbours = NeighbourWatch.on_this_node().start()
     if not _is_xdist_worker(config):
         config.pluginmanager.register(Recorder(state), "dsconform-recorder")
-    if not config.option.collectonly:
-        with rank_output.fds_to_log():
-            # Before any rank: every rank process shares this tracker, and what it says at the
-            # process's exit (semaphores a killed rank left) goes to the rank log.
-            from multiprocessing import resource_tracker
-            resource_tracker.ensure_running()
-            _start_ranks_early(config, state)
+    _start_ranks_early(config, state)
+
+
+def _early_ranks_wanted(config: pytest.Config) -> bool:
+    """Whether this run starts ranks before collection: a run of the GPU tests (-m gpu), not
+    an xdist worker (its ranks start with its tests) or --collect-only."""
+    return (not config.option.collectonly and not _is_xdist_worker(config)
+            and _selects_gpu_tests(config.option.markexpr))
+
+
+def _gpu_device_files() -> bool:
+    """Whether the NVIDIA driver's device files are here (/dev/nvidia0, ...): a hint, before
+    the node is detected, that ranks will run on GPUs."""
+    return any(Path("/dev").glob("nvidia[0-9]*"))
 
 
 def _selects_gpu_tests(markexpr: str) -> bool:
@@ -167,10 +184,10 @@ def _start_ranks_early(config: pytest.Config, state: RunState) -> None:
     beside the builds, ten rank processes took the cores the build scheduler waits for, and on
     1xH200 fused_adam's build started 26 s later and the batch, which waits for it, ended 21 s
     later (docs/performance.md)."""
-    if (config.option.collectonly or state.node.gpu_count < 1 or _is_xdist_worker(config)
-            or not _selects_gpu_tests(config.option.markexpr)):
+    if not _early_ranks_wanted(config) or state.node.gpu_count < 1:
         return
-    zygote.start_ahead()  # its imports overlap collection, warm or cold
+    with rank_output.fds_to_log():
+        zygote.start_ahead()  # started already where GPU device files are found
     from dsconform.ops.cache import ensure_extensions_dir
     from dsconform.ops.prebuild import RUN_OPS, is_cached
     ext_dir = ensure_extensions_dir()
@@ -396,16 +413,31 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     state = run_state(session.config)
     if session.config.option.collectonly:
         return
+    took: list[tuple[str, float]] = []
+    t0 = time.monotonic()
+
+    def step(what: str) -> None:
+        nonlocal t0
+        took.append((what, time.monotonic() - t0))
+        t0 = time.monotonic()
+
     with rank_output.capture("(collection)"):
         _start_standby_ranks(session, state)
+        step("standby ranks")
         from dsconform.plugin import batch
         cells = batch.select(session, state) if batch.enabled(state) else []
+        step("the batch's cells")
         ops = ops_to_build(session.items, state)
         if ops:
             from dsconform.ops.prebuild import ParallelBuilds, build_order
             order = build_order(ops, build_needs(session.items, state, cells))
             state.op_builds = ParallelBuilds.start(order, skip_cached=True)
+        step("op builds")
         started = _start_cell_batch(session, state, cells)
+        step("cell batch")
+    # Where the time between collection and the first test goes (docs/performance.md).
+    rank_output.record("(collection)", "controller", "collection's end: " + ", ".join(
+        f"{what} {secs:.2f} s" for what, secs in took))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if started and reporter is not None:  # the tests that wait for it show nothing meanwhile
         from dsconform.harness.lanes import lanes_for

@@ -148,6 +148,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if selection.node.unusable_gpus():
         state.notices.append(f"GPUs not usable: {selection.node.unusable_gpus()}")
     config.stash[STATE] = state
+    if _selects_gpu_tests(config.option.markexpr) and not config.getoption("--nightly"):
+        from dsconform.plugin.hypothesis_profiles import use_for_acceptance
+        use_for_acceptance(config)
     if selection.node.is_gpu_node and not config.option.collectonly:
         from dsconform.node.neighbours import NeighbourWatch
         state.neighbours = NeighbourWatch.on_this_node().start()

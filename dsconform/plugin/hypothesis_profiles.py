@@ -4,7 +4,9 @@ ci:   derandomized, no example database, few examples: reproducible and quick (C
 dev:  the default on a workstation: a few more examples, database kept.
 soak: nightly runs: many examples.
 Select with ``--hypothesis-profile NAME`` or HYPOTHESIS_PROFILE; default ``dev`` (``ci`` when the
-CI variable is set). DSCONFORM_HYPOTHESIS_DIR moves hypothesis's ``.hypothesis`` folder (its
+CI variable is set, and for the acceptance tier, ``-m gpu`` without ``--nightly``: a node's
+verdict takes the same examples on every node, in seconds, and writes no database).
+DSCONFORM_HYPOTHESIS_DIR moves hypothesis's ``.hypothesis`` folder (its
 example database) out of the working directory: examples/nightly-node.sh points it at a
 node-local folder, so nodes never write into a shared (maybe read-only) checkout.
 """
@@ -30,3 +32,12 @@ def register() -> None:
     settings.register_profile("soak", max_examples=200, **common)
     default = "ci" if os.environ.get("CI") else "dev"
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", default))
+
+
+def use_for_acceptance(config) -> None:
+    """The acceptance tier (``-m gpu`` without ``--nightly``) takes ``ci`` unless a profile was
+    chosen (``--hypothesis-profile``, HYPOTHESIS_PROFILE, CI)."""
+    if (os.environ.get("HYPOTHESIS_PROFILE") or os.environ.get("CI")
+            or config.getoption("hypothesis_profile", None)):
+        return
+    settings.load_profile("ci")

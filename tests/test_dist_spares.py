@@ -206,6 +206,6 @@ def test_fresh_standby_ranks_import_ahead_but_build_no_engine(spares, monkeypatc
 def test_ranks_start_before_collection_only_under_a_gpu_selection(markexpr, selects):
     """The standby ranks and lanes start at configure (before collection) only when -m selects
     GPU tests: `-m "not gpu"` on a GPU node starts none early."""
-    from dsconform.plugin.hooks import _selects_gpu_tests
+    from dsconform.plugin.early import selects_gpu_tests as _selects_gpu_tests
 
     assert _selects_gpu_tests(markexpr) is selects

@@ -51,6 +51,8 @@ POLL_S = 0.5
 SETTLE_S = 2.0
 #: A build that started no compiler job by then (a load that found its op built) is judged too.
 SETTLE_MAX_S = 30.0
+#: How often the scheduler's readings are kept for the results (ParallelBuilds.readings).
+READING_EVERY_S = 2.0
 #: The next build starts when at least this share of the cores is idle.
 IDLE_SHARE = 0.25
 #: Each build started beside running ones is this much nicer than the nicest of them.
@@ -97,18 +99,25 @@ def is_cached(op: str, ext_dir: Path) -> bool:
 
 
 class TreeMeter:
-    """How many cores a build's process tree keeps busy (psutil): the cores its CPU time since
-    the last reading used (the live processes' own time and that of the children they reaped,
-    so a compiler job that ended still counts, once), or, where more, how many of its processes
-    are running or waiting for a core (a machine busy with other work gives a build less CPU
-    time than it asks for)."""
+    """How many cores a build's process tree keeps busy (psutil): the CPU time its processes
+    used since the last reading, each its own (a process started since then: all of its), or,
+    where more, how many of its processes are running or waiting for a core (a machine busy
+    with other work gives a build less CPU time than it asks for).
+
+    Not the CPU time of the children a process reaped: ninja's grows by a compiler job's whole
+    time (20-40 s on 1xH200) at the moment it reaps the job, and every reading with a job's end
+    in it would then look like dozens of busy cores. On 1xH200 that held the next build back
+    17 s while three quarters of the cores were idle."""
 
     def __init__(self, driver: str = "ninja") -> None:
         self.driver = driver  # the process that starts the compiler jobs
-        self._last: dict[int, tuple[float, float]] = {}
+        # root pid -> (monotonic and wall-clock time of the reading, {pid: own CPU seconds})
+        self._last: dict[int, tuple[float, float, dict[int, float]]] = {}
         self._driver_seen: dict[int, float] = {}
 
-    def _cpu_seconds(self, pid: int) -> tuple[float, bool, int] | None:
+    def _cpu_seconds(self, pid: int) -> tuple[dict[int, tuple[float, float]], bool, int] | None:
+        """({pid: (own CPU seconds, start time)}, whether the job driver runs, how many of the
+        tree's processes run or wait for a core or the disk)."""
         import psutil
 
         try:
@@ -116,34 +125,44 @@ class TreeMeter:
             procs = [root] + root.children(recursive=True)
         except psutil.Error:
             return None
-        total, driving, runnable = 0.0, False, 0
+        own: dict[int, tuple[float, float]] = {}
+        driving, runnable = False, 0
         for proc in procs:
             try:
-                t = proc.cpu_times()
-                driving = driving or proc.name() == self.driver
-                runnable += proc.status() in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP)
+                with proc.oneshot():
+                    t = proc.cpu_times()
+                    own[proc.pid] = (t.user + t.system, proc.create_time())
+                    driving = driving or proc.name() == self.driver
+                    runnable += proc.status() in (psutil.STATUS_RUNNING,
+                                                  psutil.STATUS_DISK_SLEEP)
             except psutil.Error:
                 continue
-            total += t.user + t.system + t.children_user + t.children_system
-        return total, driving, runnable
+        return own, driving, runnable
 
     def __call__(self, build: Build) -> tuple[bool, float]:
         """(settled: its compiler jobs have started, or it never starts any; busy cores)."""
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         found = self._cpu_seconds(build.proc.pid)
         if found is None:
             return True, 0.0
-        total, driving, runnable = found
+        own, driving, runnable = found
         if driving:
             self._driver_seen.setdefault(build.proc.pid, now)
         seen = self._driver_seen.get(build.proc.pid)
         settled = (seen is not None and now - seen >= SETTLE_S) \
             or now - build.started >= SETTLE_MAX_S
         last = self._last.get(build.proc.pid)
-        self._last[build.proc.pid] = (now, total)
+        self._last[build.proc.pid] = (now, wall, {p: cpu for p, (cpu, _) in own.items()})
         if last is None or now <= last[0]:
             return False, float(runnable)
-        return settled, max(float(runnable), (total - last[1]) / (now - last[0]))
+        then, then_wall, before = last
+        used = 0.0
+        for p, (cpu, created) in own.items():
+            if p in before:
+                used += max(0.0, cpu - before[p])
+            elif created >= then_wall - 0.05:  # started since the last reading
+                used += cpu
+        return settled, max(float(runnable), used / (now - then))
 
 
 @dataclass
@@ -191,6 +210,9 @@ class ParallelBuilds:
     lock: threading.RLock = field(default_factory=threading.RLock)
     changed: threading.Condition = field(default_factory=threading.Condition)
     thread: threading.Thread | None = None
+    #: What the scheduler read while it waited to start a build, every READING_EVERY_S:
+    #: (seconds after the first build started, {op: (settled, busy cores)}), for the results.
+    readings: list[tuple[float, dict[str, tuple[bool, float]]]] = field(default_factory=list)
 
     @classmethod
     def start(cls, ops: Sequence[str], cores: int | None = None, *, skip_cached: bool = False,
@@ -273,6 +295,10 @@ class ParallelBuilds:
                 else:
                     readings = [self.meter(b) for b in running]
                     busy = sum(r[1] for r in readings)
+                    t = time.monotonic() - self.t0
+                    if not self.readings or t - self.readings[-1][0] >= READING_EVERY_S:
+                        self.readings.append((round(t, 1), {
+                            b.op: (r[0], round(r[1], 1)) for b, r in zip(running, readings)}))
                     idle = all(r[0] for r in readings) and \
                         self.cores - busy >= max(1.0, IDLE_SHARE * self.cores)
                     if idle and idle_before:  # two readings in a row: not a moment's lull
@@ -372,7 +398,9 @@ class ParallelBuilds:
         return {"order": list(self.order), "cores": self.cores,
                 "cached": [op for op in self.cached if op not in self.order],
                 "builds": builds,
-                "build_seconds": {b["op"]: b["build_seconds"] for b in builds}}
+                "build_seconds": {b["op"]: b["build_seconds"] for b in builds},
+                "readings": [[t, {op: list(r) for op, r in ops.items()}]
+                             for t, ops in self.readings]}
 
     def _kill(self, b: Build) -> None:
         if b.proc.poll() is None:

@@ -14,7 +14,6 @@ import re
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from dsconform.gate import requires as gating
 from dsconform.harness import output as rank_output
 from dsconform.harness import zygote
 from dsconform.node import nccl_env
+from dsconform.plugin import early
 from dsconform.plugin.hypothesis_profiles import register as _register_hypothesis_profiles
 from dsconform.plugin.keys import BROKEN_PROMISE, COVERED_BY, ITEM_CAPABILITY, RECORDER
 from dsconform.plugin.options import add_options
@@ -96,8 +96,6 @@ def _check_results(opt: str | None) -> Path | None:
     return path.resolve()
 
 
-def _is_xdist_worker(config: pytest.Config) -> bool:
-    return hasattr(config, "workerinput")
 
 
 
@@ -114,7 +112,7 @@ def pytest_configure(config: pytest.Config) -> None:
     results = (None if config.option.collectonly
                else _check_results(config.getoption("--results")))
     scratch, scratch_is_temp = _check_scratch(config.getoption("--scratch"))
-    if results is not None and not _is_xdist_worker(config) and not config.option.xmlpath:
+    if results is not None and not early.is_xdist_worker(config) and not config.option.xmlpath:
         config.option.xmlpath = str(results / "junit.xml")
     # Every rank's stdout and stderr, by test (dsconform.harness.output): the controller starts
     # the file, xdist workers append to it.
@@ -128,7 +126,7 @@ def pytest_configure(config: pytest.Config) -> None:
             # process's exit (semaphores a killed rank left) goes to the rank log.
             from multiprocessing import resource_tracker
             resource_tracker.ensure_running()
-            if _early_ranks_wanted(config) and _gpu_device_files():
+            if early.early_ranks_wanted(config) and early.gpu_device_files():
                 # Its imports (torch, inductor: about 4 s on 1xH200) overlap this process's
                 # own, which finding the node and the profile begin with.
                 zygote.start_ahead()
@@ -148,83 +146,15 @@ def pytest_configure(config: pytest.Config) -> None:
     if selection.node.unusable_gpus():
         state.notices.append(f"GPUs not usable: {selection.node.unusable_gpus()}")
     config.stash[STATE] = state
-    if _selects_gpu_tests(config.option.markexpr) and not config.getoption("--nightly"):
+    if early.selects_gpu_tests(config.option.markexpr) and not config.getoption("--nightly"):
         from dsconform.plugin.hypothesis_profiles import use_for_acceptance
         use_for_acceptance(config)
     if selection.node.is_gpu_node and not config.option.collectonly:
         from dsconform.node.neighbours import NeighbourWatch
         state.neighbours = NeighbourWatch.on_this_node().start()
-    if not _is_xdist_worker(config):
+    if not early.is_xdist_worker(config):
         config.pluginmanager.register(Recorder(state), "dsconform-recorder")
-    _start_ranks_early(config, state)
-
-
-def _early_ranks_wanted(config: pytest.Config) -> bool:
-    """Whether this run starts ranks before collection: a run of the GPU tests (-m gpu), not
-    an xdist worker (its ranks start with its tests) or --collect-only."""
-    return (not config.option.collectonly and not _is_xdist_worker(config)
-            and _selects_gpu_tests(config.option.markexpr))
-
-
-def _gpu_device_files() -> bool:
-    """Whether the NVIDIA driver's device files are here (/dev/nvidia0, ...): a hint, before
-    the node is detected, that ranks will run on GPUs."""
-    return any(Path("/dev").glob("nvidia[0-9]*"))
-
-
-def _selects_gpu_tests(markexpr: str) -> bool:
-    """Whether ``-m`` names the gpu mark other than as ``not gpu``."""
-    return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None
-
-
-def _start_ranks_early(config: pytest.Config, state: RunState) -> None:
-    """Under ``-m gpu`` on a GPU node whose op cache holds the run's ops, start the one-GPU
-    standby ranks and the cell batch's lanes now, before collection (4 s of a warm 1xH200 run)
-    instead of at its end: a lane's start-up (a CUDA context, deepspeed, a first engine: about
-    8 s) is the first thing the batch waits for. Collection's end starts what the selection
-    needs beyond them (_start_standby_ranks); what it does not use is stopped with the rest at
-    the end. With ops to build (a cold cache) they start at collection's end as before: started
-    beside the builds, ten rank processes took the cores the build scheduler waits for, and on
-    1xH200 fused_adam's build started 26 s later and the batch, which waits for it, ended 21 s
-    later (docs/performance.md)."""
-    if not _early_ranks_wanted(config) or state.node.gpu_count < 1:
-        return
-    with rank_output.fds_to_log():
-        zygote.start_ahead()  # started already where GPU device files are found
-    from dsconform.ops.cache import ensure_extensions_dir
-    from dsconform.ops.prebuild import RUN_OPS, is_cached
-    ext_dir = ensure_extensions_dir()
-    if not all(is_cached(op, ext_dir) for op in RUN_OPS["cuda"]):
-        return
-    from dsconform.plugin import batch
-    if not zygote.enabled():
-        with rank_output.capture("(start-up)"):
-            _start_cuda_pools([1], lanes=batch.enabled(state))
-        return
-    # A forked rank's start waits for the fork server's imports (about 4 s): collection goes on
-    # meanwhile. Its parent is the server, so it does not die with this thread.
-    early = threading.Thread(target=_start_early_in_thread, args=(batch.enabled(state),),
-                             name="dsconform-early-ranks", daemon=True)
-    early.start()
-    _EARLY.append(early)
-
-
-#: The thread starting ranks before collection (joined before collection's end starts more).
-_EARLY: list[threading.Thread] = []
-
-
-def _start_early_in_thread(lanes: bool) -> None:
-    with rank_output.labelled("(start-up)"):
-        try:
-            _start_cuda_pools([1], lanes=lanes)
-        except Exception as exc:  # an optimisation: calls start their own ranks
-            rank_output.record("(start-up)", "dsconform.harness",
-                               f"ranks not started before collection ({exc})")
-
-
-def _join_early() -> None:
-    while _EARLY:
-        _EARLY.pop().join()
+    early.start_ranks_early(config, state)
 
 
 def _profile_named(config: pytest.Config) -> str:
@@ -287,7 +217,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def _owns_process(config: pytest.Config) -> bool:
     """Whether this pytest run is the one the process runs for (not a pytester run inside
     another, not an xdist worker): the process ends with it."""
-    return not _is_xdist_worker(config) and \
+    return not early.is_xdist_worker(config) and \
         tuple(map(str, config.invocation_params.args)) == tuple(sys.argv[1:])
 
 
@@ -304,7 +234,7 @@ def _stop_everything(config: pytest.Config) -> None:
         state.op_builds.close()
     if "dsconform.plugin.batch" in sys.modules:
         sys.modules["dsconform.plugin.batch"].stop(config)
-    _join_early()  # a collection error can end the run while it still starts ranks
+    early.join_early()  # a collection error can end the run while it still starts ranks
     if "dsconform.harness.api" in sys.modules:  # only if some test started ranks
         sys.modules["dsconform.harness.api"].shutdown_pools()
     if state and state.scratch_is_temp:
@@ -425,7 +355,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         t0 = time.monotonic()
 
     with rank_output.capture("(collection)"):
-        _start_standby_ranks(session, state)
+        early.start_standby_ranks(session, state)
         step("standby ranks")
         from dsconform.plugin import batch
         cells = batch.select(session, state) if batch.enabled(state) else []
@@ -476,38 +406,6 @@ def _start_ops_suite(session: pytest.Session, state: RunState) -> None:
     pool.shutdown(wait=False)
     state.op_checks = checks_for_run(state, tempfile.mkdtemp(prefix="ops-", dir=state.scratch))
     state.op_checks.start_all()
-
-
-def _start_standby_ranks(session: pytest.Session, state: RunState) -> None:
-    """On a GPU node whose selection has GPU tests, start the cuda rank pools now (one GPU, and
-    two when a multi-GPU test is selected): their start-up (a CUDA context, deepspeed, NCCL;
-    8-20 s each on 2xH200) overlaps collection, the op builds and the promise tests."""
-    gpu_items = [it for it in session.items if it.get_closest_marker("gpu")]
-    if not gpu_items or state.node.gpu_count < 1:
-        return
-    sizes = [1]
-    if state.node.gpu_count >= 2 and any(it.get_closest_marker("multigpu") for it in gpu_items):
-        sizes.append(2)
-    from dsconform.plugin import batch
-    _start_cuda_pools(sizes, lanes=batch.enabled(state)
-                      and any(batch.has_plan(it) for it in gpu_items))
-
-
-def _start_cuda_pools(sizes: list[int], *, lanes: bool) -> None:
-    """Start, without waiting, the cuda standby ranks of these world sizes, warmed up and
-    never-warmed (the ones fresh-process calls take: a resume, GDS; their first call in a run
-    would otherwise start its ranks while the test waits, 8-12 s on 2xH200), and with lanes the
-    cell batch's lanes (dsconform.plugin.batch). Each is started once: a second call starts only
-    what is missing. Nothing under torchrun/Slurm or with standby ranks off."""
-    from dsconform.harness import api as dist
-    _join_early()
-    if dist.external_rendezvous() or not dist.spares_enabled("cuda"):
-        return
-    dist.start_spares(sizes, "cuda")
-    dist.start_spares(sizes, "cuda", fresh=True)
-    if lanes:
-        from dsconform.harness.lanes import start_lanes
-        start_lanes(sizes, "cuda")
 
 
 def _mark_known_issues(item: pytest.Item, state: RunState) -> None:

@@ -1,0 +1,121 @@
+"""Rank processes started ahead of the tests that use them: the fork server and, on a GPU
+node whose op cache holds the run's ops, the standby ranks and the cell batch's lanes before
+collection (a rank's start-up is the first thing the batch and the first tests wait for); at
+collection's end, the cuda pools the selection needs beyond them. docs/performance.md says what
+each saves on 1xH200."""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from dsconform.harness import output as rank_output
+from dsconform.harness import zygote
+from dsconform.plugin.runstate import RunState
+
+
+def is_xdist_worker(config: pytest.Config) -> bool:
+    return hasattr(config, "workerinput")
+
+
+def early_ranks_wanted(config: pytest.Config) -> bool:
+    """Whether this run starts ranks before collection: a run of the GPU tests (-m gpu), not
+    an xdist worker (its ranks start with its tests) or --collect-only."""
+    return (not config.option.collectonly and not is_xdist_worker(config)
+            and selects_gpu_tests(config.option.markexpr))
+
+
+def gpu_device_files() -> bool:
+    """Whether the NVIDIA driver's device files are here (/dev/nvidia0, ...): a hint, before
+    the node is detected, that ranks will run on GPUs."""
+    return any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether ``-m`` names the gpu mark other than as ``not gpu``."""
+    return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None
+
+
+def start_ranks_early(config: pytest.Config, state: RunState) -> None:
+    """Under ``-m gpu`` on a GPU node whose op cache holds the run's ops, start the one-GPU
+    standby ranks and the cell batch's lanes now, before collection (4 s of a warm 1xH200 run)
+    instead of at its end: a lane's start-up (a CUDA context, deepspeed, a first engine: about
+    8 s) is the first thing the batch waits for. Collection's end starts what the selection
+    needs beyond them (start_standby_ranks); what it does not use is stopped with the rest at
+    the end. With ops to build (a cold cache) they start at collection's end as before: started
+    beside the builds, ten rank processes took the cores the build scheduler waits for, and on
+    1xH200 fused_adam's build started 26 s later and the batch, which waits for it, ended 21 s
+    later (docs/performance.md)."""
+    if not early_ranks_wanted(config) or state.node.gpu_count < 1:
+        return
+    with rank_output.fds_to_log():
+        zygote.start_ahead()  # started already where GPU device files are found
+    from dsconform.ops.cache import ensure_extensions_dir
+    from dsconform.ops.prebuild import RUN_OPS, is_cached
+    ext_dir = ensure_extensions_dir()
+    if not all(is_cached(op, ext_dir) for op in RUN_OPS["cuda"]):
+        return
+    from dsconform.plugin import batch
+    if not zygote.enabled():
+        with rank_output.capture("(start-up)"):
+            start_cuda_pools([1], lanes=batch.enabled(state))
+        return
+    # A forked rank's start waits for the fork server's imports (about 4 s): collection goes on
+    # meanwhile. Its parent is the server, so it does not die with this thread.
+    early = threading.Thread(target=_start_early_in_thread, args=(batch.enabled(state),),
+                             name="dsconform-early-ranks", daemon=True)
+    early.start()
+    _EARLY.append(early)
+
+
+#: The thread starting ranks before collection (joined before collection's end starts more).
+_EARLY: list[threading.Thread] = []
+
+
+def _start_early_in_thread(lanes: bool) -> None:
+    with rank_output.labelled("(start-up)"):
+        try:
+            start_cuda_pools([1], lanes=lanes)
+        except Exception as exc:  # an optimisation: calls start their own ranks
+            rank_output.record("(start-up)", "dsconform.harness",
+                               f"ranks not started before collection ({exc})")
+
+
+def join_early() -> None:
+    while _EARLY:
+        _EARLY.pop().join()
+
+
+def start_standby_ranks(session: pytest.Session, state: RunState) -> None:
+    """On a GPU node whose selection has GPU tests, start the cuda rank pools now (one GPU, and
+    two when a multi-GPU test is selected): their start-up (a CUDA context, deepspeed, NCCL;
+    8-20 s each on 2xH200) overlaps collection, the op builds and the promise tests."""
+    gpu_items = [it for it in session.items if it.get_closest_marker("gpu")]
+    if not gpu_items or state.node.gpu_count < 1:
+        return
+    sizes = [1]
+    if state.node.gpu_count >= 2 and any(it.get_closest_marker("multigpu") for it in gpu_items):
+        sizes.append(2)
+    from dsconform.plugin import batch
+    start_cuda_pools(sizes, lanes=batch.enabled(state)
+                      and any(batch.has_plan(it) for it in gpu_items))
+
+
+def start_cuda_pools(sizes: list[int], *, lanes: bool) -> None:
+    """Start, without waiting, the cuda standby ranks of these world sizes, warmed up and
+    never-warmed (the ones fresh-process calls take: a resume, GDS; their first call in a run
+    would otherwise start its ranks while the test waits, 8-12 s on 2xH200), and with lanes the
+    cell batch's lanes (dsconform.plugin.batch). Each is started once: a second call starts only
+    what is missing. Nothing under torchrun/Slurm or with standby ranks off."""
+    from dsconform.harness import api as dist
+    join_early()
+    if dist.external_rendezvous() or not dist.spares_enabled("cuda"):
+        return
+    dist.start_spares(sizes, "cuda")
+    dist.start_spares(sizes, "cuda", fresh=True)
+    if lanes:
+        from dsconform.harness.lanes import start_lanes
+        start_lanes(sizes, "cuda")

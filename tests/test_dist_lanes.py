@@ -269,9 +269,10 @@ def test_a_fresh_step_may_change_the_world_size(clean, lanes):
 
 
 def test_calls_that_load_an_op_gather_on_few_lanes():
-    """Loading a DeepSpeed op costs each rank seconds: a lane whose ranks loaded an op takes the
-    calls that need it first, and no more lanes start loading it than its share of the work
-    calls for, unless nothing else is left."""
+    """Loading a DeepSpeed op costs each rank seconds: each op gets as many lanes as its share
+    of the work calls for, claimed from the start; a lane whose ranks loaded an op takes its
+    calls first; the calls that need no op go to the other lanes; a lane takes a call of an op
+    it has not loaded only when nothing else is left."""
     aio, adam, none = frozenset({"async_io"}), frozenset({"cpu_adam"}), frozenset()
     # 4 lanes; async_io is a tenth of the work (one lane), cpu_adam half of it (two lanes).
     ops = [adam] * 5 + [none] * 4 + [aio] * 4
@@ -285,15 +286,26 @@ def test_calls_that_load_an_op_gather_on_few_lanes():
         loaded[lane] |= ops[i]
         return i
 
-    # The first two lanes take cpu_adam calls, the other two may not load it: they take the
-    # calls that need no op, then one of them async_io's.
-    assert [take(0), take(1), take(2), take(3)] == [0, 1, 5, 6]
-    assert take(2) == 7 and take(3) == 8
-    assert take(2) == 9 and ops[9] == aio  # lane 2 claims async_io
-    # Lane 2 goes on with what it loaded; lane 3 may load neither op, but nothing else is left:
-    # it takes the next call rather than wait.
-    assert take(2) == 10
-    assert take(3) == 2 and "cpu_adam" in loaded[3]
-    assert take(3) == 3  # now it has cpu_adam loaded, it takes cpu_adam's calls
-    assert [take(0), take(2), take(2)] == [4, 11, 12]
-    assert queue.take(1, loaded[1]) is None
+    # Lanes 0 and 1 claim cpu_adam, lane 2 async_io (its calls come last in the order, but
+    # start now), lane 3 takes what needs no op.
+    assert [take(0), take(1), take(2), take(3)] == [0, 1, 9, 5]
+    assert [take(2), take(3), take(0), take(1)] == [10, 6, 2, 3]
+    assert [take(2), take(2), take(3), take(3)] == [11, 12, 7, 8]
+    # Only cpu_adam's last call is left: lane 2 has nothing else to do, and takes it.
+    assert take(2) == 4 and "cpu_adam" in loaded[2]
+    assert queue.take(0, loaded[0]) is None
+
+
+def test_a_call_whose_op_is_still_being_built_waits_while_others_run():
+    """A call whose op the run still builds is not taken (its rank would wait for the build,
+    or build the op itself, unseen by the build scheduler): the others are, and when only such
+    calls are left, the lane waits."""
+    aio, none = frozenset({"async_io"}), frozenset()
+    built: set[str] = set()
+    queue = harness_lanes._Queue([0, 1, 2], [aio, none, aio], [1.0, 1.0, 1.0], 2,
+                                 ready=lambda ops: ops <= built)
+    assert queue.take(0, set()) == 1
+    assert queue.take(0, set()) == queue.WAIT
+    built.add("async_io")
+    assert queue.take(0, set()) == 0 and queue.take(1, set()) == 2
+    assert queue.take(1, set()) is None

@@ -283,15 +283,23 @@ class _Queue:
     """The calls of one world size, shared by its lanes, with op affinity: loading a DeepSpeed
     op costs each process seconds (async_io 2.5 s, cpu_adam about 2 s on 1xH200 beside a
     batch: DeepSpeed's builder compiles a libaio probe, runs ninja and imports the module),
-    once per rank. A lane whose ranks loaded an op takes the calls that need it first; a lane
-    starts loading an op only while fewer lanes than the op's share of the work calls for
-    (``limits``) took it, unless nothing else is left. ``ops``: each call's ops (empty: none
-    or unknown); the order of ``indices`` stands otherwise."""
+    once per rank. Each op gets at most as many lanes as its share of the work (by ``costs``)
+    calls for (``limits``): a lane whose ranks loaded an op takes the calls that need it
+    first; a lane that loaded none of them claims one while the op has lanes to spare, so the
+    op's calls start early on their lanes instead of being left to every lane at the end; the
+    calls that need no op go to the others. ``ops``: each call's ops (empty: none, or not
+    known); ``ready(ops)``: whether those ops can be loaded now (not still being built by the
+    run: a rank that loads an op first would build it itself, unseen by the build scheduler);
+    the order of ``indices`` stands otherwise."""
+
+    WAIT = -1  # take(): calls are left, but none is ready
 
     def __init__(self, indices: list[int], ops: list[frozenset[str]],
-                 costs: list[float], lanes: int) -> None:
+                 costs: list[float], lanes: int,
+                 ready: Callable[[frozenset[str]], bool] | None = None) -> None:
         self.order = deque(indices)
         self.ops = ops
+        self.ready = ready or (lambda _ops: True)
         self.lock = threading.Lock()
         self.claims: dict[str, set[int]] = {}
         total = sum(costs[i] for i in indices) or 1.0
@@ -304,17 +312,27 @@ class _Queue:
         with self.lock:
             return bool(self.order)
 
+    def _spare(self, op: str, lane: int) -> bool:
+        claimed = self.claims.get(op, ())
+        return lane in claimed or len(claimed) < self.limits[op]
+
     def take(self, lane: int, loaded: set[str]) -> int | None:
-        """The next call for a lane whose ranks have ``loaded`` these ops (None: none left)."""
+        """The next call for a lane whose ranks have ``loaded`` these ops; None: none left;
+        WAIT: none of those left is ready yet."""
         with self.lock:
             if not self.order:
                 return None
-            pick = next((i for i in self.order if self.ops[i] and self.ops[i] <= loaded), None)
-            if pick is None:
-                pick = next((i for i in self.order
-                             if all(len(self.claims.get(op, ())) < self.limits[op]
-                                    or lane in self.claims.get(op, ())
-                                    for op in self.ops[i] - loaded)), self.order[0])
+            ready = [i for i in self.order if self.ready(self.ops[i])]
+            if not ready:
+                return self.WAIT
+            pick = next((i for i in ready if self.ops[i] and self.ops[i] <= loaded), None)
+            if pick is None:  # claim an op that has lanes to spare
+                pick = next((i for i in ready if self.ops[i] - loaded and all(
+                    self._spare(op, lane) for op in self.ops[i] - loaded)), None)
+            if pick is None:  # what needs nothing this lane has not loaded
+                pick = next((i for i in ready if self.ops[i] <= loaded), None)
+            if pick is None:  # nothing else is left: better than waiting
+                pick = ready[0]
             self.order.remove(pick)
             for op in self.ops[pick]:
                 self.claims.setdefault(op, set()).add(lane)
@@ -336,6 +354,9 @@ def _lane(key: tuple, lane: int, queue: _Queue, calls: list, pickled: list, outc
             i = queue.take(lane, loaded)
             if i is None:
                 return
+            if i == queue.WAIT:  # the ops of every call left are still being built
+                time.sleep(0.2)
+                continue
             # The ranks' output of this call is logged as its cell's test (output.record).
             with output.labelled(labels[i] or output.current_label()):
                 steps = _steps(calls[i])
@@ -405,7 +426,8 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
                      cancel: threading.Event | None = None,
                      labels: list[str] | None = None,
                      ops: list[list[str]] | None = None,
-                     costs: list[float] | None = None) -> list[tuple]:
+                     costs: list[float] | None = None,
+                     ready: Callable[[frozenset[str]], bool] | None = None) -> list[tuple]:
     """Run independent calls at once, spread over `lanes` pools per world size (one-rank pools
     on every GPU in turn). Each outcome is ("ok", the per-rank results) or ("raise", the
     exception run_ranks would have raised for that call alone: RankError, RankTimeout, a
@@ -432,7 +454,8 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
 
     ops: the DeepSpeed ops each call loads, costs: about how long each takes (seconds): the
     calls that need an op gather on as few lanes as their share of the work allows, so that
-    fewer processes pay for loading it (_Queue)."""
+    fewer processes pay for loading it; ready(ops): whether those ops can be loaded now (a
+    call waits while they are still being built) (_Queue)."""
     outcomes: list = [None] * len(calls)
     lanes = lanes_for() if lanes is None else lanes
     labels = list(labels) if labels is not None else [None] * len(calls)
@@ -484,7 +507,7 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
             for i in indices:
                 finish(i, ("raise", exc))
             continue
-        queue = _Queue(indices, call_ops, call_costs, len(keys))
+        queue = _Queue(indices, call_ops, call_costs, len(keys), ready)
         for lane, key in enumerate(keys):
             threads.append(threading.Thread(
                 target=_lane, name=f"dsconform-lane-ws{ws}",

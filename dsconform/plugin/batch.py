@@ -268,14 +268,22 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None
         owners.append((it, workdir, cleanup))
         state.pending.add(it.nodeid)
     lanes = lanes_for("cuda" if rs.node.gpu_count else "cpu")
-    state.thread = threading.Thread(target=_run, args=(state, calls, owners, lanes),
+    builds = rs.op_builds
+
+    def ready(ops: frozenset[str]) -> bool:
+        """Whether the run's builds of these ops ended (a rank that loads an op still building
+        waits for the build's lock, or builds it itself where the build has not started)."""
+        return builds is None or all(builds.finished(op) for op in ops)
+
+    state.thread = threading.Thread(target=_run, args=(state, calls, owners, lanes, ready),
                                     name="dsconform-cell-batch", daemon=True)
     state.thread.start()
     return len(calls)
 
 
 def _run(state: _State, calls: list[RankCall | list[RankCall]],
-         owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]], lanes: int) -> None:
+         owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]], lanes: int,
+         ready: Callable[[frozenset[str]], bool]) -> None:
     """The batch's thread: run the calls, hand each outcome to its test as it ends."""
     t0 = time.monotonic()
 
@@ -306,7 +314,7 @@ def _run(state: _State, calls: list[RankCall | list[RankCall]],
         run_concurrently(calls, lanes=lanes, on_done=done, cancel=state.cancel,
                          labels=[it.nodeid for it, _, _ in owners],
                          ops=[gating.item_ops(it) for it, _, _ in owners],
-                         costs=[cost(it) for it, _, _ in owners])
+                         costs=[cost(it) for it, _, _ in owners], ready=ready)
     except BaseException as exc:  # the harness failed: each waiting cell says so
         with state.cond:
             for it, _, _ in owners:

@@ -425,15 +425,20 @@ def _mark_known_issues(item: pytest.Item, state: RunState) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    verdict = gating.item_verdict(item, run_state(item.config))
-    if verdict is None:
-        return
-    if verdict.broken_promises:
+    state = run_state(item.config)
+    verdict = gating.item_verdict(item, state)
+    if verdict is not None and verdict.broken_promises:
         # Fail in the call phase so it counts as FAILED (a broken promise), not as an ERROR of
         # the test's setup; pytest_pyfunc_call below raises it instead of running the test.
         item.stash[BROKEN_PROMISE] = verdict.fail_reason
-    elif not verdict.ok:
+    elif verdict is not None and not verdict.ok:
         raise pytest.skip.Exception(verdict.skip_reason, _use_item_location=True)
+    elif state.op_builds is not None:
+        # A rank that loads an op this run still builds would wait for the build's lock, or,
+        # where the build has not started, build the op itself, unseen by the scheduler (on
+        # 1xH200 the async_io build then waited 28 s at no CPU for a rank's build of it).
+        for op in gating.item_ops(item):
+            state.op_builds.wait(op)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -367,3 +367,25 @@ def test_tests_waiting_for_a_build_are_the_gpu_tests_of_uncached_ops(monkeypatch
     assert _waits_for_a_build(items, state) == {id(waiting)}
     state.node.gpu_count = 0
     assert _waits_for_a_build(items, state) == set()
+
+
+def test_a_test_waits_at_setup_for_the_builds_of_the_ops_it_loads(monkeypatch):
+    """A test whose ranks load an op this run still builds waits for that build at setup (a
+    rank that loaded it first would build it itself, unseen by the scheduler); a test the gate
+    skips does not wait."""
+    from types import SimpleNamespace
+
+    from dsconform.plugin import hooks
+
+    waited = []
+    state = SimpleNamespace(op_builds=SimpleNamespace(wait=waited.append))
+    monkeypatch.setattr(hooks, "run_state", lambda config: state)
+    monkeypatch.setattr(hooks.gating, "item_ops", lambda item: ["async_io", "utils"])
+    monkeypatch.setattr(hooks.gating, "item_verdict", lambda item, st: None)
+    hooks.pytest_runtest_setup(SimpleNamespace(config=None, stash={}))
+    assert waited == ["async_io", "utils"]
+    skipped = SimpleNamespace(broken_promises=[], ok=False, skip_reason="not promised")
+    monkeypatch.setattr(hooks.gating, "item_verdict", lambda item, st: skipped)
+    with pytest.raises(pytest.skip.Exception):
+        hooks.pytest_runtest_setup(SimpleNamespace(config=None, stash={}))
+    assert waited == ["async_io", "utils"]

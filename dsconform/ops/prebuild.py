@@ -99,25 +99,18 @@ def is_cached(op: str, ext_dir: Path) -> bool:
 
 
 class TreeMeter:
-    """How many cores a build's process tree keeps busy (psutil): the CPU time its processes
-    used since the last reading, each its own (a process started since then: all of its), or,
-    where more, how many of its processes are running or waiting for a core (a machine busy
-    with other work gives a build less CPU time than it asks for).
-
-    Not the CPU time of the children a process reaped: ninja's grows by a compiler job's whole
-    time (20-40 s on 1xH200) at the moment it reaps the job, and every reading with a job's end
-    in it would then look like dozens of busy cores. On 1xH200 that held the next build back
-    17 s while three quarters of the cores were idle."""
+    """How many cores a build's process tree keeps busy (psutil): the cores its CPU time since
+    the last reading used (the live processes' own time and that of the children they reaped,
+    so a compiler job that ended still counts, once), or, where more, how many of its processes
+    are running or waiting for a core (a machine busy with other work gives a build less CPU
+    time than it asks for)."""
 
     def __init__(self, driver: str = "ninja") -> None:
         self.driver = driver  # the process that starts the compiler jobs
-        # root pid -> (monotonic and wall-clock time of the reading, {pid: own CPU seconds})
-        self._last: dict[int, tuple[float, float, dict[int, float]]] = {}
+        self._last: dict[int, tuple[float, float]] = {}
         self._driver_seen: dict[int, float] = {}
 
-    def _cpu_seconds(self, pid: int) -> tuple[dict[int, tuple[float, float]], bool, int] | None:
-        """({pid: (own CPU seconds, start time)}, whether the job driver runs, how many of the
-        tree's processes run or wait for a core or the disk)."""
+    def _cpu_seconds(self, pid: int) -> tuple[float, bool, int] | None:
         import psutil
 
         try:
@@ -125,44 +118,34 @@ class TreeMeter:
             procs = [root] + root.children(recursive=True)
         except psutil.Error:
             return None
-        own: dict[int, tuple[float, float]] = {}
-        driving, runnable = False, 0
+        total, driving, runnable = 0.0, False, 0
         for proc in procs:
             try:
-                with proc.oneshot():
-                    t = proc.cpu_times()
-                    own[proc.pid] = (t.user + t.system, proc.create_time())
-                    driving = driving or proc.name() == self.driver
-                    runnable += proc.status() in (psutil.STATUS_RUNNING,
-                                                  psutil.STATUS_DISK_SLEEP)
+                t = proc.cpu_times()
+                driving = driving or proc.name() == self.driver
+                runnable += proc.status() in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP)
             except psutil.Error:
                 continue
-        return own, driving, runnable
+            total += t.user + t.system + t.children_user + t.children_system
+        return total, driving, runnable
 
     def __call__(self, build: Build) -> tuple[bool, float]:
         """(settled: its compiler jobs have started, or it never starts any; busy cores)."""
-        now, wall = time.monotonic(), time.time()
+        now = time.monotonic()
         found = self._cpu_seconds(build.proc.pid)
         if found is None:
             return True, 0.0
-        own, driving, runnable = found
+        total, driving, runnable = found
         if driving:
             self._driver_seen.setdefault(build.proc.pid, now)
         seen = self._driver_seen.get(build.proc.pid)
         settled = (seen is not None and now - seen >= SETTLE_S) \
             or now - build.started >= SETTLE_MAX_S
         last = self._last.get(build.proc.pid)
-        self._last[build.proc.pid] = (now, wall, {p: cpu for p, (cpu, _) in own.items()})
+        self._last[build.proc.pid] = (now, total)
         if last is None or now <= last[0]:
             return False, float(runnable)
-        then, then_wall, before = last
-        used = 0.0
-        for p, (cpu, created) in own.items():
-            if p in before:
-                used += max(0.0, cpu - before[p])
-            elif created >= then_wall - 0.05:  # started since the last reading
-                used += cpu
-        return settled, max(float(runnable), used / (now - then))
+        return settled, max(float(runnable), (total - last[1]) / (now - last[0]))
 
 
 @dataclass
@@ -306,9 +289,9 @@ class ParallelBuilds:
                         idle = False
                         if self._at_lowest_priority():
                             # The rest would start at this nice level too, each once the cores
-                            # are idle again: a run that measures only after every build waited
-                            # 17 s more for the last (utils, one source file) on 1xH200. They
-                            # share what the builds before them leave.
+                            # are idle again: on 1xH200 the last (utils, one source file) ended
+                            # 13 s after every other build, and the measurements wait for all
+                            # of them. They share what the builds before them leave.
                             while self.pending:
                                 self._start_next()
                     idle_before = idle

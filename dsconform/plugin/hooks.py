@@ -96,10 +96,6 @@ def _check_results(opt: str | None) -> Path | None:
     return path.resolve()
 
 
-
-
-
-
 @pytest.hookimpl(tryfirst=True)  # before junitxml's configure reads xmlpath
 def pytest_configure(config: pytest.Config) -> None:
     # Before anything imports torch's lazy modules or starts a rank (dsconform.ops.cache).

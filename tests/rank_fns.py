@@ -261,3 +261,17 @@ def process_facts() -> dict:
             "late": os.environ.get("DSCONFORM_TEST_LATE"),
             "server_env": os.environ.get("DSC_FORK_SERVER_PID"),
             "cuda_initialized": torch.cuda.is_initialized()}
+
+
+def cpu_questions() -> dict:
+    """How a rank answers DeepSpeed's CPU questions: whether py-cpuinfo's function is the
+    shared answer (dsconform.harness.cpu_info), whether the rank already holds an answer (a
+    fork of the server that asked), and what two of DeepSpeed's builders read from it."""
+    import cpuinfo
+    from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+
+    from dsconform.harness import cpu_info
+
+    held = cpu_info._STATE["answer"] is not None or bool(os.environ.get(cpu_info.ENV))
+    return {"shared": cpuinfo.get_cpu_info is cpu_info.remembered, "held": held,
+            "flags": [CPUAdamBuilder().cpu_arch(), AsyncIOBuilder().simd_width()]}

@@ -94,3 +94,37 @@ def test_full_matrix():
     assert "2 tests collected" in pytester.runpytest(*base, "-m", "gpu", "--nightly").stdout.str()
     assert "1/2 tests collected" in pytester.runpytest(*base, "-m", "slow").stdout.str()
     assert "2 tests collected" in pytester.runpytest(*base, "-m", "").stdout.str()
+
+
+def test_a_test_of_an_unpromised_op_joins_only_the_nightly_tier(pytester, tmp_path):
+    """`promised_ops_only`: `-m gpu` keeps the test where the profile promises its op, leaves it
+    out elsewhere and says so in the header; --nightly keeps it."""
+    pytester.makepyfile(test_t='''
+import pytest
+from dsconform.suite import requires
+
+@pytest.mark.gpu
+def test_fast():
+    pass
+
+@pytest.mark.gpu
+@pytest.mark.promised_ops_only
+@requires(op="gds")
+def test_gds_handle():
+    pass
+''')
+    without, with_gds = tmp_path / "p.toml", tmp_path / "q.toml"
+    without.write_text('[profile]\nname = "p"\n[gpus]\ncount = 0\n')
+    with_gds.write_text('[profile]\nname = "q"\n[gpus]\ncount = 0\n[deepspeed]\nops = ["gds"]\n')
+
+    def run(profile, *args):
+        return pytester.runpytest("-p", "fixtures.plugin", "--profile", str(profile),
+                                  "--results", "", "-m", "gpu", *args).stdout.str()
+
+    out = run(without)
+    assert "1 skipped, 1 deselected" in out  # no GPU here: the kept test skips
+    assert ("NOTE: profile p does not promise op gds: the acceptance tier leaves out "
+            "test_gds_handle; --nightly runs it where the op is compatible") in out
+    kept = run(with_gds)  # kept: a promise this machine, with no gds, breaks
+    assert "1 failed, 1 skipped" in kept and "profile q promises [op gds]" in kept
+    assert "2 skipped" in run(without, "--nightly")

@@ -9,9 +9,16 @@ fails is left to the rank, which imports it again and reports the error there.
 
 import os
 
+from dsconform.harness import cpu_info
+
 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 #: Marks the server's environment; a rank takes its parent's instead (rank._take_environment).
 os.environ["DSC_FORK_SERVER_PID"] = str(os.getpid())
+
+# py-cpuinfo's query (a second, dsconform.harness.cpu_info) runs beside the imports; every
+# rank forked from here then has its answer.
+cpu_info.install()
+cpu_info.start_asking()
 
 #: Heaviest first; DeepSpeed is not among them (it picks its accelerator when imported).
 MODULES = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx",
@@ -22,3 +29,5 @@ for _name in MODULES:
         __import__(_name)
     except Exception:  # noqa: BLE001 - the rank reports it
         pass
+
+cpu_info.remembered()

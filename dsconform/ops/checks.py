@@ -118,6 +118,9 @@ class IsolatedOpCheck:
               scratch_dir: str | os.PathLike[str] | None = None) -> IsolatedOpCheck:
         import subprocess
 
+        from dsconform.harness import cpu_info
+
+        cpu_info.share()  # the child's op load asks py-cpuinfo: answered from here
         cmd = [sys.executable, "-c", _CHILD, name, device, os.fspath(scratch_dir or "")]
         # The child runs in the scratch directory: gds_handle writes local_cufile.json into its
         # working directory, which must not be the user's checkout. This dsconform stays

@@ -124,6 +124,8 @@ def _so_path(ext_dir: Path, name: str) -> Path:
 
 def load_op(name: str) -> OpLoad:
     """Build (if needed) and load DeepSpeed op `name`; compiler output and failures are recorded."""
+    from dsconform.harness import cpu_info
+    cpu_info.install()  # the builder's CPU flags: py-cpuinfo asked once per process tree
     ext_dir = ensure_extensions_dir()
     existed = _so_path(ext_dir, name).exists()
     out = FdCapture()

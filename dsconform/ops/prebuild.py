@@ -211,6 +211,9 @@ class ParallelBuilds:
             order = [op for op in order if op not in cached]
         self = cls(order=order, cores=max(1, cores or available_cores()), cached=cached, **kw)
         self.pending = list(order)
+        if self.pending:  # each build's first CPU question is then answered (cpu_info)
+            from dsconform.harness import cpu_info
+            cpu_info.share()
         self.t0 = time.monotonic()
         if self.pending:
             self._start_next()

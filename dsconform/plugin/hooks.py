@@ -22,8 +22,8 @@ import pytest
 from dsconform import __version__, settings
 from dsconform.gate import known_issues
 from dsconform.gate import requires as gating
+from dsconform.harness import cpu_info, zygote
 from dsconform.harness import output as rank_output
-from dsconform.harness import zygote
 from dsconform.node import nccl_env
 from dsconform.plugin import early
 from dsconform.plugin.hypothesis_profiles import register as _register_hypothesis_profiles
@@ -117,6 +117,10 @@ def pytest_configure(config: pytest.Config) -> None:
         results / RANK_LOG_NAME if results is not None else None, worker=worker,
         truncate=not worker)
     if not config.option.collectonly:
+        # DeepSpeed asks py-cpuinfo about the CPU (a second each time) in every process that
+        # loads an op or builds CPU Adam: asked once, beside the start-up, and shared.
+        cpu_info.install()
+        cpu_info.start_asking()
         with rank_output.fds_to_log():
             # Before any rank: every rank process shares this tracker, and what it says at the
             # process's exit (semaphores a killed rank left) goes to the rank log.
@@ -191,6 +195,9 @@ _MARKERS = {
                     "node with one GPU (it covers what the two-rank cells cover elsewhere)",
     "covered_on_one_gpu": "a two-rank acceptance cell whose check one-rank cells cover on a node "
                           "with one GPU: left out there, not skipped",
+    "promised_ops_only": "joins the acceptance tier only where the profile promises the ops it "
+                         "loads (requires(op=...)); the nightly tier runs it wherever they are "
+                         "compatible",
     "run_first": "runs before every other test (the hardware gate before the run)",
     "run_last": "runs after every other test (the hardware gate after the run)",
 }
@@ -303,14 +310,25 @@ def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
 
     On a node with one GPU the acceptance tier takes the one-rank cells marked `one_gpu_tier`
     (they cover every pair of the matrix's other axes at one rank) in place of the two-rank
-    cells marked `covered_on_one_gpu`, which could only skip there."""
+    cells marked `covered_on_one_gpu`, which could only skip there.
+
+    A test marked `promised_ops_only` joins it only where the profile promises the ops it loads
+    (GDS handles on a node without nvidia-fs: a 74 s build on 1xH200 for an op it does not
+    promise); the summary's NOTE names what the nightly tier adds."""
     markexpr = config.option.markexpr or ""
     if config.getoption("--nightly") or not markexpr or re.search(r"\bslow\b", markexpr):
         return
     state = run_state(config)
     one_gpu = state.node.gpu_count == 1
 
+    def unpromised(it: pytest.Item) -> list[str]:
+        if it.get_closest_marker("promised_ops_only") is None:
+            return []
+        return [op for op in gating.item_ops(it) if op not in state.profile.ops]
+
     def left_out(it: pytest.Item) -> bool:
+        if unpromised(it):
+            return True
         if one_gpu and it.get_closest_marker("gpu"):
             if it.get_closest_marker("one_gpu_tier"):
                 return False
@@ -328,6 +346,13 @@ def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
             state.notices.append(
                 f"one GPU: {joined} one-rank cells join the acceptance tier in place of "
                 f"{replaced} two-rank cells whose checks they cover")
+    nightly_only = {op for it in out for op in unpromised(it)}
+    if nightly_only:
+        names = ", ".join(sorted(nightly_only))
+        tests = sorted({it.originalname for it in out if unpromised(it)})
+        state.notices.append(
+            f"profile {state.profile.name} does not promise op {names}: the acceptance tier "
+            f"leaves out {', '.join(tests)}; --nightly runs it where the op is compatible")
     if out:
         config.hook.pytest_deselected(items=out)
         items[:] = [it for it in items if not left_out(it)]
@@ -342,6 +367,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     state = run_state(session.config)
     if session.config.option.collectonly:
         return
+    cpu_info.share()  # ranks and builds started from here on inherit py-cpuinfo's answer
     took: list[tuple[str, float]] = []
     t0 = time.monotonic()
 

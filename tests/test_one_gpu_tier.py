@@ -136,10 +136,12 @@ def _marked(items: dict[str, dict], mark: str) -> set[str]:
 
 
 def test_two_gpu_node_keeps_the_acceptance_tier(selections):
-    """With two GPUs `-m gpu` selects exactly the `gpu` tests that are not `slow`: the one-GPU
-    markers change nothing there."""
+    """With two GPUs `-m gpu` selects exactly the `gpu` tests that are not `slow` (nor
+    `promised_ops_only`: the fake profile promises no op): the one-GPU markers change nothing
+    there."""
     every = selections["all"]
-    expected = {i for i, it in every.items() if "gpu" in it["marks"] and "slow" not in it["marks"]}
+    expected = {i for i, it in every.items() if "gpu" in it["marks"]
+                and not {"slow", "promised_ops_only"} & set(it["marks"])}
     assert set(selections["two"]) == expected
 
 

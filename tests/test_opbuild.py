@@ -292,9 +292,23 @@ def test_the_batch_runs_the_cells_of_the_op_built_first_first():
     assert _build_rank(cell["aio"], SimpleNamespace(op_builds=None)) == 0
 
 
-def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
-    from types import SimpleNamespace
+def _run_state(gpus: int, ops: tuple[str, ...], compatible: dict[str, bool]):
+    """A RunState on a fake node of ``gpus`` GPUs whose profile promises ``ops``; the ops'
+    compatibility as given (the gate's probe is not run)."""
+    from dsconform.plugin.runstate import RunState
+    from dsconform.profile.schema import Profile
+    from dsconform.profile.select import Selection
+    from tests.test_detect import fake_node
 
+    node = fake_node(gpus)
+    profile = Profile(name="p", source="t", gpu_count=gpus, ops=ops)
+    state = RunState(selection=Selection(profile, node, "t"), scratch=".", scratch_is_temp=False,
+                     results=None, started="")
+    state.op_cache.update(compatible)
+    return state
+
+
+def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
     from dsconform.gate.requires import requires
     from dsconform.plugin.hooks import ops_to_build
 
@@ -302,9 +316,8 @@ def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
              _Item("suites/test_checkpoint.py", pytest.mark.gpu,
                    requires(op=["async_io", "utils"])),
              _Item("suites/test_zero.py", requires(op="cpu_adam"))]  # a CPU cell: not built
-    profile = SimpleNamespace(ops=["cpu_adam", "async_io"])
-    gpu = SimpleNamespace(profile=profile, node=SimpleNamespace(gpu_count=2))
-    cpu = SimpleNamespace(profile=profile, node=SimpleNamespace(gpu_count=0))
+    ops, compatible = ("cpu_adam", "async_io"), dict(cpu_adam=True, async_io=True, utils=True)
+    gpu, cpu = _run_state(2, ops, compatible), _run_state(0, ops, compatible)
     assert ops_to_build(items, gpu) == ["cpu_adam", "async_io", "utils"]
     assert ops_to_build(items, cpu) == ["cpu_adam", "async_io"]
     assert ops_to_build(items[1:], gpu) == ["async_io", "utils"]
@@ -361,3 +374,22 @@ def test_a_test_waits_at_setup_for_the_builds_of_the_ops_it_loads(monkeypatch):
     with pytest.raises(pytest.skip.Exception):
         hooks.pytest_runtest_setup(SimpleNamespace(config=None, stash={}))
     assert waited == ["async_io", "utils"]
+
+
+def test_ops_of_gpu_tests_that_will_skip_are_not_built():
+    """A GPU test skipped by a static mark (NVME-GDS-2 on a profile without NVMe paths) or by an
+    unmet need other than its ops (two GPUs on a one-GPU node) loads nothing: its ops are not
+    built for it. One whose only unmet need is its op is built: its failure is the test's."""
+    from dsconform.gate.requires import requires
+    from dsconform.plugin.hooks import ops_to_build
+
+    state = _run_state(1, ("cpu_adam",), dict(gds=True, utils=True, async_io=True,
+                                              fused_adam=False))
+    gpu = pytest.mark.gpu
+    skipped = _Item("suites/test_deepnvme.py", gpu, requires(op="gds"),
+                    pytest.mark.skip(reason="Requires: [NVMe path in profile]"))
+    two_gpus = _Item("suites/test_checkpoint.py", gpu, requires(min_gpus=2, op="utils"))
+    runs = _Item("suites/test_deepnvme.py", gpu, requires(op="async_io"))
+    unbuildable = _Item("suites/test_zero.py", gpu, requires(op="fused_adam"))
+    assert ops_to_build([skipped, two_gpus, runs, unbuildable], state) == \
+        ["async_io", "fused_adam"]

@@ -109,9 +109,19 @@ def ops_to_build(items: list, state: RunState) -> list[str]:
         ops += list(state.profile.ops)
     if state.node.gpu_count:
         for it in items:
-            if it.get_closest_marker("gpu"):
+            if it.get_closest_marker("gpu") and _may_load_ops(it, state):
                 ops += [op for op in gating.item_ops(it) if op not in ops]
     return ops
+
+
+def _may_load_ops(item: pytest.Item, state: RunState) -> bool:
+    """Whether a test can get as far as loading its ops: not skipped by a static mark (NVME-GDS-2
+    on a profile without NVMe paths), and no need of it unmet but its ops (an op that does
+    not build is the test's to report)."""
+    if item.get_closest_marker("skip") is not None:
+        return False
+    verdict = gating.item_verdict(item, state)
+    return verdict is None or all(u.condition == "op" for u in verdict.unmet)
 
 
 def build_needs(items: list, state: RunState, cells: list) -> list[tuple[float, list[str], float]]:

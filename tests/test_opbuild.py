@@ -153,6 +153,34 @@ def test_a_build_that_keeps_every_core_busy_holds_the_next_until_it_ends(monkeyp
         opbuild.summary_line(builds.timings())
 
 
+def test_builds_started_before_collection_take_the_runs_order_at_its_end(monkeypatch,
+                                                                        tmp_path):
+    """Started with a guess (a, b, c): a builds, keeping the cores busy; at collection's end the
+    run's order is d, c, a (b not needed, d new, e in the cache): b never starts, d starts
+    before c, a goes on; a build added after every build ended still starts."""
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "e.so").write_bytes(b"")
+    monkeypatch.setattr(opbuild, "POLL_S", 0.1)
+    monkeypatch.setenv("FAKE_BUILDS", json.dumps({op: {"seconds": 0.5} for op in "abcdf"}))
+    busy = _ScriptedMeter({op: [(0.3, 2.0), (99, 0.0)] for op in "abcdf"})
+    events = []
+    run = ParallelBuilds.start(["a", "b", "c"], 2, skip_cached=True, ext_dir=tmp_path,
+                               command=_fake_command, meter=busy,
+                               on_event=lambda op, what, info: events.append((op, what)))
+    try:
+        run.extend(["d", "c", "a", "e"], ext_dir=tmp_path)
+        assert run.order == ["a", "d", "c"] and run.wait("b") is None
+        r = run.wait_all(timeout_s=30)
+        assert [op for op, what in events if what == "start"] == ["a", "d", "c"]
+        assert r["d"]["t_start"] <= r["c"]["t_start"] and r["a"]["loaded"]
+        assert run.timings()["cached"] == ["e"]
+        time.sleep(0.5)  # the scheduler has nothing left and ends
+        run.extend(["f"], ext_dir=tmp_path)
+        assert run.wait("f", timeout_s=30)["loaded"]
+    finally:
+        run.close()
+
+
 def test_ops_in_the_cache_are_left_out_of_a_run_or_only_load_at_once(monkeypatch, tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "b.so").write_bytes(b"")
@@ -393,3 +421,36 @@ def test_ops_of_gpu_tests_that_will_skip_are_not_built():
     unbuildable = _Item("suites/test_zero.py", gpu, requires(op="fused_adam"))
     assert ops_to_build([skipped, two_gpus, runs, unbuildable], state) == \
         ["async_io", "fused_adam"]
+
+
+def test_under_m_gpu_a_cold_cache_starts_its_builds_before_collection(monkeypatch, tmp_path):
+    """pytest_configure on a GPU node under -m gpu (early.start_ranks_early): ops the run loads
+    that the cache lacks start building at once, and no rank starts beside them; with every
+    such op cached, the ranks start instead. gds, not promised, is not built, nor async_io,
+    which DeepSpeed calls incompatible here."""
+    from dsconform.ops import cache
+    from dsconform.plugin import early
+
+    state = _run_state(1, ("fused_adam", "cpu_adam"), dict(fused_adam=True, cpu_adam=True,
+                                                           gds=True, utils=True, async_io=False))
+    monkeypatch.setattr(cache, "ensure_extensions_dir", lambda: tmp_path)
+    monkeypatch.setattr(early, "early_ranks_wanted", lambda config: True)
+    monkeypatch.setattr(early.zygote, "start_ahead", lambda: None)
+    monkeypatch.setattr(early.zygote, "enabled", lambda: False)
+    started: dict[str, list] = {"builds": [], "ranks": []}
+    monkeypatch.setattr(opbuild.ParallelBuilds, "start", classmethod(
+        lambda cls, ops, **kw: started["builds"].append(list(ops)) or "builds"))
+    monkeypatch.setattr(early, "start_cuda_pools",
+                        lambda sizes, lanes: started["ranks"].append(sizes))
+    (tmp_path / "cpu_adam").mkdir()
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    early.start_ranks_early(object(), state)
+    assert started == {"builds": [["fused_adam", "utils"]], "ranks": []}
+    assert state.op_builds == "builds"
+    for op in ("fused_adam", "utils"):
+        (tmp_path / op).mkdir()
+        (tmp_path / op / f"{op}.so").write_bytes(b"")
+    state.op_builds = None
+    early.start_ranks_early(object(), state)
+    assert started == {"builds": [["fused_adam", "utils"]], "ranks": [[1]]}
+    assert state.op_builds is None

@@ -254,7 +254,7 @@ def item_ops(item: pytest.Item) -> list[str]:
     return [ops] if isinstance(ops, str) else list(ops)
 
 
-def _op_compatible(state: Any, op: str) -> bool | None:
+def op_compatible(state: Any, op: str) -> bool | None:
     """ds_report's probe for one op on this node's accelerator (False: not provided there).
     Gates use the probe only; the ops suite proves that promised ops really load."""
     if op not in state.op_cache:
@@ -278,5 +278,5 @@ def item_verdict(item: pytest.Item, state: Any) -> Verdict | None:
     if not conditions:
         return None
     return evaluate(conditions, state.gate_node, state.profile,
-                    op_compatible=lambda op: _op_compatible(state, op),
+                    op_compatible=lambda op: op_compatible(state, op),
                     multinode=state.multinode, whole_node=state.node)

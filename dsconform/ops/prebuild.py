@@ -65,6 +65,16 @@ RUN_OPS = {
     "cuda": ("fused_adam", "cpu_adam", "async_io", "gds", "utils"),
     "cpu": ("deepspeed_shm_comm", "fused_adam", "cpu_adam", "async_io"),
 }
+#: Of RUN_OPS, those the acceptance tier loads only where the profile promises them: gds
+#: (NVME-GDS-1 is marked promised_ops_only, NVME-GDS-2 runs on paths with gds = true).
+PROMISED_ONLY = ("gds",)
+
+
+def acceptance_ops(accelerator: str, promised: Sequence[str]) -> list[str]:
+    """The ops ``pytest -m gpu`` loads on this accelerator: the promised ones, then RUN_OPS's
+    but those of PROMISED_ONLY the profile does not promise."""
+    return list(dict.fromkeys([*promised, *(op for op in RUN_OPS.get(accelerator, ())
+                                            if op not in PROMISED_ONLY or op in promised)]))
 
 
 def build_order(ops: Sequence[str], needs: Iterable[tuple[float, Sequence[str], float]]
@@ -270,9 +280,11 @@ class ParallelBuilds:
             for b in list(self.builds.values()):
                 if b.ended is None and b.proc.poll() is not None:
                     self._finish(b)
-            running = [b for b in self.builds.values() if b.ended is None]
-            if not self.pending and not running:
-                return
+            with self.lock:
+                running = [b for b in self.builds.values() if b.ended is None]
+                if not self.pending and not running:
+                    self.thread = None  # extend() starts another for ops it adds
+                    return
             loads = [op for op in self.pending if op in self.cached]
             if self.pending:
                 if not running or loads:  # an op in the cache only loads: one core, seconds
@@ -349,6 +361,37 @@ class ParallelBuilds:
         if b.reader is not None:
             b.reader.join(timeout=10)  # the pipe closes when the process (group) has exited
         return "".join(b.chunks)
+
+    def extend(self, order: Sequence[str], *, ext_dir: Path | None = None) -> None:
+        """The run's build order, known once its tests are (builds started before collection
+        took a guess): the ops of ``order`` neither built, building nor in the cache join the
+        pending ones; pending ops not in ``order`` are dropped; the pending ones then start in
+        its order. Running builds go on."""
+        if ext_dir is None:
+            from dsconform.ops.cache import ensure_extensions_dir
+            ext_dir = ensure_extensions_dir()
+        wanted = list(dict.fromkeys(order))
+        with self.lock:
+            if self.closed:
+                return
+            new = [op for op in wanted if op not in self.builds and op not in self.pending
+                   and not is_cached(op, ext_dir)]
+            self.cached += [op for op in wanted if op not in self.cached
+                            and op not in self.builds and op not in new and is_cached(op, ext_dir)]
+            place = {op: i for i, op in enumerate(wanted)}
+            self.pending = sorted([op for op in self.pending if op in place] + new,
+                                  key=place.__getitem__)
+            self.order = [op for op in self.order if op in self.builds] + self.pending
+            if self.pending and self.thread is None:
+                if not self.builds:
+                    self.t0 = time.monotonic()
+                if not any(b.ended is None for b in self.builds.values()):
+                    self._start_next()
+                self.thread = threading.Thread(target=self._schedule,
+                                               name="dsconform-op-builds", daemon=True)
+                self.thread.start()
+        with self.changed:
+            self.changed.notify_all()
 
     def finished(self, op: str) -> bool:
         """Whether ``wait(op)`` would return at once (no build of op, or it has ended)."""

@@ -53,10 +53,10 @@ def start_ranks_early(config: pytest.Config, state: RunState) -> None:
         return
     with rank_output.fds_to_log():
         zygote.start_ahead()  # started already where GPU device files are found
-    from dsconform.ops.cache import ensure_extensions_dir
-    from dsconform.ops.prebuild import RUN_OPS, is_cached
-    ext_dir = ensure_extensions_dir()
-    if not all(is_cached(op, ext_dir) for op in RUN_OPS["cuda"]):
+    with rank_output.capture("(start-up)"):  # DeepSpeed's probes print
+        missing = uncached_run_ops(state)
+    if missing:
+        start_builds_early(state, missing)
         return
     from dsconform.plugin import batch
     if not zygote.enabled():
@@ -69,6 +69,30 @@ def start_ranks_early(config: pytest.Config, state: RunState) -> None:
                              name="dsconform-early-ranks", daemon=True)
     early.start()
     _EARLY.append(early)
+
+
+def uncached_run_ops(state: RunState) -> list[str]:
+    """The ops ``pytest -m gpu`` loads on this GPU node (prebuild.acceptance_ops: the promised
+    ones and those the suites load beside them) that DeepSpeed calls compatible here and the
+    extensions cache lacks."""
+    from dsconform.gate.requires import op_compatible
+    from dsconform.ops.cache import ensure_extensions_dir
+    from dsconform.ops.prebuild import acceptance_ops, is_cached
+
+    ext_dir = ensure_extensions_dir()
+    return [op for op in acceptance_ops("cuda", state.profile.ops)
+            if not is_cached(op, ext_dir) and op_compatible(state, op)]
+
+
+def start_builds_early(state: RunState, ops: list[str]) -> None:
+    """Start building ``ops`` now, as pytest configures itself: with a cold cache the start-up
+    and collection before the first build took 11 s on 1xH200 (Python compiling torch's and
+    DeepSpeed's sources without a bytecode cache). Collection's end gives the builds the run's
+    own order and ops (ParallelBuilds.extend). What the builds print goes to the rank log."""
+    from dsconform.ops.prebuild import ParallelBuilds
+
+    with rank_output.capture("(start-up)"):
+        state.op_builds = ParallelBuilds.start(ops, skip_cached=True)
 
 
 #: The thread starting ranks before collection (joined before collection's end starts more).

@@ -383,10 +383,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         cells = batch.select(session, state) if batch.enabled(state) else []
         step("the batch's cells")
         ops = ops_to_build(session.items, state)
-        if ops:
+        if ops or state.op_builds is not None:
             from dsconform.ops.prebuild import ParallelBuilds, build_order
-            order = build_order(ops, build_needs(session.items, state, cells))
-            state.op_builds = ParallelBuilds.start(order, skip_cached=True)
+            order = build_order(ops, build_needs(session.items, state, cells)) if ops else []
+            if state.op_builds is not None:  # started before collection (early.py)
+                state.op_builds.extend(order)
+            else:
+                state.op_builds = ParallelBuilds.start(order, skip_cached=True)
         step("op builds")
         started = _start_cell_batch(session, state, cells)
         step("cell batch")

@@ -446,6 +446,14 @@ def test_under_m_gpu_a_cold_cache_starts_its_builds_before_collection(monkeypatc
     (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
     early.start_ranks_early(object(), state)
     assert started == {"builds": [["fused_adam", "utils"]], "ranks": []}
+    state.op_builds, started["builds"] = None, []
+    (tmp_path / "cpu_adam" / "cpu_adam.so").unlink()  # two to build: the longest first
+    state.op_cache["async_io"] = True
+    early.start_ranks_early(object(), state)
+    assert started["builds"] == [["async_io", "fused_adam", "cpu_adam", "utils"]]
+    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
+    state.op_cache["async_io"] = False
+    started["builds"] = [["fused_adam", "utils"]]
     assert state.op_builds == "builds"
     for op in ("fused_adam", "utils"):
         (tmp_path / op).mkdir()

@@ -65,6 +65,19 @@ RUN_OPS = {
     "cuda": ("fused_adam", "cpu_adam", "async_io", "gds", "utils"),
     "cpu": ("deepspeed_shm_comm", "fused_adam", "cpu_adam", "async_io"),
 }
+#: Seconds each op's build took alone with MAX_JOBS=16 on 1xH200 (docs/performance.md, Op
+#: builds): builds started before the run's tests are known go longest first, so the longest
+#: does not start last (async_io, started 11 s after fused_adam at nice 19, ended 30 s after it
+#: in a cold 1xH200 run). Most of each is a few long compiler jobs, not cores.
+TYPICAL_BUILD_S = {"gds": 57.4, "async_io": 51.7, "fused_adam": 41.7, "cpu_adam": 41.2,
+                   "utils": 25.0}
+
+
+def longest_first(ops: Sequence[str]) -> list[str]:
+    """``ops`` by TYPICAL_BUILD_S, longest first; ops it does not list keep their order, last."""
+    return sorted(dict.fromkeys(ops), key=lambda op: -TYPICAL_BUILD_S.get(op, 0.0))
+
+
 #: Of RUN_OPS, those the acceptance tier loads only where the profile promises them: gds
 #: (NVME-GDS-1 is marked promised_ops_only, NVME-GDS-2 runs on paths with gds = true).
 PROMISED_ONLY = ("gds",)

@@ -88,11 +88,12 @@ def start_builds_early(state: RunState, ops: list[str]) -> None:
     """Start building ``ops`` now, as pytest configures itself: with a cold cache the start-up
     and collection before the first build took 11 s on 1xH200 (Python compiling torch's and
     DeepSpeed's sources without a bytecode cache). Collection's end gives the builds the run's
-    own order and ops (ParallelBuilds.extend). What the builds print goes to the rank log."""
-    from dsconform.ops.prebuild import ParallelBuilds
+    own order and ops (ParallelBuilds.extend); until then the longest build starts first
+    (prebuild.longest_first). What the builds print goes to the rank log."""
+    from dsconform.ops.prebuild import ParallelBuilds, longest_first
 
     with rank_output.capture("(start-up)"):
-        state.op_builds = ParallelBuilds.start(ops, skip_cached=True)
+        state.op_builds = ParallelBuilds.start(longest_first(ops), skip_cached=True)
 
 
 #: The thread starting ranks before collection (joined before collection's end starts more).

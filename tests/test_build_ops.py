@@ -61,11 +61,17 @@ def test_a_kept_bytecode_cache_gets_a_rank_warm_up(tmp_path):
                      drop=("PYTHONPYCACHEPREFIX",))  # this session's own, if it keeps one
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert lines[-2].startswith("dsconform build-ops: rank warm-up: "), lines
-    assert lines[-2].endswith(" s (its imports are in the bytecode cache)"), lines
+    assert lines[-3].startswith("dsconform build-ops: rank warm-up: "), lines
+    assert lines[-3].endswith(" s (its imports are in the bytecode cache)"), lines
+    # What a run's pytest process imports is compiled too: pytest, hypothesis, this package.
+    assert lines[-2].startswith("dsconform build-ops: run packages compiled: "), lines
+    assert "did not compile" not in lines[-2], lines
     assert "rank 0/1 |" not in out.stdout + out.stderr  # DeepSpeed's start-up lines stay out
     kept = list((cache / "pycache").rglob("*.pyc"))
     assert any(p.name.startswith("engine.") and "runtime" in p.parts for p in kept), len(kept)
+    for package, module in (("hypothesis", "strategies."), ("_pytest", "python."),
+                            ("dsconform", "suite.")):
+        assert any(p.name.startswith(module) and package in p.parts for p in kept), package
 
 
 def test_a_failing_build_exits_1_with_its_diagnosis(tmp_path):

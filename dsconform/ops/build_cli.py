@@ -15,6 +15,7 @@ import argparse
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from dsconform.harness.output import FdCapture
@@ -112,6 +113,44 @@ def _warm_up_rank(accel: str, said: list[str]) -> None:
                 "cache)")
 
 
+#: What a run's pytest process imports beside torch and DeepSpeed (their compiled files come
+#: from the builds and the rank warm-up): pytest, its plugins, hypothesis and this package.
+RUN_PACKAGES = ("_pytest", "pytest", "pluggy", "hypothesis", "dsconform")
+
+
+def _compile_run_packages(said: list[str]) -> None:
+    """Compile the Python of RUN_PACKAGES and of the installed pytest plugins (entry points
+    ``pytest11``) into the bytecode cache: a first run after build-ops otherwise compiles them
+    as it starts and collects (on 1xH200: 28.0 s against 25.1 s warm, the start-up before
+    pytest's clock 4.4 s against 3.0 s)."""
+    import compileall
+    import importlib.metadata
+    import importlib.util
+
+    t0 = time.monotonic()
+    names = list(RUN_PACKAGES)
+    for ep in importlib.metadata.entry_points(group="pytest11"):
+        names.append(ep.value.split(":")[0].split(".")[0])
+    dirs = []
+    for name in dict.fromkeys(names):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin:
+            continue
+        origin = Path(spec.origin)
+        dirs.append(origin.parent if origin.name == "__init__.py" else origin)
+    ok = True
+    for d in dirs:
+        if d.is_dir():
+            ok &= bool(compileall.compile_dir(d, quiet=2))
+        elif d.suffix == ".py":
+            ok &= bool(compileall.compile_file(d, quiet=2))
+    said.append(f"run packages compiled: {len(dirs)} in {time.monotonic() - t0:.1f} s"
+                + ("" if ok else " (some files did not compile: runs compile them)"))
+
+
 def cmd_build_ops(args: argparse.Namespace) -> int:
     from dsconform.ops.buildlock import StaleBuildLock, clear_stale
     from dsconform.ops.cache import enable_bytecode_cache, ensure_extensions_dir
@@ -162,8 +201,10 @@ def cmd_build_ops(args: argparse.Namespace) -> int:
     said: list[str] = []
     warm = None
     if bytecode is not None:  # else pip compiled them at install, or nothing is kept
-        warm = threading.Thread(target=_warm_up_rank, args=(accel, said),
-                                name="dsconform-warm-up", daemon=True)
+        def warm_up() -> None:
+            _warm_up_rank(accel, said)
+            _compile_run_packages(said)
+        warm = threading.Thread(target=warm_up, name="dsconform-warm-up", daemon=True)
         warm.start()
     try:
         results = builds.wait_all(timeout_s=args.timeout)

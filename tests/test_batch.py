@@ -152,7 +152,7 @@ def _overlap(sleeps: list) -> bool:
     return max(a0, b0) < min(a1, b1)
 
 
-def test_batched_cells_keep_their_own_outcomes_and_overlap(run_demo):
+def test_batched_cells_keep_their_own_outcomes_and_overlap(run_demo, pytester):
     """The same outcomes with and without lanes; with two lanes the two 5-s cells (the first
     two: both lanes start with one) run at the same time, with one lane one after the other.
     With lanes the batch runs in the background: the test that is neither batched nor measuring
@@ -174,6 +174,10 @@ def test_batched_cells_keep_their_own_outcomes_and_overlap(run_demo):
     assert "cell batch: 6 cells of test_cell, test_shared_cell at once (2 lanes per world " \
         "size)" in text
     assert "cell batch" not in "\n".join(serial.outlines)
+    # summary.txt in --results holds what the console's summary says of the batch and ranks.
+    kept = (pytester.path / "results-2" / "summary.txt").read_text()
+    assert "cell batch: 6 cells of test_cell, test_shared_cell at once" in kept, kept
+    assert "rank start-up, median of " in kept, kept
     assert _overlap(batch_sleeps), batch_sleeps
     assert not _overlap(serial_sleeps), serial_sleeps
     # The order the tests ran in: the file's without lanes; the batch's phases with.

@@ -190,35 +190,28 @@ class Recorder:
             out += [line] if line else []
         return out
 
-    def pytest_terminal_summary(self, terminalreporter, exitstatus: int,
-                                config: pytest.Config) -> None:
-        if not self.state.outcomes:
-            if self.stopped:
-                terminalreporter.write_line(f"dsconform: {self.stopped}")
-            return
-        terminalreporter.section("dsconform conformance summary")
-        for line in self.lines(self.summary()):
-            terminalreporter.write_line(line)
+    @staticmethod
+    def run_lines(config: pytest.Config) -> list[str]:
+        """What the run's machinery cost, after the verdict: rank and lane start-ups, their
+        phases, the cell batch (docs/performance.md reads them)."""
+        out: list[str] = []
         dist = sys.modules.get("dsconform.harness.api")
         stats = dist.startup_stats() if dist is not None else None
         if stats and stats["pools"]:
-            terminalreporter.write_line(
-                f"rank start-ups: {stats['pools']} ({stats['from_standby']} from standby ranks), "
-                f"{stats['waited_s']:.1f} s waited for them")
+            out.append(f"rank start-ups: {stats['pools']} ({stats['from_standby']} from standby "
+                       f"ranks), {stats['waited_s']:.1f} s waited for them")
         if stats and stats["lanes"]:
-            terminalreporter.write_line(
-                f"lane start-ups: {stats['lanes']}, {stats['lane_waited_s']:.1f} s waited for "
-                f"them (summed over lanes); {stats['lane_calls']} calls ran on lanes")
+            out.append(f"lane start-ups: {stats['lanes']}, {stats['lane_waited_s']:.1f} s waited "
+                       f"for them (summed over lanes); {stats['lane_calls']} calls ran on lanes")
         if dist is not None:
             ranks, phases = dist.startup_phases()
             if ranks:
-                terminalreporter.write_line(
-                    f"rank start-up, median of {ranks} ranks: "
-                    + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
+                out.append(f"rank start-up, median of {ranks} ranks: "
+                           + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
         if "dsconform.plugin.batch" in sys.modules:
             for b in sys.modules["dsconform.plugin.batch"].batch_stats(config):
                 wait = b["longest_wait"]
-                terminalreporter.write_line(
+                out.append(
                     f"cell batch: {b['cells']} cells of {', '.join(b['tests'])} at once "
                     f"({b['lanes']} lanes per world size) in {b['seconds']:.1f} s (its writes "
                     f"synced to disk in {b['sync_seconds']:.1f} s of it), in the "
@@ -229,6 +222,17 @@ class Recorder:
                     + f"; the cells' calls add up to {b['cell_seconds']:.1f} s, longest: "
                     + ", ".join(f"{nodeid.split('::')[-1]} {sec:.1f} s"
                                 for sec, nodeid in b["longest"]))
+        return out
+
+    def pytest_terminal_summary(self, terminalreporter, exitstatus: int,
+                                config: pytest.Config) -> None:
+        if not self.state.outcomes:
+            if self.stopped:
+                terminalreporter.write_line(f"dsconform: {self.stopped}")
+            return
+        terminalreporter.section("dsconform conformance summary")
+        for line in self.lines(self.summary()) + self.run_lines(config):
+            terminalreporter.write_line(line)
         if self.state.results:
             terminalreporter.write_line(f"results: {self.state.results}/benchmarks.json, "
                                         "summary.json, summary.txt, junit.xml, records.jsonl")
@@ -263,7 +267,8 @@ class Recorder:
                                          for n, e in self.collection_errors])
         _write(state.results / "benchmarks.json", json.dumps(doc, indent=2, default=str))
         _write(state.results / "summary.json", json.dumps(result, indent=2, default=str))
-        _write(state.results / "summary.txt", "\n".join(self.lines(result)) + "\n")
+        _write(state.results / "summary.txt",
+               "\n".join(self.lines(result) + self.run_lines(session.config)) + "\n")
         try:  # the verdict for Prometheus, a failed or interrupted run's too
             prometheus.write_run(state.results,
                                  session.config.getoption("prometheus_textfile", None))

@@ -234,16 +234,22 @@ class ParallelBuilds:
             order = [op for op in order if op not in cached]
         self = cls(order=order, cores=max(1, cores or available_cores()), cached=cached, **kw)
         self.pending = list(order)
-        if self.pending:  # each build's first CPU question is then answered (cpu_info)
+        if self.pending:  # each build's first CPU question is then answered from here
             from dsconform.harness import cpu_info
             cpu_info.share()
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic()  # after it: started_at counts from the first build
         if self.pending:
-            self._start_next()
-            self.thread = threading.Thread(target=self._schedule, name="dsconform-op-builds",
-                                           daemon=True)
-            self.thread.start()
+            self._launch()
         return self
+
+    def _launch(self) -> None:
+        """Start the first pending build where none runs, and the scheduler's thread (under
+        self.lock, or before another thread sees this object)."""
+        if not any(b.ended is None for b in self.builds.values()):
+            self._start_next()
+        self.thread = threading.Thread(target=self._schedule, name="dsconform-op-builds",
+                                       daemon=True)
+        self.thread.start()
 
     @property
     def jobs_per_op(self) -> int:
@@ -387,10 +393,10 @@ class ParallelBuilds:
         with self.lock:
             if self.closed:
                 return
-            new = [op for op in wanted if op not in self.builds and op not in self.pending
-                   and not is_cached(op, ext_dir)]
-            self.cached += [op for op in wanted if op not in self.cached
-                            and op not in self.builds and op not in new and is_cached(op, ext_dir)]
+            unknown = [op for op in wanted if op not in self.builds and op not in self.pending]
+            in_cache = [op for op in unknown if is_cached(op, ext_dir)]
+            new = [op for op in unknown if op not in in_cache]
+            self.cached += [op for op in in_cache if op not in self.cached]
             place = {op: i for i, op in enumerate(wanted)}
             self.pending = sorted([op for op in self.pending if op in place] + new,
                                   key=place.__getitem__)
@@ -398,11 +404,7 @@ class ParallelBuilds:
             if self.pending and self.thread is None:
                 if not self.builds:
                     self.t0 = time.monotonic()
-                if not any(b.ended is None for b in self.builds.values()):
-                    self._start_next()
-                self.thread = threading.Thread(target=self._schedule,
-                                               name="dsconform-op-builds", daemon=True)
-                self.thread.start()
+                self._launch()
         with self.changed:
             self.changed.notify_all()
 

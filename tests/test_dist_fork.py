@@ -112,3 +112,26 @@ def test_forked_ranks_die_with_a_killed_pytest(tmp_path):
     finally:
         if holder.poll() is None:
             holder.kill()
+
+
+@_clean_pools
+def test_the_start_up_line_has_the_fork_server_and_the_first_rank(monkeypatch):
+    """A forked rank says when its server started and ended its imports and when it was ready:
+    the summary's start-up line orders them after the steps pytest's process marked."""
+    from dsconform.harness import timeline
+
+    timeline.reset()
+    timeline.mark("before the ranks")
+    t0 = time.time()
+    dist.run_ranks(rank_fns.noop, 1, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
+    steps = timeline.marks()
+    for step in ("fork server imported torch", "first rank ready"):
+        assert step in steps, steps
+    assert list(steps).index("before the ranks") < list(steps).index("first rank ready")
+    assert timeline.process_started_at(_forkserver_pid()) <= time.time()
+    if "fork server started" in steps:  # the server of this test process may predate the mark
+        assert steps["fork server started"] <= steps["fork server imported torch"]
+    assert steps["fork server imported torch"] <= steps["first rank ready"]
+    assert steps["first rank ready"] - steps["before the ranks"] <= time.time() - t0
+    assert timeline.line().startswith("start-up (seconds after pytest's process started): ")
+    timeline.reset()

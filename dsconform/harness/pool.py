@@ -25,7 +25,7 @@ from collections.abc import Callable
 from multiprocessing.connection import wait as _wait_any
 
 from dsconform import settings
-from dsconform.harness import output, zygote
+from dsconform.harness import output, timeline, zygote
 from dsconform.harness.errors import RankError, RankTimeout, describe, fn_name, rank_error
 from dsconform.harness.rank import RANK_OWNED_ENV, SPAWNED_AT_ENV, STACK_DUMP_SIGNAL, rank_main
 from dsconform.harness.xdist import (
@@ -481,6 +481,13 @@ def record_startup(replies: list) -> None:
     with _PHASES_LOCK:
         STARTUP_PHASES.extend(r[2] for r in replies
                               if isinstance(r, tuple) and len(r) > 2 and isinstance(r[2], dict))
+    for r in replies:  # when (rank._start_facts): the run's start-up line
+        facts = r[3] if isinstance(r, tuple) and len(r) > 3 and isinstance(r[3], dict) else {}
+        for step, key in (("fork server started", "server started"),
+                          ("fork server imported torch", "server ready"),
+                          ("first rank ready", "ready")):
+            if isinstance(facts.get(key), float):
+                timeline.mark(step, facts[key])
 
 
 def startup_phases() -> tuple[int, dict[str, float]]:

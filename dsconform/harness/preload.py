@@ -8,6 +8,7 @@ fails is left to the rank, which imports it again and reports the error there.
 """
 
 import os
+import time
 
 from dsconform.harness import cpu_info
 
@@ -31,3 +32,6 @@ for _name in MODULES:
         pass
 
 cpu_info.remembered()
+
+#: When the server's imports ended (time.time()): its ranks report it (dsconform.harness.timeline).
+READY_AT = time.time()

@@ -325,6 +325,20 @@ def warm_up() -> None:
         gc.collect()
 
 
+def _start_facts(parent_pid: int | None) -> dict[str, float]:
+    """When this rank was ready and, forked, when its fork server started and ended its imports
+    (time.time(); dsconform.harness.timeline)."""
+    facts = {"ready": time.time()}
+    server = sys.modules.get("dsconform.harness.preload")
+    if parent_pid is None and server is not None:
+        from dsconform.harness.timeline import process_started_at
+        started = process_started_at(os.getppid())
+        if started is not None:
+            facts["server started"] = started
+        facts["server ready"] = getattr(server, "READY_AT", facts["ready"])
+    return facts
+
+
 def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, stack_path: str,
               accelerator: str, pg_timeout_s: float, parent_pid: int | None,
               warm: bool = False, output_path: str | None = None, primed: bool = False) -> None:
@@ -393,7 +407,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
             stream.flush()
         _flush_native()
         phases = {name: round(t - marks[i - 1][1], 3) for i, (name, t) in enumerate(marks) if i}
-        _reply(conn, ("ready", os.getpid(), phases))
+        _reply(conn, ("ready", os.getpid(), phases, _start_facts(parent_pid)))
     except BaseException as exc:  # the parent must hear why startup failed
         try:
             _reply(conn, _error_outcome(exc))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsconform.harness import output as rank_output
-from dsconform.harness import zygote
+from dsconform.harness import timeline, zygote
 from dsconform.plugin.runstate import RunState
 
 
@@ -103,15 +103,21 @@ _EARLY: list[threading.Thread] = []
 def _start_early_in_thread(lanes: bool) -> None:
     with rank_output.labelled("(start-up)"):
         try:
+            timeline.mark("early ranks requested")
             start_cuda_pools([1], lanes=lanes)
+            timeline.mark("early ranks forked")
         except Exception as exc:  # an optimisation: calls start their own ranks
             rank_output.record("(start-up)", "dsconform.harness",
                                f"ranks not started before collection ({exc})")
 
 
 def join_early() -> None:
+    """Wait for the thread starting ranks before collection (not when called from it)."""
+    me = threading.current_thread()
     while _EARLY:
-        _EARLY.pop().join()
+        thread = _EARLY.pop()
+        if thread is not me:
+            thread.join()
 
 
 def start_standby_ranks(session: pytest.Session, state: RunState) -> None:

@@ -22,7 +22,7 @@ import pytest
 from dsconform import __version__, settings
 from dsconform.gate import known_issues
 from dsconform.gate import requires as gating
-from dsconform.harness import cpu_info, zygote
+from dsconform.harness import cpu_info, timeline, zygote
 from dsconform.harness import output as rank_output
 from dsconform.node import nccl_env
 from dsconform.plugin import early
@@ -98,6 +98,7 @@ def _check_results(opt: str | None) -> Path | None:
 
 @pytest.hookimpl(tryfirst=True)  # before junitxml's configure reads xmlpath
 def pytest_configure(config: pytest.Config) -> None:
+    timeline.mark("pytest configures")
     # Before anything imports torch's lazy modules or starts a rank (dsconform.ops.cache).
     from dsconform.ops.cache import enable_bytecode_cache
     enable_bytecode_cache()
@@ -133,6 +134,7 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         notices = _use_stable_extension_cache()
         selection = select_profile(config.getoption("--profile"), named=_profile_named(config))
+        timeline.mark("node and profile found")
     except (ValueError, RuntimeError) as e:  # ProfileError, StaleBuildLock: name what to fix
         if scratch_is_temp:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -155,6 +157,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not early.is_xdist_worker(config):
         config.pluginmanager.register(Recorder(state), "dsconform-recorder")
     early.start_ranks_early(config, state)
+    timeline.mark("configured")
 
 
 def _profile_named(config: pytest.Config) -> str:
@@ -368,6 +371,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if session.config.option.collectonly:
         return
     cpu_info.share()  # ranks and builds started from here on inherit py-cpuinfo's answer
+    timeline.mark("collected")
     took: list[tuple[str, float]] = []
     t0 = time.monotonic()
 
@@ -393,6 +397,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         step("op builds")
         started = _start_cell_batch(session, state, cells)
         step("cell batch")
+    timeline.mark("tests start")
     # Where the time between collection and the first test goes (docs/performance.md).
     rank_output.record("(collection)", "controller", "collection's end: " + ", ".join(
         f"{what} {secs:.2f} s" for what, secs in took))

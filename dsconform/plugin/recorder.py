@@ -194,7 +194,8 @@ class Recorder:
     def run_lines(config: pytest.Config) -> list[str]:
         """What the run's machinery cost, after the verdict: rank and lane start-ups, their
         phases, the cell batch (docs/performance.md reads them)."""
-        out: list[str] = []
+        from dsconform.harness import timeline
+        out: list[str] = [ln for ln in [timeline.line()] if ln]
         dist = sys.modules.get("dsconform.harness.api")
         stats = dist.startup_stats() if dist is not None else None
         if stats and stats["pools"]:

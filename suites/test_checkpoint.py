@@ -917,12 +917,18 @@ def _state_params(stage: int) -> list:
 
 
 @pytest.mark.parametrize("accelerator, case", _state_params(2))
-def test_client_state_comes_back(accelerator, case, scratch):
+@batched(lambda params, workdir, run: RankCall(
+    ranks.client_state_round_trip, params["case"].world_size, TIMEOUT_S,
+    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]),
+    cost=1)
+def test_client_state_comes_back(accelerator, case, scratch, request):
     """CKPT-CLIENT-1: the client_state passed to save_checkpoint (nested ints, floats, a tensor,
     a list) MUST come back equal from load_checkpoint, on every rank."""
-    d = ckpt_dir(scratch, case)
-    results = run_ranks(ranks.client_state_round_trip, case.world_size, timeout_s=TIMEOUT_S,
-                        args=(case, d), accelerator=accelerator)
+    check_client_state(cell_results(request, scratch))  # run at once with other cells
+
+
+def check_client_state(results: list[dict]) -> None:
+    """CKPT-CLIENT-1's check of every rank's client_state round trip."""
     bad = [f"rank {r['rank']}: {k}: saved {r['given'][k]}, loaded {r['back'][k]}"
            for r in results for k in r["missing"] + r["wrong"]]
     assert not bad, "client_state did not come back equal:\n  " + "\n  ".join(bad)
@@ -932,12 +938,18 @@ LATEST_SAVES = 3
 
 
 @pytest.mark.parametrize("accelerator, case", _state_params(3))
-def test_load_without_a_tag_takes_the_newest(accelerator, case, scratch):
+@batched(lambda params, workdir, run: RankCall(
+    ranks.load_latest, params["case"].world_size, TIMEOUT_S,
+    args=(params["case"], ckpt_dir(workdir, params["case"], tags=LATEST_SAVES), LATEST_SAVES),
+    accelerator=params["accelerator"]), cost=0.5)
+def test_load_without_a_tag_takes_the_newest(accelerator, case, scratch, request):
     """CKPT-LATEST-1: after several saves into one directory, load_checkpoint(dir) with no tag
     (how a job resumes after preemption) MUST load the newest: its step counter and weights."""
-    d = ckpt_dir(scratch, case, tags=LATEST_SAVES)
-    results = run_ranks(ranks.load_latest, case.world_size, timeout_s=TIMEOUT_S,
-                        args=(case, d, LATEST_SAVES), accelerator=accelerator)
+    check_newest_loaded(cell_results(request, scratch))  # run at once with other cells
+
+
+def check_newest_loaded(results: list[dict]) -> None:
+    """CKPT-LATEST-1's check: every rank loaded the newest of its saves."""
     bad = []
     for r in results:
         newest = r["saved"][-1]
@@ -952,15 +964,20 @@ def test_load_without_a_tag_takes_the_newest(accelerator, case, scratch):
         "\n  ".join(bad)
 
 
+MISSING_TAG = "s9-never-written"
+
+
 @pytest.mark.parametrize("accelerator, case", _state_params(2))
-def test_a_latest_naming_a_missing_tag_is_refused(accelerator, case, scratch):
+@batched(lambda params, workdir, run: RankCall(
+    ranks.load_missing_latest, params["case"].world_size, TIMEOUT_S,
+    args=(params["case"], ckpt_dir(workdir, params["case"]), MISSING_TAG),
+    accelerator=params["accelerator"]), cost=0.3)
+def test_a_latest_naming_a_missing_tag_is_refused(accelerator, case, scratch, request):
     """CKPT-LATEST-2: a `latest` file that names a tag the directory does not hold MUST be
     refused, the error (or DeepSpeed's warning) naming the tag, and MUST leave the engine's
     weights its own."""
-    missing = "s9-never-written"
-    d = ckpt_dir(scratch, case)
-    results = run_ranks(ranks.load_missing_latest, case.world_size, timeout_s=TIMEOUT_S,
-                        args=(case, d, missing), accelerator=accelerator)
+    missing = MISSING_TAG
+    results = cell_results(request, scratch)  # run at once with other cells
     bad = []
     for r in results:
         named = missing in (r["raised"] or "") or any(missing in s for s in r["said"])

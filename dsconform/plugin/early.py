@@ -6,6 +6,8 @@ each saves on 1xH200."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import threading
 from pathlib import Path
@@ -15,6 +17,65 @@ import pytest
 from dsconform.harness import output as rank_output
 from dsconform.harness import timeline, zygote
 from dsconform.plugin.runstate import RunState
+
+#: The rank log's name in --results (its lines: dsconform.harness.output).
+RANK_LOG_NAME = "ranks.log"
+
+#: The rank log the fork server was started writing into before configure (start_at_load), which
+#: configure then does not empty.
+_LOG_AT_LOAD: list[Path] = []
+
+
+def start_at_load(config: pytest.Config) -> None:
+    """Start the fork server as soon as the suite's plugin is loaded with its conftest.py (from
+    the entry point's pytest_load_initial_conftests, dsconform.plugin.options) instead of at
+    configure: pytest parses its arguments and configures its plugins meanwhile (0.3-0.5 s), and
+    the server's imports (3.6 s on 1xH200) are what the first ranks wait for. Only where
+    configure would start it (early_ranks_wanted, NVIDIA device files), with its output (and the
+    resource tracker's, started with it) in the rank log of --results, which configure then
+    keeps. Anything unusable here (no --results, a directory it cannot write) leaves the start
+    to configure, which names the problem."""
+    ns = config.known_args_namespace
+    results = getattr(ns, "results", None)
+    if (getattr(ns, "collectonly", False) or os.environ.get("PYTEST_XDIST_WORKER")
+            or not selects_gpu_tests(getattr(ns, "markexpr", "")) or not results
+            or not zygote.enabled() or not gpu_device_files()):
+        return
+    try:
+        folder = Path(results).expanduser()
+        folder.mkdir(parents=True, exist_ok=True)
+        log = folder.resolve() / RANK_LOG_NAME
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o644)
+    except OSError:
+        return
+    try:
+        with _fds_to(fd):
+            from multiprocessing import resource_tracker
+            resource_tracker.ensure_running()
+            zygote.start_ahead()
+    finally:
+        os.close(fd)
+    _LOG_AT_LOAD.append(log)
+
+
+def log_started_at_load(path: Path | None) -> bool:
+    """Whether the rank log ``path`` was started before configure (start_at_load)."""
+    return path is not None and path.resolve() in _LOG_AT_LOAD
+
+
+@contextlib.contextmanager
+def _fds_to(fd: int):
+    """fds 1 and 2 are ``fd`` meanwhile: what processes started meanwhile print goes there."""
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for f in saved:
+            os.close(f)
 
 
 def is_xdist_worker(config: pytest.Config) -> bool:

@@ -54,7 +54,7 @@ _register_hypothesis_profiles()
 
 #: Where a pytest run's rank output goes (dsconform.harness.output): --results/ranks.log.
 RANK_LOG = pytest.StashKey[object]()
-RANK_LOG_NAME = "ranks.log"
+RANK_LOG_NAME = early.RANK_LOG_NAME
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     # Normally the installed entry point registered them already, before argument parsing. With
@@ -114,9 +114,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Every rank's stdout and stderr, by test (dsconform.harness.output): the controller starts
     # the file, xdist workers append to it.
     worker = getattr(config, "workerinput", {}).get("workerid", "")
+    log = results / RANK_LOG_NAME if results is not None else None
     config.stash[RANK_LOG] = rank_output.configure(
-        results / RANK_LOG_NAME if results is not None else None, worker=worker,
-        truncate=not worker)
+        log, worker=worker, truncate=not worker and not early.log_started_at_load(log))
     if not config.option.collectonly:
         # DeepSpeed asks py-cpuinfo about the CPU (a second each time) in every process that
         # loads an op or builds CPU Adam: asked once, beside the start-up, and shared.

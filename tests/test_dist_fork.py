@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -135,3 +136,31 @@ def test_the_start_up_line_has_the_fork_server_and_the_first_rank(monkeypatch):
     assert steps["first rank ready"] - steps["before the ranks"] <= time.time() - t0
     assert timeline.line().startswith("start-up (seconds after pytest's process started): ")
     timeline.reset()
+
+
+SERVER_WRITES = textwrap.dedent("""
+    import sys
+    from dsconform.ops.cache import enable_bytecode_cache
+    where = enable_bytecode_cache()
+    assert where is not None, "the bytecode cache was not enabled"
+    from dsconform.harness import api as dist
+    from tests import rank_fns
+    dist.run_ranks(rank_fns.noop, 1, timeout_s=120, reuse=False, accelerator="cpu")
+    print(where)
+""")
+
+
+def test_a_server_started_under_pythondontwritebytecode_fills_the_bytecode_cache(tmp_path):
+    """A pytest started under PYTHONDONTWRITEBYTECODE (as in container images) keeps compiled
+    files in the suite's cache; the fork server, which multiprocessing starts with -B, writes
+    there what it imports too (here dsconform.harness.preload, which only the server imports)."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", DSCONFORM_CACHE=str(tmp_path / "cache"),
+               DSCONFORM_FORKSERVER="1")
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    out = subprocess.run([sys.executable, "-c", SERVER_WRITES], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    where = out.stdout.strip().splitlines()[-1]
+    compiled = [p.name for p in Path(where).rglob("__init__*.pyc") if p.parent.name == "_dynamo"
+                and p.parent.parent.name == "torch"]
+    assert compiled, f"the fork server wrote no compiled torch._dynamo under {where}"

@@ -8,9 +8,18 @@ fails is left to the rank, which imports it again and reports the error there.
 """
 
 import os
+import sys
 import time
 
-from dsconform.harness import cpu_info
+# multiprocessing starts the server with the parent's interpreter flags: -B where the parent
+# started under PYTHONDONTWRITEBYTECODE (container images set it). Where the parent then kept
+# compiled files in the suite's cache instead (dsconform.ops.cache.enable_bytecode_cache: the
+# variable is gone from the environment), the server writes them too: what only it imports
+# (torch._dynamo, inductor, sympy) would otherwise be compiled from source by every run's
+# server (5-7 s instead of 3.6 s on 1xH200).
+sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
+
+from dsconform.harness import cpu_info  # noqa: E402
 
 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 #: Marks the server's environment; a rank takes its parent's instead (rank._take_environment).

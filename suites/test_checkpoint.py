@@ -715,6 +715,9 @@ def test_flipped_bit_is_detected(accelerator, world_size, scratch, profile, requ
         cmp.extend(compare_states(got["loaded"], saved["good"], tol,
                                   where=f"rank {saved['rank']}"))
     found = cmp.report(limit=2) if not cmp.ok else "the changed value is not in the state"
+    # The failure the strict xfail expects: the message says it all, and pytest would format
+    # this frame's source (a long file, 0.3 s on 1xH200) for a report that never shows it.
+    __tracebackhide__ = True
     raise FlipLoadedSilently(f"DeepSpeed loaded a checkpoint with a flipped bit without an "
                              f"error; {found}")
 

@@ -32,6 +32,7 @@ def starts(monkeypatch):
     monkeypatch.setattr(early.zygote, "enabled", lambda: True)
     monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
     monkeypatch.setattr(early, "_LOG_AT_LOAD", [])
+    monkeypatch.setattr(early, "_start_builds_at_load", lambda: calls.append("builds"))
     return calls
 
 
@@ -40,7 +41,7 @@ def test_a_gpu_run_starts_it_writing_into_the_rank_log_configure_keeps(starts, t
     (results).mkdir()
     (results / "ranks.log").write_text("the last run's lines\n")
     early.start_at_load(_config(results=str(results)))
-    assert starts == [True]
+    assert starts == [True, "builds"]
     log = results / "ranks.log"
     assert log.read_text() == "", "the last run's rank log is started anew"
     assert early.log_started_at_load(log)

@@ -181,6 +181,93 @@ def test_builds_started_before_collection_take_the_runs_order_at_its_end(monkeyp
         run.close()
 
 
+def test_builds_started_before_the_profile_keep_only_the_runs_ops(monkeypatch, tmp_path):
+    """Started at load with a guess (a running, b running, c pending): the run's ops are c, d
+    (a incompatible here, b not needed): a and b are stopped and forgotten (the results do not
+    list them), c and d build."""
+    monkeypatch.setattr(opbuild, "POLL_S", 0.1)
+    monkeypatch.setenv("FAKE_BUILDS", json.dumps({"a": {"seconds": 30.0}, "b": {"seconds": 30.0},
+                                                  "c": {"seconds": 0.3}, "d": {"seconds": 0.3}}))
+    busy = _ScriptedMeter({op: [(99, 0.0)] for op in "abcd"})
+    run = ParallelBuilds.start(["a", "b", "c"], 4, skip_cached=True, ext_dir=tmp_path,
+                               command=_fake_command, meter=busy)
+    try:
+        deadline = time.monotonic() + 10
+        while len(run.builds) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        procs = [run.builds[op].proc for op in ("a", "b")]
+        run.retain(["c", "d"], ext_dir=tmp_path)
+        assert all(p.poll() is not None for p in procs), "a dropped build still runs"
+        r = run.wait_all(timeout_s=30)
+        assert set(r) == {"c", "d"} and r["c"]["loaded"] and r["d"]["loaded"]
+        assert [b["op"] for b in run.timings()["builds"]] == ["c", "d"]
+        assert run.wait("a") is None and run.finished("a")
+        line = opbuild.summary_line(run.timings())
+        assert "a " not in line.replace("op builds: ", " ") and "FAILED" not in line
+    finally:
+        run.close()
+
+
+def test_a_gpu_run_starts_the_acceptance_builds_at_load_and_configure_adopts_them(
+        monkeypatch, tmp_path):
+    """start_at_load on a GPU node with a cold cache starts the ops every acceptance run loads,
+    longest first (without waiting for py-cpuinfo); configure keeps those the run needs and
+    starts no builds of its own; where it needs none they are stopped."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from dsconform.ops import cache
+    from dsconform.plugin import early
+
+    monkeypatch.setattr(cache, "ensure_extensions_dir", lambda: tmp_path)
+    monkeypatch.setattr(early, "gpu_device_files", lambda: True)
+    monkeypatch.setattr(early.zygote, "start_ahead", lambda: None)
+    monkeypatch.setattr(early.zygote, "enabled", lambda: True)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.setattr(early, "_LOG_AT_LOAD", [])
+    monkeypatch.setattr(early, "_BUILDS_AT_LOAD", [])
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "utils" / "utils.so").write_bytes(b"")
+
+    class Builds:
+        def __init__(self, ops, kw):
+            self.ops, self.kw, self.kept, self.closed = list(ops), kw, None, False
+
+        def retain(self, ops):
+            self.kept = list(ops)
+
+        def close(self):
+            self.closed = True
+
+    made = []
+    monkeypatch.setattr(opbuild.ParallelBuilds, "start", classmethod(
+        lambda cls, ops, **kw: made.append(Builds(ops, kw)) or made[-1]))
+    config = SimpleNamespace(known_args_namespace=Namespace(
+        collectonly=False, markexpr="gpu", results=str(tmp_path / "results")))
+    early.start_at_load(config)
+    assert [b.ops for b in made] == [["async_io", "fused_adam", "cpu_adam"]]
+    assert made[0].kw["share_cpu_info"] is False
+    state = _run_state(1, ("fused_adam", "cpu_adam"), dict(fused_adam=True, cpu_adam=True,
+                                                           gds=True, utils=True, async_io=False))
+    monkeypatch.setattr(early, "early_ranks_wanted", lambda config: True)
+    ranks = []
+    monkeypatch.setattr(early, "start_cuda_pools", lambda sizes, lanes: ranks.append(sizes))
+    early.start_ranks_early(object(), state)
+    assert made[0].kept == ["fused_adam", "cpu_adam"] and state.op_builds is made[0]
+    assert len(made) == 1 and ranks == [], "configure started builds or ranks of its own"
+    # Every op the run needs is in the cache: what started at load is stopped, ranks start.
+    for op in ("fused_adam", "cpu_adam"):
+        (tmp_path / op).mkdir()
+        (tmp_path / op / f"{op}.so").write_bytes(b"")
+    stale = Builds(["async_io"], {})
+    early._BUILDS_AT_LOAD.append(stale)
+    state.op_builds = None
+    early.start_ranks_early(object(), state)
+    early.join_early()
+    assert early._BUILDS_AT_LOAD == [] and state.op_builds is None
+    assert stale.kept == [] and stale.closed and ranks == [[1]]
+
+
 def test_ops_in_the_cache_are_left_out_of_a_run_or_only_load_at_once(monkeypatch, tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "b.so").write_bytes(b"")

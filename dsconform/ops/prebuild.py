@@ -222,9 +222,12 @@ class ParallelBuilds:
 
     @classmethod
     def start(cls, ops: Sequence[str], cores: int | None = None, *, skip_cached: bool = False,
-              ext_dir: Path | None = None, **kw: Any) -> ParallelBuilds:
+              ext_dir: Path | None = None, share_cpu_info: bool = True,
+              **kw: Any) -> ParallelBuilds:
         """Start building ``ops`` in this order (the first is the most awaited) with ``cores``
-        (default: this process's); skip_cached: leave out ops the extensions cache holds."""
+        (default: this process's); skip_cached: leave out ops the extensions cache holds;
+        share_cpu_info: settle py-cpuinfo's answer first, for the builds to inherit (it waits
+        for the answer: a second where nothing asked yet; each build asks once otherwise)."""
         order = list(dict.fromkeys(ops))
         if ext_dir is None:
             from dsconform.ops.cache import ensure_extensions_dir
@@ -234,7 +237,7 @@ class ParallelBuilds:
             order = [op for op in order if op not in cached]
         self = cls(order=order, cores=max(1, cores or available_cores()), cached=cached, **kw)
         self.pending = list(order)
-        if self.pending:  # each build's first CPU question is then answered from here
+        if self.pending and share_cpu_info:  # each build's CPU question answered from here
             from dsconform.harness import cpu_info
             cpu_info.share()
         self.t0 = time.monotonic()  # after it: started_at counts from the first build
@@ -407,6 +410,22 @@ class ParallelBuilds:
                 self._launch()
         with self.changed:
             self.changed.notify_all()
+
+    def retain(self, order: Sequence[str], *, ext_dir: Path | None = None) -> None:
+        """The ops this run builds, known once its profile is (builds started before it took a
+        guess): builds of any other op, running or ended, are stopped and forgotten (the run's
+        results do not list them), then ``extend(order)``."""
+        wanted = set(order)
+        with self.lock:
+            dropped = [b for op, b in self.builds.items() if op not in wanted]
+            for b in dropped:
+                del self.builds[b.op]
+            self.pending = [op for op in self.pending if op in wanted]
+            self.order = [op for op in self.order if op in wanted]
+        for b in dropped:
+            if b.result is None:
+                self._kill(b)
+        self.extend(order, ext_dir=ext_dir)
 
     def finished(self, op: str) -> bool:
         """Whether ``wait(op)`` would return at once (no build of op, or it has ended)."""

@@ -56,6 +56,53 @@ def start_at_load(config: pytest.Config) -> None:
     finally:
         os.close(fd)
     _LOG_AT_LOAD.append(log)
+    _start_builds_at_load()
+
+
+#: Op builds started before the profile was known (start_at_load), for configure to adopt.
+_BUILDS_AT_LOAD: list = []
+
+
+def _start_builds_at_load() -> None:
+    """With a cold op cache, start building the ops every acceptance run on a GPU node loads
+    (prebuild.acceptance_ops without the profile's promises: fused_adam, cpu_adam, async_io,
+    utils), longest first, before pytest imports torch to find the node and the profile: on
+    1xH200 that took 7-9 s of a cold run's start-up, before which no build ran. Configure keeps
+    the builds of the ops the run needs (an op DeepSpeed calls incompatible here is stopped and
+    forgotten) and adds the profile's own (adopt_builds)."""
+    from dsconform.ops.cache import ensure_extensions_dir
+    from dsconform.ops.prebuild import ParallelBuilds, acceptance_ops, is_cached, longest_first
+
+    try:
+        ext_dir = ensure_extensions_dir()
+    except OSError:
+        return  # configure names the problem
+    ops = [op for op in longest_first(acceptance_ops("cuda", ())) if not is_cached(op, ext_dir)]
+    if ops:
+        # py-cpuinfo's answer is not waited for here: each build asks once itself.
+        _BUILDS_AT_LOAD.append(ParallelBuilds.start(ops, skip_cached=True, ext_dir=ext_dir,
+                                                    share_cpu_info=False))
+
+
+def adopt_builds(state: RunState, ops: list[str]) -> bool:
+    """Keep, of the builds started at load (if any), those of ``ops`` (the run's uncached ops,
+    longest first) and add the missing ones: the run's builds from then on. Returns whether
+    there were builds to adopt; where ``ops`` is empty they are all stopped."""
+    if not _BUILDS_AT_LOAD:
+        return False
+    builds = _BUILDS_AT_LOAD.pop()
+    builds.retain(ops)
+    if ops:
+        state.op_builds = builds
+    else:
+        builds.close()
+    return True
+
+
+def drop_builds_at_load() -> None:
+    """Stop builds started at load that no run adopted (the node's GPUs are not usable)."""
+    while _BUILDS_AT_LOAD:
+        _BUILDS_AT_LOAD.pop().close()
 
 
 def log_started_at_load(path: Path | None) -> bool:
@@ -116,8 +163,11 @@ def start_ranks_early(config: pytest.Config, state: RunState) -> None:
         zygote.start_ahead()  # started already where GPU device files are found
     with rank_output.capture("(start-up)"):  # DeepSpeed's probes print
         missing = uncached_run_ops(state)
+        from dsconform.ops.prebuild import longest_first
+        adopted = adopt_builds(state, longest_first(missing))
     if missing:
-        start_builds_early(state, missing)
+        if not adopted:
+            start_builds_early(state, missing)
         return
     from dsconform.plugin import batch
     if not zygote.enabled():

@@ -157,6 +157,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not early.is_xdist_worker(config):
         config.pluginmanager.register(Recorder(state), "dsconform-recorder")
     early.start_ranks_early(config, state)
+    early.drop_builds_at_load()  # none adopted: this run does not build them
     timeline.mark("configured")
 
 

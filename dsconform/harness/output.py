@@ -228,6 +228,14 @@ def fds_to_log() -> Iterator[None]:
     if fd is None:
         yield
         return
+    with fds_to(fd):
+        yield
+
+
+@contextlib.contextmanager
+def fds_to(fd: int) -> Iterator[None]:
+    """This process's fds 1 and 2 are ``fd`` meanwhile (what processes started meanwhile
+    inherit), then what they were."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

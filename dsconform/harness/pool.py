@@ -482,12 +482,8 @@ def record_startup(replies: list) -> None:
         STARTUP_PHASES.extend(r[2] for r in replies
                               if isinstance(r, tuple) and len(r) > 2 and isinstance(r[2], dict))
     for r in replies:  # when (rank._start_facts): the run's start-up line
-        facts = r[3] if isinstance(r, tuple) and len(r) > 3 and isinstance(r[3], dict) else {}
-        for step, key in (("fork server started", "server started"),
-                          ("fork server imported torch", "server ready"),
-                          ("first rank ready", "ready")):
-            if isinstance(facts.get(key), float):
-                timeline.mark(step, facts[key])
+        if isinstance(r, tuple) and len(r) > 3 and isinstance(r[3], dict):
+            timeline.mark_rank(r[3])
 
 
 def startup_phases() -> tuple[int, dict[str, float]]:

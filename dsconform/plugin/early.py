@@ -6,7 +6,6 @@ each saves on 1xH200."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import threading
@@ -49,7 +48,7 @@ def start_at_load(config: pytest.Config) -> None:
     except OSError:
         return
     try:
-        with _fds_to(fd):
+        with rank_output.fds_to(fd):
             from multiprocessing import resource_tracker
             resource_tracker.ensure_running()
             zygote.start_ahead()
@@ -108,21 +107,6 @@ def drop_builds_at_load() -> None:
 def log_started_at_load(path: Path | None) -> bool:
     """Whether the rank log ``path`` was started before configure (start_at_load)."""
     return path is not None and path.resolve() in _LOG_AT_LOAD
-
-
-@contextlib.contextmanager
-def _fds_to(fd: int):
-    """fds 1 and 2 are ``fd`` meanwhile: what processes started meanwhile print goes there."""
-    saved = [os.dup(1), os.dup(2)]
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for f in saved:
-            os.close(f)
 
 
 def is_xdist_worker(config: pytest.Config) -> bool:

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -61,16 +62,71 @@ def test_an_answer_in_the_environment_is_taken_without_asking(fake_cpuinfo, monk
     assert calls == []
 
 
-def test_a_failed_query_is_answered_empty_once(fake_cpuinfo, monkeypatch):
-    """py-cpuinfo answers {} when its query process fails; that answer is not asked for again
-    (it would fail again, a second later)."""
-    mod, _ = fake_cpuinfo
+def test_a_failed_query_is_not_remembered_and_the_next_call_asks_again(fake_cpuinfo):
+    """A query that fails is answered as py-cpuinfo answers it ({}), to that caller only: the
+    next question asks py-cpuinfo again, and its usable answer is the one shared."""
+    mod, calls = fake_cpuinfo
     query = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"],
                              stdout=subprocess.PIPE)
     cpu_info.install()
     cpu_info._STATE["asking"] = query
-    cpu_info._STATE["original"] = lambda: pytest.fail("asked again after the query")
-    assert mod.get_cpu_info() == {} and mod.get_cpu_info() == {}
+    cpu_info._STATE["original"] = lambda: {}
+    assert mod.get_cpu_info() == {}
+    assert cpu_info.ENV not in __import__("os").environ
+    cpu_info._STATE["original"] = lambda: calls.append(1) or dict(ANSWER)
+    assert mod.get_cpu_info() == ANSWER and mod.get_cpu_info() == ANSWER
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("printed", [b"", b"{}", b'{"count": 2}', b"[1]", b"not json"],
+                         ids=["nothing", "empty", "no-arch", "a-list", "garbage"])
+def test_a_query_that_names_no_architecture_is_a_failed_answer(fake_cpuinfo, printed):
+    """A query that exits 0 but prints nothing usable (py-cpuinfo2 10.1 run as a script prints
+    nothing) is not shared: py-cpuinfo in-process answers instead."""
+    mod, calls = fake_cpuinfo
+    query = subprocess.Popen([sys.executable, "-c",
+                              f"import sys; sys.stdout.buffer.write({printed!r})"],
+                             stdout=subprocess.PIPE)
+    cpu_info.install()
+    cpu_info._STATE["asking"] = query
+    assert mod.get_cpu_info() == ANSWER
+    assert calls == [1]
+
+
+def test_an_environment_answer_without_architecture_is_ignored(fake_cpuinfo, monkeypatch):
+    mod, calls = fake_cpuinfo
+    monkeypatch.setenv(cpu_info.ENV, "{}")
+    cpu_info.install()
+    assert mod.get_cpu_info() == ANSWER and calls == [1]
+
+
+WHEELS = sorted(Path(REPO, "tests", "data", "cpuinfo").glob("*.whl"))
+
+
+@pytest.mark.parametrize("wheel", WHEELS, ids=[w.name.split("-py3")[0] for w in WHEELS])
+def test_the_query_works_with_every_py_cpuinfo(wheel, tmp_path):
+    """py-cpuinfo 9.0.0 and its fork py-cpuinfo2 (10.0, 10.1: the command line moved to
+    cpuinfo/__main__.py) install the same module; the started query answers with each, and
+    DeepSpeed's builders read an architecture from it."""
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(tmp_path)
+    version = wheel.name.split("-")[1]
+    code = ("import cpuinfo, json\n"
+            "from dsconform.harness import cpu_info\n"
+            "cpu_info.install(); cpu_info.start_asking()\n"
+            "cpu_info._STATE['original'] = None\n"  # only the started query may answer
+            "a = cpuinfo.get_cpu_info()\n"
+            "print(json.dumps([cpuinfo.__file__, a.get('cpuinfo_version_string'),"
+            " a.get('arch')]))\n")
+    env = dict(__import__("os").environ, PYTHONPATH=f"{tmp_path}:{REPO}")
+    env.pop(cpu_info.ENV, None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, timeout=60, check=True).stdout
+    where, answered_version, arch = json.loads(out.splitlines()[-1])
+    assert where.startswith(str(tmp_path)), where
+    assert answered_version == version and arch, out
 
 
 def test_a_started_query_gives_the_first_answer():

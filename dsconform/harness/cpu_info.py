@@ -13,6 +13,12 @@ The answer describes the node, so every process of a run can share it: ``install
 ``cpuinfo.get_cpu_info`` return the first answer this process tree got (a copy each time),
 from DSC_CPUINFO_JSON where a parent put it, else from py-cpuinfo itself. The value DeepSpeed
 reads is py-cpuinfo's own, unchanged; only the repetition goes.
+
+Only a usable answer is shared: one that names the CPU's ``arch`` (DeepSpeed's
+``OpBuilder.cpu_arch()`` reads that key outside its try block). Anything else (a query that
+failed, printed nothing or was cut short) is handed to that one caller and asked for again
+by the next, as py-cpuinfo itself would. The query runs as ``python -m cpuinfo --json``, the
+command line every release of py-cpuinfo and of its fork py-cpuinfo2 supports.
 """
 
 from __future__ import annotations
@@ -62,53 +68,56 @@ def start_asking() -> None:
     if mod is None or _STATE["answer"] is not None or _STATE["asking"] is not None \
             or os.environ.get(ENV):
         return
-    script = getattr(getattr(mod, "cpuinfo", None), "__file__", None)
-    if not script:
-        return
     try:
         _STATE["asking"] = subprocess.Popen(
-            [sys.executable, script, "--json"], stdout=subprocess.PIPE,
+            [sys.executable, "-m", "cpuinfo", "--json"], stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
     except OSError:  # remembered() asks py-cpuinfo itself
         _STATE["asking"] = None
 
 
-def _answer_of_query(proc: subprocess.Popen) -> dict:
-    """The query's answer; {} where it failed, as py-cpuinfo's get_cpu_info answers then."""
-    out, _ = proc.communicate()
-    if proc.returncode != 0:
-        return {}
+def usable(answer: Any) -> bool:
+    """An answer DeepSpeed can read: a mapping that names the CPU's architecture."""
+    return isinstance(answer, dict) and bool(answer.get("arch"))
+
+
+def _parse(text: str | bytes | None) -> dict | None:
+    if not text:
+        return None
     try:
-        found = json.loads(out.decode("utf-8"))
+        found = json.loads(text)
     except ValueError:
-        return {}
-    return found if isinstance(found, dict) else {}
+        return None
+    return found if usable(found) else None
+
+
+def _answer_of_query(proc: subprocess.Popen) -> dict | None:
+    """The started query's answer; None where it failed or named no architecture."""
+    out, _ = proc.communicate()
+    return _parse(out) if proc.returncode == 0 else None
 
 
 def remembered() -> dict:
-    """What ``cpuinfo.get_cpu_info()`` answered first in this process tree (a copy)."""
+    """What ``cpuinfo.get_cpu_info()`` answered first in this process tree (a copy); while no
+    usable answer came, each call asks py-cpuinfo again and returns what it said."""
     with _LOCK:
         if _STATE["answer"] is None:
-            _STATE["answer"] = _first_answer()
+            answer = _first_answer()
+            if not usable(answer):
+                return answer
+            _STATE["answer"] = answer
+            os.environ[ENV] = json.dumps(answer)
         return copy.deepcopy(_STATE["answer"])
 
 
-def _first_answer() -> dict:
-    answer = None
-    text = os.environ.get(ENV)
-    if text:
-        try:
-            answer = json.loads(text)
-        except ValueError:
-            answer = None
+def _first_answer() -> Any:
+    answer = _parse(os.environ.get(ENV))
     proc, _STATE["asking"] = _STATE["asking"], None
     if answer is None and proc is not None:
         answer = _answer_of_query(proc)
     if answer is None:
         original = _STATE["original"]
         answer = original() if original is not None else {}
-    if answer:
-        os.environ[ENV] = json.dumps(answer)
     return answer
 
 

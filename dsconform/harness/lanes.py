@@ -223,35 +223,30 @@ def _lane_pool(key: tuple, pg_timeout_s: float, spawner: _Spawner,
     (started: one started ahead for it). Started up (RankError if it cannot start). While it
     starts it is in ``active``, so a batch stopped meanwhile kills it instead of waiting for
     its start-up."""
-    for attempt in range(3):  # the probed port can be taken between the probe and the bind
-        pool, started = started, None
-        with TABLES_LOCK:
-            idle = LANE_POOLS.get(key, [])
-            while idle and pool is None and not fresh:
-                pool = idle.pop()
-                if pool.closed or pool.pg_timeout_s < pg_timeout_s:
-                    pool.kill()
-                    pool = None
-        if pool is None:
-            pool = spawner.new_lane(key, pg_timeout_s, cancel, fresh)
+    pool = started
+    with TABLES_LOCK:
+        idle = LANE_POOLS.get(key, [])
+        while idle and pool is None and not fresh:
+            pool = idle.pop()
+            if pool.closed or pool.pg_timeout_s < pg_timeout_s:
+                pool.kill()
+                pool = None
+    if pool is None:
+        pool = spawner.new_lane(key, pg_timeout_s, cancel, fresh)
+    if active is not None:
+        active.add(pool)
+    if cancel.is_set():  # stopped while it was being handed over
+        pool.kill()
+    t0 = time.monotonic()
+    try:
+        return await_start(pool)
+    except RankError:
         if active is not None:
-            active.add(pool)
-        if cancel.is_set():  # stopped while it was being handed over
-            pool.kill()
-        t0 = time.monotonic()
-        try:
-            return await_start(pool)
-        except RankError as exc:
-            if active is not None:
-                active.discard(pool)
-            if cancel.is_set():
-                raise
-            if "address already in use" not in str(exc).lower() or attempt == 2:
-                raise
-        finally:
-            with LANE_STATS_LOCK:
-                LANE_STATS["waited_s"] += time.monotonic() - t0
-    raise AssertionError("unreachable")
+            active.discard(pool)
+        raise
+    finally:
+        with LANE_STATS_LOCK:
+            LANE_STATS["waited_s"] += time.monotonic() - t0
 
 
 def _key_of(lane_key: tuple, step: RankCall, index: int = 0) -> tuple:

@@ -29,8 +29,9 @@ from dsconform.harness import output, timeline, zygote
 from dsconform.harness.errors import RankError, RankTimeout, describe, fn_name, rank_error
 from dsconform.harness.rank import RANK_OWNED_ENV, SPAWNED_AT_ENV, STACK_DUMP_SIGNAL, rank_main
 from dsconform.harness.xdist import (
+    AGENT_STORE_ENV,
     InsufficientGPUs,
-    free_port,
+    bind_rendezvous_store,
     gpu_slice,
     gpus_per_worker,
     visible_gpus,
@@ -42,30 +43,24 @@ from dsconform.harness.xdist import (
 #: (about 30 s on 2 cores), which a 10 s test timeout must not turn into a failure.
 STARTUP_TIMEOUT_S = settings.get("DSCONFORM_STARTUP_TIMEOUT_S")
 
-
 #: Once one rank skipped, how long the others may take to finish: a rank that did not skip is
 #: usually blocked in a collective waiting for the one that did.
 SKIP_GRACE_S = 10.0
 
-
 #: How long a hung rank gets to write its stacks after the dump signal.
 STACK_DUMP_WAIT_S = 1.0
-
 
 #: How long stopping ranks may take to exit by themselves (flushing their output, a CUDA
 #: context's teardown) before they are killed; pools stopped together share it.
 EXIT_WAIT_S = 2.0
 
-
 #: The last lines of a rank's output kept to explain its death (a native abort prints no
 #: Python traceback).
 TAIL_LINES = 20
 
-
 #: Pools kept alive at once (least recently used is closed first). Each holds world_size
 #: processes and, on GPUs, a CUDA context per rank.
 MAX_POOLS = settings.get("DSCONFORM_MAX_POOLS")
-
 
 #: Process-group timeout of pooled ranks: the parent enforces each call's timeout_s, so this
 #: only has to outlast the longest call; a call asking for more respawns the pool.
@@ -90,7 +85,12 @@ class Pool:
         self.gpus = gpus
         self.pg_timeout_s = pg_timeout_s
         self.owner_pid = os.getpid()
-        self.port = free_port()
+        # What the output read next was printed for: the test that started the pool (label:
+        # ranks started in the background), then the test of each call (send_and_collect).
+        self.label = label or output.current_label()
+        # The group's store, held here for the pool's life: the ranks connect to it.
+        self.store, self.port = bind_rendezvous_store(
+            pg_timeout_s, log=lambda text: output.record(self.label, "dsconform.harness", text))
         self.tmpdir = tempfile.mkdtemp(prefix="dsconform-ranks-")
         self.stack_paths = [os.path.join(self.tmpdir, f"rank{i}.stacks") for i in range(world_size)]
         # Each rank's stdout and stderr; drain() reads what is new since the last time.
@@ -98,9 +98,6 @@ class Pool:
         self.output_offsets = [0] * world_size
         self.tails: list[deque] = [deque(maxlen=TAIL_LINES) for _ in range(world_size)]
         self.output_lock = threading.Lock()
-        # What the output read next was printed for: the test that started the pool (label:
-        # ranks started in the background), then the test of each call (send_and_collect).
-        self.label = label or output.current_label()
         self.procs: list = []
         self.conns: list = []
         self.pids: list[int] = []
@@ -115,6 +112,7 @@ class Pool:
             "LOCAL_WORLD_SIZE": str(world_size),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(self.port),
+            **AGENT_STORE_ENV,
             "DS_ACCELERATOR": accelerator,
             # A cpu run sees no GPU, so it cannot touch another xdist worker's devices.
             "CUDA_VISIBLE_DEVICES": ",".join(gpus) if accelerator == "cuda" else "",
@@ -270,6 +268,7 @@ class Pool:
             except OSError:
                 pass
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+        self.store = None  # the port is free again once no rank is left to use it
 
     def read_stacks(self, ranks: list[int]) -> dict[int, str]:
         stacks = {}
@@ -498,17 +497,9 @@ def startup_phases() -> tuple[int, dict[str, float]]:
 
 
 def start_pool(world_size: int, accelerator: str, gpus: tuple[str, ...],
-                pg_timeout_s: float) -> Pool:
+               pg_timeout_s: float) -> Pool:
     clear_build_locks()
-    attempts = 3  # the probed port can be taken between the probe and rank 0's bind
-    for attempt in range(attempts):
-        try:
-            return await_start(Pool(world_size, accelerator, gpus, pg_timeout_s))
-        except RankError as exc:
-            if "address already in use" in str(exc).lower() and attempt + 1 < attempts:
-                continue
-            raise
-    raise AssertionError("unreachable")
+    return await_start(Pool(world_size, accelerator, gpus, pg_timeout_s))
 
 
 #: Rank start-ups this process waited for: how many pools, how many of them were standbys, and

@@ -30,7 +30,8 @@ SPAWNED_AT_ENV = "DSC_RANK_SPAWNED_AT"  # the harness's own, not a setting
 #: Variables the harness sets per rank; the parent's environment never overrides them.
 RANK_OWNED_ENV = frozenset({SPAWNED_AT_ENV, "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE",
                             "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR",
-                            "CUDA_VISIBLE_DEVICES"})
+                            "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_USE_AGENT_STORE",
+                            "TORCHELASTIC_RESTART_COUNT"})
 #: The signal the parent sends to make a hung rank write its Python stacks.
 STACK_DUMP_SIGNAL = signal.SIGUSR1
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
 
 from dsconform import settings
 
@@ -94,6 +97,52 @@ def free_port(worker_index: int | None = None) -> int:
         f"no free port in {ports.start}-{ports.stop - 1} (xdist worker {worker_index}); "
         "another job uses them: set DSCONFORM_PORT_BASE to a free range"
     )
+
+
+#: How many ports a rank group tries before it gives up: another process (a second suite run,
+#: a user's torchrun) can take a port between the probe and the bind.
+BIND_ATTEMPTS = 10
+
+#: The rank environment that makes every rank a client of the store the parent holds
+#: (torch.distributed.rendezvous: the store of a torchelastic agent), so no rank binds a port.
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
+def _address_in_use(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "eaddrinuse" in text or "address already in use" in text
+
+
+def bind_rendezvous_store(timeout_s: float,
+                          log: Callable[[str], None] | None = None) -> tuple[Any, int]:
+    """A TCPStore server for one rank group, bound in this process: (store, port).
+
+    Binding here, not in rank 0, closes the gap between probing a port and binding it: a port
+    another process took in that gap is skipped and the next one tried, BIND_ATTEMPTS times in
+    all, each skip told to ``log`` (the rank log). The store lives as long as the returned
+    object; the ranks connect to it as clients (AGENT_STORE_ENV)."""
+    from torch.distributed import TCPStore
+
+    taken = []
+    for _ in range(BIND_ATTEMPTS):
+        port = free_port()
+        try:
+            store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+        except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
+            if not _address_in_use(exc):
+                raise
+            taken.append(port)
+            if log is not None:
+                log(f"rendezvous port {port} was taken by another process after it was found "
+                    f"free; trying another ({len(taken)} of {BIND_ATTEMPTS} tries)")
+            continue
+        return store, port
+    raise RuntimeError(
+        f"no rendezvous port could be bound in {BIND_ATTEMPTS} tries (taken: "
+        f"{', '.join(map(str, taken))}); another job uses ports "
+        f"{port_range(xdist_worker()[0]).start}-{port_range(xdist_worker()[0]).stop - 1}: "
+        "set DSCONFORM_PORT_BASE to a free range")
 
 
 def visible_gpus() -> list[str]:

@@ -80,3 +80,21 @@ def start_ahead() -> None:
         forkserver.ensure_running()
     except Exception as exc:  # an optimisation: the first rank start reports it
         give_up(exc)
+
+
+def stop() -> None:
+    """Stop the server, then multiprocessing's resource tracker (the server held it open too),
+    and wait for both, so neither outlives pytest's process; a later rank start starts them
+    again. The stdlib offers no public stop: each object's own _stop() (which CPython's tests
+    use) closes the pipe the process watches and reaps it. Call it once no rank is left."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for holder in (getattr(forkserver, "_forkserver", None),
+                   getattr(resource_tracker, "_resource_tracker", None)):
+        stopper = getattr(holder, "_stop", None)
+        if stopper is None:
+            continue
+        try:
+            stopper()
+        except (OSError, ChildProcessError):  # gone already
+            pass

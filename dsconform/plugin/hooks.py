@@ -244,6 +244,7 @@ def _stop_everything(config: pytest.Config) -> None:
     early.join_early()  # a collection error can end the run while it still starts ranks
     if "dsconform.harness.api" in sys.modules:  # only if some test started ranks
         sys.modules["dsconform.harness.api"].shutdown_pools()
+    zygote.stop()  # started at load even where no test started ranks
     if state and state.scratch_is_temp:
         shutil.rmtree(state.scratch, ignore_errors=True)
 

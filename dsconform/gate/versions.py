@@ -10,8 +10,12 @@ from __future__ import annotations
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-__all__ = ["InvalidSpecifier", "InvalidVersion", "SpecifierSet", "Version", "at_least",
-           "parse", "public", "specifier"]
+__all__ = ["TORCH_RUN_WITH", "InvalidSpecifier", "InvalidVersion", "SpecifierSet", "Version",
+           "at_least", "parse", "public", "specifier", "torch_note"]
+
+#: The torch releases (major.minor) the suite has been run with; docs/install.md says where.
+#: Another torch is judged all the same: the header and the summary only say so.
+TORCH_RUN_WITH = ("2.11", "2.13", "2.14")
 
 
 def parse(text: str | None) -> Version | None:
@@ -42,3 +46,14 @@ def specifier(spec: str) -> SpecifierSet:
         return SpecifierSet(spec)
     except InvalidSpecifier:
         raise ValueError(f"{spec!r} is not a version specifier such as '>=0.19,<0.19.7'") from None
+
+
+def torch_note(found: str | None) -> str:
+    """One line for the header and the summary: whether ``found`` is a torch release the suite
+    has been run with."""
+    v = public(found)
+    listed = ", ".join(TORCH_RUN_WITH)
+    if v is not None and f"{v.major}.{v.minor}" in TORCH_RUN_WITH:
+        return f"torch {found}: a release this suite has been run with ({listed})"
+    return (f"torch {found or 'unknown'}: not a release this suite has been run with "
+            f"({listed}); its results are judged all the same (docs/install.md)")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dsconform import __version__, settings
-from dsconform.gate import known_issues
+from dsconform.gate import known_issues, versions
 from dsconform.gate import requires as gating
 from dsconform.harness import cpu_info, timeline, zygote
 from dsconform.harness import output as rank_output
@@ -143,6 +143,7 @@ def pytest_configure(config: pytest.Config) -> None:
         selection=selection, scratch=scratch, scratch_is_temp=scratch_is_temp, results=results,
         started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), multinode=rendezvous_nodes() > 1,
         notices=notices)
+    state.notices.append(versions.torch_note(selection.node.torch_version))
     if is_detected(selection.profile):
         state.notices.append(detected_warning())
     if selection.node.unusable_gpus():

@@ -213,8 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where cluster.md, cluster.json, junit.xml and heatmap.png go "
                         "(default ./dsconform-cluster)")
     g.add_argument("--outlier-pct", type=float, default=90.0, metavar="PCT",
-                   help="a node below PCT%% of the fleet median on a performance metric is an "
-                        "outlier, even above its floor (default 90)")
+                   help="a node below PCT%% of the median of its node type (profile and GPUs) "
+                        "on a performance metric is an outlier, even above its floor (default "
+                        "90)")
     g.add_argument("--no-plot", action="store_true", help="do not draw heatmap.png")
     g.add_argument("--expect", metavar="NODES",
                    help="the nodes that should have results (comma-separated, e.g. the job's "

@@ -67,7 +67,7 @@ MIN_CHANGE = {
 #: The last part of a metric's name that marks a one-off cost.
 ONE_OFF = ("build_seconds", "load_seconds", "first_call_seconds", "startup_seconds")
 ONE_OFF_WHY = ("one-off cost (an op's build or load, a first call, a start-up): a cold cache "
-               "makes it seconds instead of milliseconds")
+               "makes it seconds, not milliseconds")
 
 
 def is_one_off(metric: str) -> bool:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from dsconform.cli import main
+from dsconform.node import gpu_health
 from dsconform.results import compare, noise
 from tests.compare_docs import doc, metric, write
 
@@ -89,6 +90,10 @@ def test_a_run_compared_with_itself_is_no_regression_and_judges_everything(runs,
     assert cli(tmp_path, runs["B"], runs["B"]) == 0
     result = compare.compare(runs["B"], runs["B"])
     assert not result.of(compare.NOT_JUDGED)  # nothing moved: nothing to leave out
+
+
+def test_the_shortest_timing_judged_is_the_shortest_call_whose_waits_are_held():
+    assert noise.MIN_SECONDS.value == gpu_health.MIN_WAIT_CHECK_SECONDS
 
 
 def test_what_is_not_judged_is_listed_with_why(runs, capsys, tmp_path):

@@ -211,6 +211,7 @@ def test_long_facts_are_one_line_and_whole_in_the_json(runs, tmp_path, capsys):
                                       "nvlinks; full values in the JSON (--json FILE)") in gpu1
     data = json.loads(out_json.read_text())
     assert data["format"] == "dsconform-compare/1" and data["regressed"] is False
+    assert data["noise_rules"]["min_seconds"] == {"value": 1e-4, "why": noise.MIN_SECONDS.why}
     [fact] = [c for c in data["changes"] if c["name"] == "HEALTH-1::health.start.gpu1"]
     facts = {f["name"]: f["value"] for f in runs["B"]["dsconform"]["facts"]
              if f["nodeid"].endswith("test_health_at_start")}

@@ -14,8 +14,8 @@ files and classifies every difference; ``compare_report`` prints it (terminal, m
   against the noise both runs measured in their rounds (dsconform/results/noise.py: the rules
   and their thresholds): a change counts only beyond ``NOISE_SPREADS`` times the pooled robust
   spread of both runs' rounds AND beyond the minimum relative change (``threshold``, or a
-  family's wider one). One-off costs (op builds and loads), timings shorter than 100 us, timings
-  of fewer than 3 rounds and shares of time that moved by under a point are reported as *not
+  family's wider one); a share of time must also move by a point. One-off costs (op builds and
+  loads), timings shorter than 100 us and timings of fewer than 3 rounds are reported as *not
   judged*. A value measured once that is not a timing has unknown noise: only the threshold
   applies, and the report says so.
   A value past the limit the suite enforced is a regression however small. Timed metrics
@@ -33,10 +33,11 @@ files and classifies every difference; ``compare_report`` prints it (terminal, m
   stopped working); failed / skipped / xfailed -> passed an improvement (fixed, or runs now).
   New and vanished tests are listed.
 - **Known upstream issues** (``dsconform/gate/known_issues.py``) that appeared or went away, and
-  what
-  became of their cases.
-- **Facts** (``dsconform.facts``: DeepSpeed's effective defaults as the ZeRO suite finds them)
-  whose value changed: "what silently changed". Listed, never a regression by themselves.
+  what became of their cases.
+- **Facts** (``dsconform.facts``: DeepSpeed's effective defaults as the ZeRO suite finds them,
+  the GPUs' health snapshots) whose value changed: "what silently changed". Listed, never a
+  regression by themselves; a long value on one line by what changed in it
+  (dsconform/results/fact_changes.py).
 - **Environment**: DeepSpeed, torch, CUDA, NCCL, driver, GPU, profile. Runs of different profiles
   or GPUs are compared with a loud warning (the difference may be the machine).
 

@@ -19,8 +19,8 @@ tolerance its test holds it to (``extra_info.bound``), is judged by that limit o
    bound: deterministic on one stack) have no noise to measure: any change beyond the minimum
    relative change counts, and the report says the noise is unknown.
 
-The evidence the reasons cite, two warm runs of one unchanged 2xH200 stack, is in
-tests/data/reference-runs/ (its README says what was kept).
+The evidence the reasons cite, three runs of one unchanged 2xH200 stack (two warm, one with a
+cold op cache), is in tests/data/reference-runs/ (its README says what they are).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from dsconform.results.records import MIN_ROUNDS, PERFORMANCE_UNITS
 
-EVIDENCE = "tests/data/reference-runs (two warm runs of one 2xH200 stack)"
+EVIDENCE = "runs of one unchanged 2xH200 stack (tests/data/reference-runs)"
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ MIN_SECONDS = Rule(1e-4, "below 100 us per call, launch jitter dominates (the co
                          "holds rank waits only above it: MIN_WAIT_CHECK_SECONDS, "
                          "dsconform/node/gpu_health.py): 1 MiB collectives (35-90 us) moved by "
                          f"40-90% with tight rounds between {EVIDENCE}")
-#: A share of time (unit %) that moved by fewer points than this is not judged.
+#: A value in percent (a share of time) that moved by fewer points than this is unchanged.
 PERCENT_POINTS = Rule(1.0, "under 1 point of the whole, a share of time (a rank's wait: "
                            "0.0017% -> 0.11%) is no slowdown to act on; waits at 64 MiB and up "
                            f"moved by up to 0.2 points between {EVIDENCE}")
@@ -58,10 +58,10 @@ PERCENT_POINTS = Rule(1.0, "under 1 point of the whole, a share of time (a rank'
 MIN_CHANGE = {
     "checkpoint.": Rule(0.35, "a checkpoint's save and load go through the page cache to a "
                               "virtio disk: checkpoint.load moved 1.10 <-> 1.42 GB/s (29%) with "
-                              f"rounds within 3% between {EVIDENCE}; its floor still holds it"),
+                              f"rounds within 3% between warm {EVIDENCE}; its floor still holds "
+                              "it"),
     "nvme.": Rule(0.35, "DeepNVMe and dd throughput on the same disk moved by up to 30% (1.64 "
-                        f"<-> 2.13 GB/s) between runs of one node ({EVIDENCE}, and a cold run "
-                        "of it); the floors still hold it"),
+                        f"<-> 2.13 GB/s) between {EVIDENCE}; the floors still hold it"),
 }
 #: The last part of a metric's name that marks a one-off cost.
 ONE_OFF = ("build_seconds", "load_seconds", "first_call_seconds", "startup_seconds")
@@ -117,6 +117,18 @@ def not_judged(metric: str, unit: str, seconds: float | None, rounds: int) -> st
         return (f"noise unknown: {rounds} round{'s' if rounds != 1 else ''} (a timing is judged "
                 f"from {MIN_ROUNDS})")
     return None
+
+
+def rules() -> dict[str, dict[str, object]]:
+    """Every threshold with its reason, for the comparison's JSON."""
+    table: dict[str, Rule] = {"noise_spreads": NOISE_SPREADS, "min_seconds": MIN_SECONDS,
+                              "percent_points": PERCENT_POINTS,
+                              **{f"min_change[{p}*]": r for p, r in MIN_CHANGE.items()}}
+    out: dict[str, dict[str, object]] = {k: {"value": r.value, "why": r.why}
+                                         for k, r in table.items()}
+    out["min_rounds"] = {"value": MIN_ROUNDS, "why": "fewer rounds cannot show a timing's noise"}
+    out["one_off"] = {"value": list(ONE_OFF), "why": ONE_OFF_WHY}
+    return out
 
 
 def floor(unit: str) -> float:

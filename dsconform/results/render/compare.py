@@ -250,6 +250,7 @@ def as_json(result: RunComparison) -> dict[str, Any]:
         "regressed": result.regressed,
         "verdict": verdict(result),
         "rule": rule(result.threshold),
+        "noise_rules": noise.rules(),
         "warnings": list(result.warnings),
         "notes": list(result.notes),
         "changes": [asdict(c) for c in result.changes],

@@ -1,11 +1,8 @@
 """``dsconform aggregate`` MUST turn many nodes' results into one answer: exit 1 naming a
 failing node with its reasons and printing (never running) its drain command, flag a node below
-a settable share of the fleet median even above its floor, count a known upstream issue once,
-merge JUnit XML, write markdown, JSON and a heat map, and refuse bad input (empty folders,
-foreign JSON, a node that appears twice) with one line naming the folder or file.
-
-Node folders are crafted with the plugin's own writers (dsconform.results.records.document,
-dsconform.results.summary.summarize), so they have the real format.
+a settable share of the median of its node type even above its floor, count a known upstream
+issue once, merge JUnit XML, write markdown, JSON and a heat map, and refuse bad input (empty
+folders, foreign JSON, a node that appears twice) with one line naming the folder or file.
 """
 
 from __future__ import annotations
@@ -126,7 +123,7 @@ def test_all_good_exits_0_and_writes_every_report(tmp_path):
     assert (tmp_path / "out" / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_outlier_below_the_fleet_median_even_above_its_floor(tmp_path):
+def test_outlier_below_the_median_of_its_type_even_above_its_floor(tmp_path):
     for name, gbps, step in (("a", 300.0, 40.0), ("b", 310.0, 41.0), ("c", 250.0, 39.0),
                              ("d", 305.0, 60.0)):
         write_node(tmp_path / name, outcomes=[outcome(BUSBW)], metrics=[busbw(gbps),

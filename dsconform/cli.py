@@ -130,6 +130,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if args.markdown and args.markdown != "-":
             Path(args.markdown).write_text(compare_report.markdown(result) + "\n")
             print(f"markdown: {args.markdown}", file=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps(compare_report.as_json(result), indent=1)
+                                       + "\n")
+            print(f"json: {args.json}", file=sys.stderr)
         if args.plot:
             compare_plot.draw(result, args.plot)
             print(f"chart: {args.plot}", file=sys.stderr)
@@ -183,12 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("new", help="benchmarks.json (or the --results directory) of the run under "
                                "test")
     c.add_argument("--threshold", type=float, default=0.10,
-                   help="relative change below which a metric is unchanged (default 0.10); "
-                        "sample noise can widen it")
+                   help="relative change below which a metric is unchanged (default 0.10); the "
+                        "noise of both runs' rounds, and a family's wider minimum "
+                        "(dsconform/results/noise.py), can widen it")
     c.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
                    help="write the comparison as markdown to FILE (for a pull request or a "
                         "wiki page); without FILE print it instead of the table. Put it after "
                         "BASE and NEW")
+    c.add_argument("--json", metavar="FILE",
+                   help="write the whole comparison as JSON to FILE: every change, with the full "
+                        "values of facts the table summarises")
     c.add_argument("--plot", metavar="FILE.png",
                    help="draw the relative change of every metric with its noise band, "
                         "regressions in red (needs matplotlib: pip install 'dsconform[plot]')")
@@ -205,8 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where cluster.md, cluster.json, junit.xml and heatmap.png go "
                         "(default ./dsconform-cluster)")
     g.add_argument("--outlier-pct", type=float, default=90.0, metavar="PCT",
-                   help="a node below PCT%% of the fleet median on a performance metric is an "
-                        "outlier, even above its floor (default 90)")
+                   help="a node below PCT%% of the median of its node type (profile and GPUs) "
+                        "on a performance metric is an outlier, even above its floor (default "
+                        "90)")
     g.add_argument("--no-plot", action="store_true", help="do not draw heatmap.png")
     g.add_argument("--expect", metavar="NODES",
                    help="the nodes that should have results (comma-separated, e.g. the job's "

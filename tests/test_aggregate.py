@@ -1,11 +1,8 @@
 """``dsconform aggregate`` MUST turn many nodes' results into one answer: exit 1 naming a
 failing node with its reasons and printing (never running) its drain command, flag a node below
-a settable share of the fleet median even above its floor, count a known upstream issue once,
-merge JUnit XML, write markdown, JSON and a heat map, and refuse bad input (empty folders,
-foreign JSON, a node that appears twice) with one line naming the folder or file.
-
-Node folders are crafted with the plugin's own writers (dsconform.results.records.document,
-dsconform.results.summary.summarize), so they have the real format.
+a settable share of the median of its node type even above its floor, count a known upstream
+issue once, merge JUnit XML, write markdown, JSON and a heat map, and refuse bad input (empty
+folders, foreign JSON, a node that appears twice) with one line naming the folder or file.
 """
 
 from __future__ import annotations
@@ -44,14 +41,15 @@ def busbw(gbps: float, floor: float | None = 200.0, nodeid: str = BUSBW) -> reco
                           rate)
 
 
-def build_time(seconds: float) -> records.Metric:
-    return records.Metric("suites/test_ops.py::test_op_loads[fused_adam]", "build_seconds",
-                          [seconds] * 3, "s", "lower", None, {}, "ops")
+def step_time(seconds: float) -> records.Metric:
+    return records.Metric(ZERO, "zero.step_seconds", [seconds] * 3, "s", "lower", None, {},
+                          "zero")
 
 
 def write_node(folder: Path, *, outcomes: list[dict], metrics: list[records.Metric] = (),
                exitstatus: int | None = None, rendezvous: dict | None = None,
-               hostname: str | None = None) -> Path:
+               hostname: str | None = None, profile: str = "h200-x8",
+               gpus: str = "NVIDIA H200", count: int = 8) -> Path:
     """A node's --results folder as the plugin writes it (summary.json, benchmarks.json)."""
     folder.mkdir(parents=True, exist_ok=True)
     objs = [records.Outcome(**o) for o in outcomes]
@@ -60,12 +58,12 @@ def write_node(folder: Path, *, outcomes: list[dict], metrics: list[records.Metr
     result = summary.summarize(objs, issues)
     host = hostname or folder.name
     doc = records.document(
-        metrics, objs, machine_info={"node": host, "deepspeed": "0.19.8", "profile": "h200-x8",
-                                     "gpu_model": "NVIDIA H200", "gpu_count": 8},
-        commit_info={}, profile={"name": "h200-x8"}, started="2026-11-30T01:00:00+0000",
+        metrics, objs, machine_info={"node": host, "deepspeed": "0.19.8", "profile": profile,
+                                     "gpu_model": gpus, "gpu_count": count},
+        commit_info={}, profile={"name": profile}, started="2026-11-30T01:00:00+0000",
         known_issues=result["known_issues"])
     failed = any(o["outcome"] in summary.FAILED for o in outcomes)
-    result.update(profile={"name": "h200-x8"}, node={"hostname": host},
+    result.update(profile={"name": profile}, node={"hostname": host},
                   exitstatus=(1 if failed else 0) if exitstatus is None else exitstatus,
                   notices=[], rendezvous=rendezvous)
     (folder / "benchmarks.json").write_text(json.dumps(doc))
@@ -125,30 +123,32 @@ def test_all_good_exits_0_and_writes_every_report(tmp_path):
     assert (tmp_path / "out" / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_outlier_below_the_fleet_median_even_above_its_floor(tmp_path):
-    for name, gbps, build in (("a", 300.0, 40.0), ("b", 310.0, 41.0), ("c", 250.0, 39.0),
-                              ("d", 305.0, 60.0)):
+def test_outlier_below_the_median_of_its_type_even_above_its_floor(tmp_path):
+    for name, gbps, step in (("a", 300.0, 40.0), ("b", 310.0, 41.0), ("c", 250.0, 39.0),
+                             ("d", 305.0, 60.0)):
         write_node(tmp_path / name, outcomes=[outcome(BUSBW)], metrics=[busbw(gbps),
-                                                                          build_time(build)])
+                                                                          step_time(step)])
     nodes = aggregate.collect([tmp_path])
     report = aggregate.analyse(nodes, outlier_pct=90)
     found = {(o.node, o.metric.rsplit("::", 1)[-1]): o for o in report.outliers}
-    assert set(found) == {("c", "all_reduce.busbw"), ("d", "build_seconds")}
+    assert set(found) == {("c", "all_reduce.busbw"), ("d", "zero.step_seconds")}
     c = found[("c", "all_reduce.busbw")]
     # 250 GB/s against the median 302.5: 83%, though above its 200 GB/s floor.
     assert c.unit == "GB/s" and c.limit == 200.0 and c.value == pytest.approx(250, rel=1e-9)
     assert c.ratio == pytest.approx(250 / 302.5) and c.fleet == 4
+    assert c.node_type == "h200-x8, 8x NVIDIA H200"
     # Seconds: lower is better, 60 s against the median 40.5 s is 68% as fast.
-    assert found[("d", "build_seconds")].ratio == pytest.approx(40.5 / 60)
+    assert found[("d", "zero.step_seconds")].ratio == pytest.approx(40.5 / 60)
     assert not report.failed  # an outlier is reported, not a failure
     # The threshold is settable: at 80% only the slow build remains.
     assert [o.node for o in aggregate.analyse(nodes, outlier_pct=80).outliers] == ["d"]
     lines = aggregate_report.terminal(report)
-    assert any(ln.startswith("  c: ") and "is 83% of the fleet median 302.5 GB/s" in ln
+    assert any(ln.startswith("  c: ") and "is 83% of the median 302.5 GB/s of its type" in ln
                and "its limit 200 GB/s" in ln for ln in lines), lines
     # A time is a multiple of the median (60 s is 1.48x 40.5 s), never "148% of" or "68% of".
-    assert any(ln.startswith("  d: ") and "= 60 s is 1.48x the fleet median 40.5 s (lower is "
-               "better: 68% of the median's performance" in ln for ln in lines), lines
+    assert any(ln.startswith("  d: ") and "= 60 s is 1.48x the median 40.5 s of its type (lower "
+               "is better: 68% of the median's performance, 4 nodes of h200-x8, 8x NVIDIA H200"
+               in ln for ln in lines), lines
 
 
 def test_known_issue_is_counted_once_not_per_node(tmp_path):
@@ -318,8 +318,9 @@ def test_heat_map_without_matplotlib_says_so_and_writes_the_rest(tmp_path, monke
                                  plot=True)
     assert code == 0
     err = capsys.readouterr().err
-    assert "heatmap.png not written: matplotlib is not installed (pip install " \
-           "'dsconform[plot]'" in err
+    assert ("dsconform aggregate: heatmap.png not written: matplotlib is not installed (pip "
+            "install 'dsconform[plot]', or pip install matplotlib); the other reports are "
+            "written\n") in err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "cluster.json", "cluster.md", "cluster.prom", "junit.xml"]
 

@@ -101,8 +101,8 @@ def test_terminal_table(pair_files, capsys):
     assert ("  ZERO-EQ-1[cuda-z0-fp16]  xfailed  passed  fixed upstream: DS-1-BROKEN no longer "
             "fails") in out
     assert out[-1] == "REGRESSION: 3 (1 outcomes, 2 metrics)"
-    assert out[-2] == ("unchanged: 2 metrics within their noise band (1 of them with unknown "
-                       "noise: one round), 3 outcomes, 1 facts")
+    assert out[-2] == ("unchanged: 2 metrics within their noise band (1 of them measured once: "
+                       "noise unknown), 3 outcomes, 1 facts")
 
 
 def test_markdown_to_stdout_and_to_a_file(pair_files, tmp_path, capsys):
@@ -178,8 +178,8 @@ def _hex(rgba) -> str:
 
 
 def test_plot_rows_keep_every_regression_and_say_what_was_left_out():
-    base = doc([metric(f"m{i}", [1.0]) for i in range(10)])
-    new = doc([metric(f"m{i}", [2.0 if i < 3 else 1.01]) for i in range(10)])
+    base = doc([metric(f"m{i}", [1.0] * 3) for i in range(10)])
+    new = doc([metric(f"m{i}", [2.0 if i < 3 else 1.01] * 3) for i in range(10)])
     rows, left_out = compare_plot.rows(compare.compare(base, new), max_rows=2)
     assert [r.kind for r in rows] == ["regression"] * 3
     assert left_out == "7 metrics within their noise band"

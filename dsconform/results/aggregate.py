@@ -7,12 +7,15 @@ for the multi-node tier, one folder per rank. This module reads them and answers
 - **which nodes failed, and why** (the failure groups of each node's summary; a run that did
   not finish, found by records.jsonl without summary.json; a pytest exit status that is not 0);
 - **a matrix of nodes by capabilities** (passed / failed / skipped per suite);
-- **outliers**: a node whose performance metric is below ``outlier_pct`` percent of the fleet
-  median, even when it is above the floor the profile enforces. Direction-aware: a rate (GB/s,
-  read from ``extra_info.rate``, dsconform/results/records.py) below the median, a time above it.
-  Only
-  performance metrics (records.PERFORMANCE_UNITS and rates) take part; a ZeRO-vs-DDP difference
-  of 1e-7 against a median of 0 is not an outlier but a tolerance question;
+- **outliers**: a node whose performance metric is below ``outlier_pct`` percent of the median
+  of its node type (the nodes of the same profile and GPUs: a 1-GPU node's numbers say nothing
+  about an 8-GPU node's), even when it is above the floor the profile enforces.
+  Direction-aware: a rate (GB/s, read from ``extra_info.rate``, dsconform/results/records.py)
+  below the median, a time above it. Only performance metrics (records.PERFORMANCE_UNITS and
+  rates) take part, and of them only what ``dsconform compare`` judges
+  (dsconform/results/noise.py): an op build that took 38 s on the node whose cache was cold is
+  a one-off cost, not a slow node, and a 40 us collective's time is latency. A ZeRO-vs-DDP
+  difference of 1e-7 against a median of 0 is not an outlier but a tolerance question;
 - **known upstream issues** (dsconform/gate/known_issues.py) once each, with the nodes they were hit
   on and the number of cases, never once per node;
 - **jobs**: folders whose run was a rank of a torchrun/Slurm rendezvous (summary.json
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsconform.results import compare, records, summary
+from dsconform.results import compare, noise, records, summary
 from dsconform.results import format as results_format
 
 #: Files that make a folder a node's results folder (what the plugin writes under --results).
@@ -143,7 +146,8 @@ class Outlier:
     fleet_median: float
     ratio: float         # performance relative to the median: 1.0 = the median, 0.8 = 20% worse
     limit: float | None  # the floor (or ceiling) the suite enforced, which the node still met
-    fleet: int           # nodes that measured it
+    fleet: int           # nodes of its type that measured it
+    node_type: str = ""  # what it was compared within (node_type): "h200-x2, 2x NVIDIA H200"
 
 
 @dataclass
@@ -166,7 +170,8 @@ class ClusterReport:
     capabilities: list[str]
     outliers: list[Outlier]
     known_issues: list[dict[str, Any]]
-    metrics: dict[str, dict[str, float]]  # key -> node -> ratio to the fleet median (heat map)
+    # key -> node -> ratio to the median of the node's type (the heat map)
+    metrics: dict[str, dict[str, float]]
     outlier_pct: float
     sources: list[str]
     scheduler: str = "slurm"       # whose commands drain_commands prints (SCHEDULERS)
@@ -348,12 +353,14 @@ def _check_jobs(nodes: list[NodeResult]) -> None:
 # ------------------------------------------------------------------ analysis
 
 def is_performance(m: compare.Measure) -> bool:
-    """A speed (a rate, a time): what the fleet median makes sense for."""
-    return m.unit in records.PERFORMANCE_UNITS
+    """A speed (a rate, a time) that is judged (noise.not_judged): what a median of nodes makes
+    sense for."""
+    return (m.unit in records.PERFORMANCE_UNITS
+            and noise.not_judged(m.metric, m.unit, m.seconds, m.rounds) is None)
 
 
 def relative(value: float, median: float, better: str) -> float | None:
-    """Performance relative to the fleet median, direction-aware (1.0 = the median, 0.5 = half
+    """Performance relative to the median, direction-aware (1.0 = the median, 0.5 = half
     as fast). None where it has no meaning (a median of 0, a value that is not finite)."""
     if not (math.isfinite(value) and math.isfinite(median)) or median <= 0:
         return None
@@ -362,13 +369,20 @@ def relative(value: float, median: float, better: str) -> float | None:
     return median / value if value > 0 else math.inf
 
 
-def fleet(nodes: list[NodeResult]) -> dict[str, dict[str, compare.Measure]]:
-    """Performance metric key -> node name -> measure, for metrics two or more nodes measured."""
-    by_key: dict[str, dict[str, compare.Measure]] = {}
+def node_type(n: NodeResult) -> str:
+    """What a node's performance is compared within: its profile and its GPUs."""
+    env = n.environment
+    return f"{env.get('profile', '-')}, {env.get('GPU', '-')}"
+
+
+def fleet(nodes: list[NodeResult]) -> dict[tuple[str, str], dict[str, compare.Measure]]:
+    """(node type, performance metric key) -> node name -> measure, for the metrics two or
+    more nodes of one type measured."""
+    by_key: dict[tuple[str, str], dict[str, compare.Measure]] = {}
     for n in nodes:
         for key, m in n.measures.items():
             if is_performance(m):
-                by_key.setdefault(key, {})[n.name] = m
+                by_key.setdefault((node_type(n), key), {})[n.name] = m
     return {k: v for k, v in sorted(by_key.items()) if len(v) >= 2}
 
 
@@ -383,24 +397,24 @@ def analyse(nodes: list[NodeResult], outlier_pct: float = DEFAULT_OUTLIER_PCT,
               if name not in present]
     nodes = sorted([*nodes, *absent], key=lambda n: n.name)
     outliers, ratios = [], {}
-    for key, per_node in fleet(nodes).items():
+    for (kind, key), per_node in fleet(nodes).items():
         values = [m.value for m in per_node.values() if math.isfinite(m.value)]
         if len(values) < 2:
             continue
         median = statistics.median(values)
-        ratios[key] = {}
         for name, m in per_node.items():
             r = relative(m.value, median, m.better)
             if r is None:
                 continue
-            ratios[key][name] = r
+            ratios.setdefault(key, {})[name] = r
             if r < outlier_pct / 100:
                 outliers.append(Outlier(name, key, m.value, m.unit, m.better, median, r,
-                                        m.limit, len(per_node)))
+                                        m.limit, len(per_node), kind))
     outliers.sort(key=lambda o: (o.ratio, o.node))
     caps = sorted({c for n in nodes for c in n.capabilities})
     return ClusterReport(nodes, _jobs(nodes), caps, outliers, known_issues(nodes),
-                         {k: v for k, v in ratios.items() if v}, outlier_pct, sources or [])
+                         {k: v for k, v in sorted(ratios.items()) if v}, outlier_pct,
+                         sources or [])
 
 
 def _jobs(nodes: list[NodeResult]) -> list[Job]:

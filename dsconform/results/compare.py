@@ -10,11 +10,14 @@ files and classifies every difference; ``compare_report`` prints it (terminal, m
   ``ZERO-EQ-1[cuda-z3-off_none-bf16-sgd-gas1-ws2]``. Renaming a test function or moving it to
   another file does not break a comparison. A test without such an id, or whose id is not unique
   in its run, is matched by its node id. Metrics and facts follow their test's id.
-- **Metrics** are direction-aware (``extra_info.better``: seconds up is worse) and noise-aware: a
-  change counts only beyond the relative ``threshold`` and beyond three times the samples'
-  relative spread (stddev / median) of BASE's rounds (NEW's only where BASE has one round), the
-  metric's *noise band*. A
-  metric with one round has unknown noise: only the threshold applies, and the report says so.
+- **Metrics** are direction-aware (``extra_info.better``: seconds up is worse) and judged
+  against the noise both runs measured in their rounds (dsconform/results/noise.py: the rules
+  and their thresholds): a change counts only beyond ``NOISE_SPREADS`` times the pooled robust
+  spread of both runs' rounds AND beyond the minimum relative change (``threshold``, or a
+  family's wider one); a share of time must also move by a point. One-off costs (op builds and
+  loads), timings shorter than 100 us and timings of fewer than 3 rounds are reported as *not
+  judged*. A value measured once that is not a timing has unknown noise: only the threshold
+  applies, and the report says so.
   A value past the limit the suite enforced is a regression however small. Timed metrics
   recorded with ``record_rate`` hold seconds in ``stats`` and the rate in ``extra_info.rate``:
   they are compared as rates (higher is better, the floor on the median rate, noise from the
@@ -30,10 +33,11 @@ files and classifies every difference; ``compare_report`` prints it (terminal, m
   stopped working); failed / skipped / xfailed -> passed an improvement (fixed, or runs now).
   New and vanished tests are listed.
 - **Known upstream issues** (``dsconform/gate/known_issues.py``) that appeared or went away, and
-  what
-  became of their cases.
-- **Facts** (``dsconform.facts``: DeepSpeed's effective defaults as the ZeRO suite finds them)
-  whose value changed: "what silently changed". Listed, never a regression by themselves.
+  what became of their cases.
+- **Facts** (``dsconform.facts``: DeepSpeed's effective defaults as the ZeRO suite finds them,
+  the GPUs' health snapshots) whose value changed: "what silently changed". Listed, never a
+  regression by themselves; a long value on one line by what changed in it
+  (dsconform/results/fact_changes.py).
 - **Environment**: DeepSpeed, torch, CUDA, NCCL, driver, GPU, profile. Runs of different profiles
   or GPUs are compared with a loud warning (the difference may be the machine).
 
@@ -46,15 +50,33 @@ from __future__ import annotations
 import json
 import math
 import re
-import statistics
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dsconform.results import noise
+from dsconform.results.changes import (
+    CHANGED,
+    IMPROVEMENT,
+    KNOWN_ISSUE,
+    METRIC,
+    NEW,
+    NOT_COMPARABLE,
+    NOT_JUDGED,
+    OUTCOME,
+    REGRESSION,
+    RENAMED,
+    UNCHANGED,
+    VANISHED,
+    Change,
+)
+from dsconform.results.changes import (
+    FACT as FACT,  # callers read every kind and area here
+)
+from dsconform.results.fact_changes import compare_facts as fact_changes
 from dsconform.results.format import is_number
 from dsconform.results.summary import case_id
 
-NOISE_SIGMAS = 3
 #: A bounded value past this share of its bound is a regression (it "approaches" the bound)
 #: when BASE was below it: one more drift like the largest seen between two releases inside a
 #: bound (+21%, 1xH200 0.19.6 -> 0.19.8, results/reference/h200-x1/upgrade-0.19.6-to-0.19.8)
@@ -72,13 +94,6 @@ ENVIRONMENT = (("DeepSpeed", "deepspeed"), ("torch", "torch"), ("CUDA", "cuda"),
                ("python", "python_version"), ("node", "node"))
 # What must match for two runs to be of the same hardware.
 HARDWARE = ("profile", "GPU")
-
-# Change kinds. Only REGRESSION makes the comparison fail.
-REGRESSION, IMPROVEMENT, CHANGED, UNCHANGED = "regression", "improvement", "changed", "unchanged"
-NOT_COMPARABLE, NEW, VANISHED, RENAMED = "not comparable", "new", "vanished", "renamed"
-# What a change is about.
-METRIC, OUTCOME, FACT, KNOWN_ISSUE = "metric", "outcome", "fact", "known issue"
-
 
 # ------------------------------------------------------------------ one run, normalised
 
@@ -105,20 +120,23 @@ class Measure:
     metric: str
     value: float  # the median
     rounds: int
-    spread: float | None  # stddev / |median| of the rounds; None: unknown (one round)
+    spread: float | None  # the rounds' robust spread in ``unit`` (noise.spread); None: unknown
     unit: str
     better: str  # "lower" | "higher"
     limit: float | None  # the floor (higher is better) or ceiling (lower) the suite enforced
     params: dict[str, Any]
     bound: float | None = None  # the tolerance the suite's check holds the value to
+    # The median time of one round, where the value is a time, a rate or a share of a time
+    # (``read_run`` finds a share's timing); None for other values.
+    seconds: float | None = None
 
 
-def _spread(median: float, stddev: float | None, rounds: int) -> float | None:
-    if rounds < 2 or stddev is None or not math.isfinite(stddev) or not math.isfinite(median):
-        return None  # one round, or rounds that diverged: the noise is unknown
-    if median == 0:
-        return 0.0 if stddev == 0 else math.inf
-    return abs(stddev / median)
+def _spread(samples: list[float], stddev: Any, rounds: int) -> float | None:
+    if samples:
+        return noise.spread(samples)
+    # A file that kept pytest-benchmark's statistics but not the samples.
+    ok = rounds >= noise.MIN_ROUNDS and is_number(stddev) and math.isfinite(stddev)
+    return float(stddev) if ok else None
 
 
 def measure(entry: dict[str, Any]) -> Measure:
@@ -130,27 +148,42 @@ def measure(entry: dict[str, Any]) -> Measure:
         # A plain pytest-benchmark entry: its full name is the test, it measured a time.
         nodeid, metric = entry["fullname"], "time"
     params = dict(info.get("params") or entry.get("params") or {})
+    st = entry["stats"]
     rate = info.get("rate")
     if rate is not None:
-        samples = rate["samples"]
-        stddev = rate.get("stddev")
-        if stddev is None and len(samples) > 1:
-            stddev = statistics.stdev(samples)
+        samples = list(rate["samples"])
         # The rate is normalised by the amount; what was measured is in the other parameters
         # (bytes, world size), as in files written before rates existed.
         params.pop("amount", None)
         return Measure(nodeid, metric, float(rate["median"]), len(samples),
-                       _spread(rate["median"], stddev, len(samples)), rate["unit"], "higher",
-                       rate.get("limit"), params)
-    st = entry["stats"]
-    rounds = st.get("rounds") or len(st.get("data") or ()) or 1
+                       _spread(samples, rate.get("stddev"), len(samples)), rate["unit"],
+                       "higher", rate.get("limit"), params, seconds=float(st["median"]))
+    data = list(st.get("data") or [])
+    rounds = st.get("rounds") or len(data) or 1
     bound = info.get("bound")
     if bound is None and metric in LEGACY_BOUNDS and is_number(params.get(LEGACY_BOUNDS[metric])):
         bound = params[LEGACY_BOUNDS[metric]]
+    unit = info.get("unit") or "s"
+    scale = {"s": 1.0, "ms": 1e-3}.get(unit)
     return Measure(nodeid, metric, float(st["median"]), rounds,
-                   _spread(st["median"], st.get("stddev"), rounds), info.get("unit") or "s",
+                   _spread(data, st.get("stddev"), rounds), unit,
                    info.get("better") or "lower", info.get("limit"), params,
-                   None if bound is None else float(bound))
+                   None if bound is None else float(bound),
+                   None if scale is None else float(st["median"]) * scale)
+
+
+def _params_key(m: Measure) -> tuple[str, str]:
+    return m.nodeid, json.dumps(m.params, sort_keys=True, default=str)
+
+
+def _shares_of_time(measures: dict[str, Measure]) -> None:
+    """A value in percent that a test recorded beside a timing of the same parameters (a rank's
+    wait beside its time in the call) is a share of that timing: it takes its seconds, so a
+    share of a call too short to judge is not judged either."""
+    timed = {_params_key(m): m.seconds for m in measures.values() if m.seconds is not None}
+    for key, m in measures.items():
+        if m.unit == "%" and m.seconds is None and _params_key(m) in timed:
+            measures[key] = replace(m, seconds=timed[_params_key(m)])
 
 
 @dataclass
@@ -191,6 +224,7 @@ def read_run(doc: dict[str, Any], label: str = "") -> Run:
         m = measure(entry)
         key = _unique(run.measures, f"{keys.get(m.nodeid, m.nodeid)}::{m.metric}")
         run.measures[key] = m
+    _shares_of_time(run.measures)
     for f in ds.get("facts") or []:
         key = _unique(run.facts, f"{keys.get(f['nodeid'], f['nodeid'])}::{f['name']}")
         run.facts[key] = f.get("value")
@@ -206,24 +240,6 @@ def _unique(taken: dict[str, Any], key: str) -> str:
 
 
 # ------------------------------------------------------------------ the comparison
-
-@dataclass(frozen=True)
-class Change:
-    kind: str  # REGRESSION, IMPROVEMENT, CHANGED, UNCHANGED, NOT_COMPARABLE, NEW, VANISHED, ...
-    name: str  # the stable id (and metric or fact name), or a known issue's id
-    detail: str
-    area: str = METRIC  # METRIC, OUTCOME, FACT, KNOWN_ISSUE
-    base: str = ""  # the base value or outcome as shown ("300 GB/s", "passed")
-    new: str = ""
-    # Metrics: relative change of the value, the noise band it was held to, and its direction.
-    rel: float | None = None
-    band: float | None = None
-    better: str = ""
-    noise_known: bool = True
-    change: str = ""  # the relative change as shown: "+12.3%", "from 0", "to inf"
-    beyond: str = ""  # "beyond its floor 299 GB/s": the enforced limit it crossed
-    bound: float | None = None  # a bounded value's bound (then ``band`` is its headroom)
-
 
 @dataclass
 class RunComparison:
@@ -291,12 +307,6 @@ def _compare_values(name: str, base: Measure, new: Measure, threshold: float) ->
     b, n, unit, better = base.value, new.value, new.unit, new.better
     if math.isnan(b) or math.isnan(n):
         return Change(NOT_COMPARABLE, name, f"not a number: {_fmt(b)} -> {_value(n, unit)}")
-    noise_known = base.spread is not None and new.spread is not None
-    # The band is BASE's noise (the reference run): NEW's own spread must not widen the band
-    # it is held to, or a slower and noisier NEW ([300, 301, 299] -> [180, 185, 300]) would
-    # pass as "within noise". Only where BASE's noise is unknown does NEW's stand in.
-    reference = base.spread if base.spread is not None else new.spread
-    band = max(threshold, NOISE_SIGMAS * reference if reference is not None else 0.0)
     if n == b:
         rel, pct = 0.0, "+0.0%"
     elif b == 0 or math.isinf(b) or math.isinf(n):
@@ -306,29 +316,56 @@ def _compare_values(name: str, base: Measure, new: Measure, threshold: float) ->
     else:
         rel = (n - b) / abs(b)
         pct = f"{rel:+.1%}"
+    # The noise of both runs, from their own rounds: a noisier NEW widens the band only as far
+    # as its rounds' robust spread, which one wild round of three does not move.
+    minimum, floor = noise.min_change(new.metric, threshold), noise.floor(unit)
+    spread = noise.pooled(base.spread, new.spread)
+    margin = None if spread is None else noise.NOISE_SPREADS.value * spread
+    band = _relative_band(minimum, max(margin or 0.0, floor), b)
+    rounds = min(base.rounds, new.rounds)
     shown = dict(base=_value(b, unit), new=_value(n, unit), rel=rel, band=band,
-                 better=better, noise_known=noise_known, change=pct)
-    noise = (f"noise band ±{band:.1%}" if noise_known else
-             f"noise unknown: {min(base.rounds, new.rounds)} round; threshold ±{band:.1%}")
+                 better=better, noise_known=margin is not None, change=pct)
     where = f"{_fmt(b)} -> {_value(n, unit)}"
     limit = new.limit
     if limit is not None and (n < limit if better == "higher" else n > limit):
         beyond = f"beyond its {'floor' if better == 'higher' else 'ceiling'} {_value(limit, unit)}"
-        return Change(REGRESSION, name, f"{where}: {beyond} ({pct}, {noise})", beyond=beyond,
+        text = _noise(band, margin, minimum, rounds, unit)
+        return Change(REGRESSION, name, f"{where}: {beyond} ({pct}, {text})", beyond=beyond,
                       **shown)
     if new.bound is not None and math.isfinite(new.bound):
         return _against_bound(name, b, n, new.bound, where, shown)
-    if abs(rel) <= band:
-        return Change(UNCHANGED, name, f"{where} ({pct}, within {noise})", **shown)
-    if b == 0 and new.spread is not None and abs(n) <= NOISE_SIGMAS * new.spread * abs(n):
-        # From 0 there is no relative change, but rounds whose own spread reaches down to 0
-        # (a per-rank wait of 0 %, 5 %, 9 %) are noise, not drift. Seen on 2xH200: small-message
-        # waits moved "from 0" between two runs of the same node.
-        return Change(UNCHANGED, name, f"{where} ({pct}, within the new rounds' own spread)",
-                      **shown)
+    if n == b:
+        return Change(UNCHANGED, name, f"{where} ({pct})", **shown)
+    seconds = [m.seconds for m in (base, new) if m.seconds is not None]
+    why = noise.not_judged(new.metric, unit, min(seconds) if seconds else None, rounds)
+    if why is not None:
+        return Change(NOT_JUDGED, name, f"{where} ({pct}): not judged: {why}", **shown)
+    text = _noise(band, margin, minimum, rounds, unit)
+    if abs(n - b) <= floor:
+        return Change(UNCHANGED, name, f"{where} ({pct}, within the {floor:g}-point floor of a "
+                                       "share)", **shown)
+    if abs(rel) <= minimum or (margin is not None and abs(n - b) <= margin):
+        return Change(UNCHANGED, name, f"{where} ({pct}, within {text})", **shown)
     worse = rel > 0 if better == "lower" else rel < 0
     return Change(REGRESSION if worse else IMPROVEMENT, name,
-                  f"{where} ({pct}, {better} is better; {noise})", **shown)
+                  f"{where} ({pct}, {better} is better; {text})", **shown)
+
+
+def _relative_band(minimum: float, margin: float, b: float) -> float:
+    """The change a metric may make before it counts, relative to BASE (the chart's band):
+    ``margin`` is the absolute one (the noise, or the floor of a share)."""
+    if b == 0 or not math.isfinite(b):  # no relative size: any margin spans every change
+        return math.inf if margin > 0 else minimum
+    return max(minimum, margin / abs(b))
+
+
+def _noise(band: float, margin: float | None, minimum: float, rounds: int, unit: str) -> str:
+    if margin is None:
+        return (f"noise unknown: {rounds} round{'s' if rounds != 1 else ''}; threshold "
+                f"±{minimum:.1%}")
+    if math.isinf(band):
+        return f"noise band ±{_value(margin, unit)}"
+    return f"noise band ±{band:.1%}"
 
 
 def _used(v: float, bound: float, better: str) -> float:
@@ -449,23 +486,7 @@ def compare_facts(base: Run, new: Run) -> tuple[list[Change], list[str]]:
         return [], [f"{' and '.join(empty)} recorded no facts (the defaults test ZERO-DEF-1 did "
                     "not run, or ended before recording): DeepSpeed's effective defaults were "
                     "not compared"]
-    out = []
-    for key in sorted(set(base.facts) | set(new.facts)):
-        if key not in new.facts:
-            out.append(Change(VANISHED, key, "not recorded in NEW", FACT,
-                              base=_fact(base.facts[key])))
-        elif key not in base.facts:
-            out.append(Change(NEW, key, "not recorded in BASE", FACT, new=_fact(new.facts[key])))
-        elif base.facts[key] != new.facts[key]:
-            b, n = _fact(base.facts[key]), _fact(new.facts[key])
-            out.append(Change(CHANGED, key, f"{b} -> {n}", FACT, base=b, new=n))
-        else:
-            out.append(Change(UNCHANGED, key, _fact(new.facts[key]), FACT))
-    return out, []
-
-
-def _fact(value: Any) -> str:
-    return json.dumps(value, sort_keys=True)
+    return fact_changes(base.facts, new.facts), []
 
 
 def _issue_cases(run: Run) -> dict[str, list[str]]:

@@ -436,14 +436,14 @@ def write_run(folder: Path, textfile_dir: str | Path | None = None,
 # ------------------------------------------------------------------ the cluster
 
 def cluster_families(report: aggregate.ClusterReport) -> list[Metric]:
-    """Per node its verdict and its tests per capability; the fleet's performance ratios
-    (1.0: the fleet median) and outliers."""
+    """Per node its verdict and its tests per capability; its performance ratios (1.0: the
+    median of its node type) and outliers."""
     passed = _gauge("cluster_node_passed", "1: the node's run accepts it (dsconform aggregate)",
                     ["node", "job"])
     problems = _gauge("cluster_node_problems", "Reasons a node's run does not accept it",
                       ["node", "job"])
     outliers = _gauge("cluster_node_outliers", "The node's performance metrics below the "
-                      "outlier share of the fleet median", ["node", "job"])
+                      "outlier share of the median of its node type", ["node", "job"])
     per_node = {n.name: 0 for n in report.nodes}
     for o in report.outliers:
         per_node[o.node] = per_node.get(o.node, 0) + 1
@@ -454,15 +454,15 @@ def cluster_families(report: aggregate.ClusterReport) -> list[Metric]:
         outliers.add_metric(labels, float(per_node.get(n.name, 0)))
     caps = capability_family([({"node": n.name}, n.capabilities) for n in report.nodes],
                              "cluster_capability_tests")
-    ratio = _gauge("cluster_performance_ratio", "A node's performance relative to the fleet "
-                   "median, direction-aware (1: the median; 0.5: half as fast)",
+    ratio = _gauge("cluster_performance_ratio", "A node's performance relative to the median "
+                   "of its node type, direction-aware (1: the median; 0.5: half as fast)",
                    ["node", "metric"])
     for key, by_node in sorted(report.metrics.items()):
         for name, r in sorted(by_node.items()):
             if math.isfinite(r):
                 ratio.add_metric([name, key], r)
-    threshold = _gauge("cluster_outlier_threshold_ratio", "The share of the fleet median "
-                       "below which a node is an outlier (--outlier-pct / 100)")
+    threshold = _gauge("cluster_outlier_threshold_ratio", "The share of the median of its "
+                       "node type below which a node is an outlier (--outlier-pct / 100)")
     threshold.add_metric([], report.outlier_pct / 100)
     verdict = _gauge("cluster_passed", "1: every node's run accepts it")
     verdict.add_metric([], 0.0 if report.failed else 1.0)

@@ -53,14 +53,14 @@ def _matrix_header(report: ClusterReport) -> list[str]:
 
 def _outlier_line(o: Any) -> str:
     limit = f", its limit {_value(o.limit, o.unit)}" if o.limit is not None else ""
-    return (f"{o.node}: {o.metric} = {_value(o.value, o.unit)} is {_versus(o)} the fleet "
-            f"median {_value(o.fleet_median, o.unit)} ({o.better} is better: {o.ratio:.0%} of "
-            f"the median's performance, {o.fleet} nodes{limit})")
+    return (f"{o.node}: {o.metric} = {_value(o.value, o.unit)} is {_versus(o)} the median "
+            f"{_value(o.fleet_median, o.unit)} of its type ({o.better} is better: {o.ratio:.0%} "
+            f"of the median's performance, {o.fleet} nodes of {o.node_type}{limit})")
 
 
 def _versus(o: Any) -> str:
-    """How the value stands to the fleet median, in the metric's own terms: a share for a rate,
-    a multiple for a time (lower is better: 43 s against 0.43 s is 100x, not 1%)."""
+    """How the value stands to the median of its type, in the metric's own terms: a share for a
+    rate, a multiple for a time (lower is better: 43 s against 0.43 s is 100x, not 1%)."""
     if o.better == "higher" or not o.fleet_median:
         return f"{o.value / o.fleet_median:.0%} of" if o.fleet_median else "against"
     return f"{o.value / o.fleet_median:.3g}x"
@@ -83,7 +83,8 @@ def terminal(report: ClusterReport) -> list[str]:
         out.append(f"{kind} {job.job}: {nodes}, world size {job.world_size}, "
                    f"{len(job.members)} rank folder(s): {'FAILED' if job.failed else 'passed'}")
     if report.outliers:
-        out.append(f"outliers (performance below {report.outlier_pct:g}% of the fleet median's):")
+        out.append(f"outliers (performance below {report.outlier_pct:g}% of the median of the "
+                   "node's type):")
         out += [f"  {_outlier_line(o)}" for o in report.outliers[:OUTLIERS_SHOWN]]
         if len(report.outliers) > OUTLIERS_SHOWN:
             out.append(f"  ... {len(report.outliers) - OUTLIERS_SHOWN} more in the report")
@@ -127,17 +128,18 @@ def markdown(report: ClusterReport) -> str:
                  "FAILED" if j.failed else "passed"] for j in report.jobs]
         out += _md_table(["job", "nodes", "world size", "rank folders", "hosts", "verdict"],
                          rows) + [""]
-    out += [f"## Outliers (performance below {report.outlier_pct:g}% of the fleet median's)", ""]
+    out += [f"## Outliers (performance below {report.outlier_pct:g}% of the median of the "
+            "node's type)", ""]
     if report.outliers:
-        rows = [[o.node, f"`{o.metric}`", _value(o.value, o.unit), _value(o.fleet_median, o.unit),
-                 f"{o.ratio:.0%}", o.better,
+        rows = [[o.node, o.node_type, f"`{o.metric}`", _value(o.value, o.unit),
+                 _value(o.fleet_median, o.unit), f"{o.ratio:.0%}", o.better,
                  _value(o.limit, o.unit) if o.limit is not None else "-"]
                 for o in report.outliers]
-        out += _md_table(["node", "metric", "value", "fleet median", "performance", "better",
-                          "limit"], rows)
+        out += _md_table(["node", "type", "metric", "value", "median of its type",
+                          "performance", "better", "limit"], rows)
     else:
         out.append(f"None among {len(report.metrics)} performance metric(s) measured on two or "
-                   "more nodes.")
+                   "more nodes of one type.")
     out += ["", "## Known upstream issues (each counted once)", ""]
     if report.known_issues:
         rows = [[ki["id"], ki["title"], ki["link"], ki["deepspeed"], str(ki["cases"]),

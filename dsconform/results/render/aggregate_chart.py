@@ -1,11 +1,11 @@
 """The cluster's performance as one picture: a heat map of nodes (rows) by metrics (columns).
 
-Each cell is the node's performance relative to the fleet median of that metric, direction-
-aware (a rate divided by the median rate, the median time divided by a time): 100% is the
-median, 80% a fifth slower. Cells below the outlier threshold are outlined; failing nodes'
-names are red. Only performance metrics measured on two or more nodes appear
-(dsconform/results/aggregate.py). matplotlib is optional (``pip install 'dsconform[plot]'``):
-``require()`` says so in one line.
+Each cell is the node's performance relative to the median of that metric among the nodes of
+its type (the same profile and GPUs), direction-aware (a rate divided by the median rate, the
+median time divided by a time): 100% is the median, 80% a fifth slower. Cells below the outlier
+threshold are outlined; failing nodes' names are red. Only performance metrics measured on two
+or more nodes of one type appear (dsconform/results/aggregate.py). matplotlib is optional
+(``pip install 'dsconform[plot]'``): ``require()`` says so in one line.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from dsconform.results.render.plots import (
 )
 
 MISSING = ("dsconform aggregate: heatmap.png not written: matplotlib is not installed "
-           "(pip install 'dsconform[plot]', or pip install matplotlib); the other reports are")
+           "(pip install 'dsconform[plot]', or pip install matplotlib); the other reports are "
+           "written")
 MAX_COLUMNS = 60  # the metrics with the worst node first, when there are more
-LOW, HIGH = 0.5, 1.5  # colour scale, as a fraction of the fleet median
+LOW, HIGH = 0.5, 1.5  # colour scale, as a fraction of the median of the node's type
 
 
 def require() -> None:
@@ -51,7 +52,7 @@ def draw(report: ClusterReport, path: str | Path) -> Any:
     height = min(30.0, 2.5 + 0.35 * max(len(nodes), 2))
     fig = Figure(figsize=(width, height))
     ax = fig.add_subplot()
-    ax.set_title(f"performance relative to the fleet median (outlier below "
+    ax.set_title(f"performance relative to the median of the node's type (outlier below "
                  f"{report.outlier_pct:g}%)", fontsize=10)
     if not cols:
         ax.text(0.5, 0.5, "no performance metric was measured on two or more nodes",

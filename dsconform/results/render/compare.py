@@ -11,10 +11,11 @@ is an answer too.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from dsconform.results.compare import (
-    BOUND_APPROACH,
+from dsconform.results import noise
+from dsconform.results.changes import (
     CHANGED,
     FACT,
     IMPROVEMENT,
@@ -22,16 +23,18 @@ from dsconform.results.compare import (
     METRIC,
     NEW,
     NOT_COMPARABLE,
+    NOT_JUDGED,
     OUTCOME,
     REGRESSION,
     RENAMED,
     UNCHANGED,
     VANISHED,
     Change,
-    RunComparison,
 )
+from dsconform.results.compare import BOUND_APPROACH, RunComparison
 
 ROWS_SHOWN = 40  # per section of the terminal table; the markdown lists every row
+JSON_FORMAT = "dsconform-compare/1"
 
 
 @dataclass
@@ -107,9 +110,15 @@ def sections(result: RunComparison) -> list[Section]:
     incomparable = Section("Not comparable", ("metric", "why"))
     incomparable.rows = [(c.name, c.detail) for c in result.of(NOT_COMPARABLE)]
 
+    unjudged = Section("Not judged (reported, never a regression)",
+                       ("metric", "base", "new", "change", "why"))
+    unjudged.rows = [(c.name, c.base, c.new, c.change, c.detail.split("not judged: ", 1)[-1])
+                     for c in result.of(NOT_JUDGED)]
+
     renamed = Section("Matched by conformance id across a rename", ("id", "base test -> new test"))
     renamed.rows = [(c.name, c.detail) for c in result.of(RENAMED)]
-    return [env, stopped, slower, silent, issues, fixed, other, appeared, incomparable, renamed]
+    return [env, stopped, slower, silent, issues, fixed, other, appeared, incomparable, unjudged,
+            renamed]
 
 
 def verdict(result: RunComparison) -> str:
@@ -126,14 +135,16 @@ def tally(result: RunComparison) -> str:
     unknown = sum(1 for c in metrics if not c.noise_known)
     bounded = sum(1 for c in metrics if c.bound is not None)
     incomparable = len(result.of(NOT_COMPARABLE))
+    unjudged = len(result.of(NOT_JUDGED))
     # Metrics whose parameters or units differ were not compared: say how many, so a change of
     # parameters (a tolerance override, another world size) cannot hide a metric silently.
-    return (f"unchanged: {len(metrics)} metrics within their noise band ({unknown} of them with "
-            f"unknown noise: one round)"
+    return (f"unchanged: {len(metrics)} metrics within their noise band ({unknown} of them "
+            f"measured once: noise unknown)"
             + (f" or their bound ({bounded} metrics judged by the tolerance their test holds "
                "them to)" if bounded else "")
             + f", {len(result.of(UNCHANGED, OUTCOME))} outcomes, "
             f"{len(result.of(UNCHANGED, FACT))} facts"
+            + (f"; not judged: {unjudged} metrics (see 'Not judged')" if unjudged else "")
             + (f"; NOT COMPARED: {incomparable} metrics (see 'Not comparable')"
                if incomparable else ""))
 
@@ -186,6 +197,19 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def rule(threshold: float) -> str:
+    """How metrics were judged, in two sentences (dsconform/results/noise.py)."""
+    families = ", ".join(f"±{r.value:.0%} for {prefix}*" for prefix, r in
+                         noise.MIN_CHANGE.items())
+    return (f"A metric counts as changed beyond {noise.NOISE_SPREADS.value:g} times the pooled "
+            "spread of both runs' rounds and beyond a minimum relative change "
+            f"(±{threshold:.0%}; {families}); one-off costs, timings under "
+            f"{noise.MIN_SECONDS.value * 1e6:g} us and shares of time that moved under "
+            f"{noise.PERCENT_POINTS.value:g} point are not judged. A value past its enforced "
+            "limit is a regression however small; a value its test holds to a tolerance counts "
+            f"only when it crosses it or passes {BOUND_APPROACH:.0%} of it.")
+
+
 def markdown(result: RunComparison) -> str:
     """The comparison as markdown, for a pull request or a wiki page: every row, no cap."""
     b_ds, n_ds = result.base.env["DeepSpeed"], result.new.env["DeepSpeed"]
@@ -193,11 +217,7 @@ def markdown(result: RunComparison) -> str:
              else f"{result.base.label} -> {result.new.label}")
     out = [f"# dsconform comparison: {title}", "",
            f"BASE `{result.base.label}`, NEW `{result.new.label}`. "
-           f"**{verdict(result)}**; {tally(result)}. Metrics count as changed beyond "
-           f"±{result.threshold:.0%} or their noise band (three times the relative "
-           "spread of BASE's rounds), whichever is wider; a value its test holds to a "
-           f"tolerance counts only when it crosses it or passes {BOUND_APPROACH:.0%} of it.",
-           ""]
+           f"**{verdict(result)}**; {tally(result)}. {rule(result.threshold)}", ""]
     for w in _warning_lines(result):
         out += [f"> **{w}**", ""]
     for s in sections(result):
@@ -217,3 +237,21 @@ def markdown(result: RunComparison) -> str:
         out += [f"_{_md(n)}_" for n in s.notes]
         out.append("")
     return "\n".join(out)
+
+
+def as_json(result: RunComparison) -> dict[str, Any]:
+    """The whole comparison as data (``--json FILE``): every change with its full values (a
+    long fact's, which the table and the markdown summarise), the environments, the verdict."""
+    return {
+        "format": JSON_FORMAT,
+        "base": {"label": result.base.label, "environment": result.base.env},
+        "new": {"label": result.new.label, "environment": result.new.env},
+        "threshold": result.threshold,
+        "regressed": result.regressed,
+        "verdict": verdict(result),
+        "rule": rule(result.threshold),
+        "noise_rules": noise.rules(),
+        "warnings": list(result.warnings),
+        "notes": list(result.notes),
+        "changes": [asdict(c) for c in result.changes],
+    }

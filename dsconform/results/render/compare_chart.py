@@ -1,11 +1,12 @@
 """The comparison as one chart: the relative change of every metric, with its noise band.
 
 One horizontal bar per metric: the relative change of its value from BASE to NEW, in percent.
-Behind each bar a grey band spans the noise band the comparison held it to (the threshold, or
-three times the relative spread of BASE's rounds where that is wider). Regressions are red
-(and their labels bold), improvements green, changes within the band grey. Each label says
-which way is better. A change from exactly 0 (a ZeRO difference that drifts from bit-exact) or
-to or from infinity has no relative size: its bar is drawn to the edge and annotated ("from 0").
+Behind each bar a grey band spans the noise band the comparison held it to (the minimum
+relative change, or the noise of both runs' rounds where that is wider:
+dsconform/results/noise.py). Regressions are red (and their labels bold), improvements green,
+changes within the band grey. Each label says which way is better. A change from exactly 0 (a
+ZeRO difference that drifts from bit-exact) or to or from infinity has no relative size: its
+bar is drawn to the edge and annotated ("from 0").
 
 matplotlib is an optional dependency (``pip install 'dsconform[plot]'``): ``require()`` says so
 in one line before any work is done.
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsconform.results.compare import IMPROVEMENT, METRIC, REGRESSION, UNCHANGED, RunComparison
+from dsconform.results.changes import IMPROVEMENT, METRIC, REGRESSION, UNCHANGED, Change
+from dsconform.results.compare import RunComparison
 from dsconform.results.render import plots as plotting
 from dsconform.results.render.plots import (
     PlotUnavailable as PlotUnavailable,  # callers catch it here
@@ -49,19 +51,31 @@ class Row:
 
 def rows(result: RunComparison, max_rows: int = MAX_ROWS) -> tuple[list[Row], str]:
     """The chart's rows, top to bottom: every regression, then improvements and unchanged
-    metrics, largest change first, up to ``max_rows`` in all; and what was left out, in words."""
+    metrics, the largest change for its band first (a share of time that went 0.002% -> 0.1%
+    moved +5000% and stayed far inside its band), up to ``max_rows`` in all; and what was left
+    out, in words."""
     arrow = {"higher": "↑ better", "lower": "↓ better"}
     out: list[Row] = []
     left_out = []
     for kind in (REGRESSION, IMPROVEMENT, UNCHANGED):
         changes = sorted((c for c in result.of(kind, METRIC) if c.rel is not None),
-                         key=lambda c: -abs(c.rel))
+                         key=lambda c: (-_for_its_band(c), -abs(c.rel)))
         room = len(changes) if kind == REGRESSION else max(0, max_rows - len(out))
         if len(changes) > room:
             left_out.append(f"{len(changes) - room} {WORDS[kind]}")
         out += [Row(f"{c.name} ({arrow.get(c.better, c.better)})", c.rel, c.band or 0.0, kind,
                     c.change) for c in changes[:room]]
     return out, " and ".join(left_out)
+
+
+def _for_its_band(c: Change) -> float:
+    """How much of its band a change used (1: at its edge); a change with no relative size
+    (from 0) within an infinite band used none of it."""
+    if not c.band:
+        return abs(c.rel)
+    if math.isinf(c.band):
+        return 0.0 if c.kind == UNCHANGED else math.inf
+    return abs(c.rel) / c.band
 
 
 def _limit(rs: list[Row]) -> float:

@@ -12,10 +12,18 @@ Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` 
 
 from __future__ import annotations
 
-from dsconform.checks import checkpoint_state, collective_calls, collectives, schedules
+from dsconform.checks import (
+    checkpoint_state,
+    collective_calls,
+    collectives,
+    monitor_log,
+    schedules,
+)
 from dsconform.checks import onebit as onebit_reference
 from dsconform.checks.dsconfig import (
     ASSUMED_DEFAULTS,
+    BATCH_KEYS,
+    MONITOR_JOB,
     ONEBIT_TYPES,
     OPTIMIZER_OPS,
     defaults_mismatches,
@@ -119,5 +127,5 @@ __all__ = [
     "xdist_worker", "nvml_devices", "neighbours", "usable_cpu_cores", "usable_memory_bytes",
     "MLP", "TORCH_DTYPES", "ZERO_OFFLOADS", "ZeroCase", "cpu_fp32", "rank_batches",
     "record_zero_comparison", "train_zero_and_ddp", "zero_check_name", "clip_problems",
-    "schedules", "gpu_peak_tflops",
+    "schedules", "gpu_peak_tflops", "monitor_log", "MONITOR_JOB", "BATCH_KEYS",
 ]

@@ -502,6 +502,22 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "input.matmul (torch.addmm with a bias), both wrapped by the profiler",
     ),
     KnownIssue(
+        id="DS-7665-MONITOR-NO-LOSS",
+        title="the engine writes no training loss to its monitors (csv_monitor, tensorboard, "
+              "wandb): Train/Samples/train_loss, which DeepSpeed's monitor docs list as logged "
+              "automatically, is gone since the backward rework of PR #7665; only the lr (and "
+              "the fp16 loss scale) remain",
+        deepspeed="==0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/7665",
+        cases=("test_monitor.py::test_csv_loss[*]", "test_monitor.py::test_tensorboard_loss[*]"),
+        failure=r"(csv_monitor|tensorboard) Train/Samples/train_loss: nothing written",
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, ZeRO 1, 2 ranks: csv_monitor wrote "
+             "Train_Samples_lr.csv alone and the event file holds only Train/Samples/lr; "
+             "runtime/engine.py no longer names train_loss (the pipeline engine still writes "
+             "it). The pull request removed the write from backward(); its first release is "
+             "0.18.3 (not run)",
+    ),
+    KnownIssue(
         id="DS-8539-Z3-GLOO-GATHER-RACE",
         title="ZeRO-3 on gloo (the CPU accelerator, more than one rank): the coalesced parameter "
               "all-gather waits for its last handle only, so a parameter can be read while an "

@@ -13,6 +13,7 @@ Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` 
 from __future__ import annotations
 
 from dsconform.checks import (
+    batch_rule,
     checkpoint_state,
     collective_calls,
     collectives,
@@ -128,4 +129,5 @@ __all__ = [
     "MLP", "TORCH_DTYPES", "ZERO_OFFLOADS", "ZeroCase", "cpu_fp32", "rank_batches",
     "record_zero_comparison", "train_zero_and_ddp", "zero_check_name", "clip_problems",
     "schedules", "gpu_peak_tflops", "monitor_log", "MONITOR_JOB", "BATCH_KEYS",
+    "batch_rule",
 ]

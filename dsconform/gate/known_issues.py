@@ -518,6 +518,24 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "0.18.3 (not run)",
     ),
     KnownIssue(
+        id="DS-BATCH-ZERO-UNNAMED",
+        title="a train_batch_size smaller than micro-batch (or accumulation) x world size is "
+              "refused without naming it: the inferred third value is floor-divided to 0 and "
+              "the error says only 'Gradient accumulation steps: 0' (or 'Micro batch size per "
+              "gpu: 0') 'has to be greater than 0'",
+        deepspeed="==0.19.8",
+        # No upstream issue or pull request names it yet: the link is the code at fault.
+        link="https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/"
+             "config.py#L590-L629",
+        cases=("test_batch_size.py::test_too_small_is_refused_by_name[*]",),
+        failure=(r"refused, but the error does not name [^\n]*: 'AssertionError: (Gradient "
+                 r"accumulation steps|Micro batch size per gpu): 0 has to be greater than 0'"),
+        seen="CPU machine, DeepSpeed 0.19.8, 2 ranks: train_batch_size 5 with micro-batch 3, "
+             "and 7 with accumulation 4, were refused with those messages, which name none of "
+             "the values given; a quotient that is not whole but at least 1 (10 with "
+             "micro-batch 3) is refused by the rule's own assertion, which names all three",
+    ),
+    KnownIssue(
         id="DS-8539-Z3-GLOO-GATHER-RACE",
         title="ZeRO-3 on gloo (the CPU accelerator, more than one rank): the coalesced parameter "
               "all-gather waits for its last handle only, so a parameter can be read while an "

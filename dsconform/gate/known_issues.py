@@ -448,9 +448,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         # 2 x 13 MACs per output element counted, 2 x 13 + 1 flops done: 26/27 = 0.963
         failure=r"get_model_profile of linear_bias .*: flops \d+, analytic \d+ \(0\.963x\)",
         seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: Linear(13, 7) on (3, 5, 13) counted "
-             "2730 flops where the matmul and the bias add are 2835; MACs and parameters exact. "
-             "_linear_flops_compute returns 2 x MACs whatever the bias; the open pull request "
-             "lists it beside the matmul counters",
+             "2730 flops where the matmul and the bias add are 2835 (MACs, parameters exact)",
     ),
     KnownIssue(
         id="DS-8419-FLOPS-MATMUL-SHAPES",
@@ -465,9 +463,8 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         failure=(r"get_model_profile of (matmul_broadcast|matmul_vector|dot) .*: flops \d+, "
                  r"analytic \d+ \((0\.3333|13)x\)"),
         seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: (5, 13) @ (3, 13, 7) counted 455 MACs "
-             "of 1365 (the batch of 3 dropped); (5, 13) @ (13,) 845 of 65 and (13,) @ (13,) 169 "
-             "of 13 (13x: the vector's length taken as a column count); 2-D, 3-D and bmm "
-             "shapes exact. _matmul_flops_compute is prod(input.shape) * other.shape[-1]",
+             "of 1365; (5, 13) @ (13,) 845 of 65, (13,) @ (13,) 169 of 13; 2-D, 3-D and bmm "
+             "exact (_matmul_flops_compute: prod(input.shape) * other.shape[-1])",
     ),
     KnownIssue(
         id="DS-3087-FLOPS-OPERATORS",
@@ -479,9 +476,7 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         failure=(r"get_model_profile of scale_shift_operators .*: flops 0, analytic \d+ "
                  r"\(0x\)"),
         seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: x * w + b over (3, 5, 13) counted 0 "
-             "flops, torch.add(torch.mul(x, w), b) 390 (exact, broadcasting included); "
-             "_patch_tensor_methods wraps Tensor.__matmul__ but not __add__ or __mul__ (an open "
-             "pull request, #8509, adds them)",
+             "flops, torch.add(torch.mul(x, w), b) the exact 390 (open pull request #8509)",
     ),
     KnownIssue(
         id="DS-Z3-FLOPS-LINEAR-TWICE",
@@ -511,11 +506,9 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         link="https://github.com/deepspeedai/DeepSpeed/pull/7665",
         cases=("test_monitor.py::test_csv_loss[*]", "test_monitor.py::test_tensorboard_loss[*]"),
         failure=r"(csv_monitor|tensorboard) Train/Samples/train_loss: nothing written",
-        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, ZeRO 1, 2 ranks: csv_monitor wrote "
-             "Train_Samples_lr.csv alone and the event file holds only Train/Samples/lr; "
-             "runtime/engine.py no longer names train_loss (the pipeline engine still writes "
-             "it). The pull request removed the write from backward(); its first release is "
-             "0.18.3 (not run)",
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, ZeRO 1, 2 ranks: csv and event files "
+             "hold Train/Samples/lr alone; the pull request removed the write from backward() "
+             "(first in 0.18.3, not run); the pipeline engine still writes it",
     ),
     KnownIssue(
         id="DS-BATCH-ZERO-UNNAMED",
@@ -531,9 +524,8 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
         failure=(r"refused, but the error does not name [^\n]*: 'AssertionError: (Gradient "
                  r"accumulation steps|Micro batch size per gpu): 0 has to be greater than 0'"),
         seen="CPU machine, DeepSpeed 0.19.8, 2 ranks: train_batch_size 5 with micro-batch 3, "
-             "and 7 with accumulation 4, were refused with those messages, which name none of "
-             "the values given; a quotient that is not whole but at least 1 (10 with "
-             "micro-batch 3) is refused by the rule's own assertion, which names all three",
+             "7 with accumulation 4; a quotient of 1 or more that is not whole is refused by "
+             "the rule's assertion, which names all three",
     ),
     KnownIssue(
         id="DS-8539-Z3-GLOO-GATHER-RACE",

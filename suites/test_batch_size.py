@@ -36,7 +36,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsconform.suite import ACCELERATORS, accel_cell, batch_rule, run_ranks
-from suites import batch_ranks
+from suites import batch_size_ranks
 
 CAPABILITY = "batch_size"
 TIMEOUT_S = 300
@@ -70,7 +70,7 @@ def batch_cases(draw: st.DrawFn, ws: int, accepted: bool) -> batch_rule.BatchCas
 
 def check_cases(cases: list[batch_rule.BatchCase], accelerator: str, ws: int,
                 lenient: bool = False) -> list[str]:
-    found = run_ranks(batch_ranks.configure, ws, timeout_s=TIMEOUT_S, args=(cases,),
+    found = run_ranks(batch_size_ranks.configure, ws, timeout_s=TIMEOUT_S, args=(cases,),
                       kwargs={"lenient": lenient}, accelerator=accelerator)
     problems = []
     for r, outcomes in enumerate(found):
@@ -141,7 +141,7 @@ def engine_case(family: str, ws: int) -> batch_rule.BatchCase:
 
 def check_engine(family: str, accelerator: str, ws: int, lenient: bool = False) -> list[str]:
     case = engine_case(family, ws)
-    found = run_ranks(batch_ranks.train, ws, timeout_s=TIMEOUT_S, args=(case,),
+    found = run_ranks(batch_size_ranks.train, ws, timeout_s=TIMEOUT_S, args=(case,),
                       kwargs={"lenient": lenient}, accelerator=accelerator)
     problems = []
     for r, outcome in enumerate(found):

@@ -1,6 +1,6 @@
 """The batch-size suite's checks MUST go red when DeepSpeed accepts an inconsistent batch triple.
 
-The suite's own rank code (suites/batch_ranks.py) builds DeepSpeed's config class and a real
+The suite's own rank code (suites/batch_size_ranks.py) builds DeepSpeed's config class and a real
 engine on 2 ranks of the CPU accelerator, first as they are (the control: refused, by name) and
 then with ``lenient=True``: DeepSpeed's own ``DeepSpeedConfig._batch_assertion``, the check that
 refuses a triple off the rule, accepts everything. BATCH-REFUSE-1 and BATCH-ENGINE-1 MUST then

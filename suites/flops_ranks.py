@@ -102,10 +102,11 @@ def build(kind: str, params: dict[str, Any]) -> nn.Module:
 
 @contextlib.contextmanager
 def _torch_linear() -> Iterator[None]:
-    """torch's own F.linear for the duration. A ZeRO-3 engine built earlier in this pooled
-    process leaves ``torch.nn.functional.linear`` replaced by its memory-efficient wrapper
-    (DeepSpeed says it persists), which the profiler would count as well: a standalone profile
-    must not depend on which test ran before it in the same rank."""
+    """torch's own F.linear for the duration, then whatever was there. A ZeRO-3 engine built
+    earlier in this pooled process leaves ``torch.nn.functional.linear`` replaced by its
+    memory-efficient wrapper (DeepSpeed says it persists), which the profiler would count as
+    well: a profile must not depend on which test ran before it in the same rank. A ZeRO-3
+    engine built inside replaces it again, as it would in a fresh process."""
     found = F.linear
     F.linear = torch._C._nn.linear
     try:
@@ -192,8 +193,7 @@ def profile_engine(stage: int, dims: tuple[int, int, int], micro_batch: int, pro
     config = ds_config(stage=stage, dtype="fp32", optimizer="sgd", lr=0.01,
                        micro_batch=micro_batch, grad_accum=1, world_size=1,
                        flops_profile_step=profile_step, flops_output=report)
-    linear = F.linear
-    with _scaled_counts(scale):
+    with _torch_linear(), _scaled_counts(scale):
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                                config=config)
         try:
@@ -214,7 +214,6 @@ def profile_engine(stage: int, dims: tuple[int, int, int], micro_batch: int, pro
         finally:
             engine.destroy()
             del engine
-            F.linear = linear  # ZeRO-3 replaces it for the life of the process
             gc.collect()
 
 

@@ -12,10 +12,19 @@ Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` 
 
 from __future__ import annotations
 
-from dsconform.checks import checkpoint_state, collective_calls, collectives, schedules
+from dsconform.checks import (
+    batch_rule,
+    checkpoint_state,
+    collective_calls,
+    collectives,
+    monitor_log,
+    schedules,
+)
 from dsconform.checks import onebit as onebit_reference
 from dsconform.checks.dsconfig import (
     ASSUMED_DEFAULTS,
+    BATCH_KEYS,
+    MONITOR_JOB,
     ONEBIT_TYPES,
     OPTIMIZER_OPS,
     defaults_mismatches,
@@ -87,6 +96,7 @@ from dsconform.ops.checks import (
 from dsconform.ops.dsreport import parse_ds_report, run_ds_report
 from dsconform.plugin.batch import RankCall, batched, cell_results
 from dsconform.plugin.runstate import RunState, run_state
+from dsconform.profile.catalogue import peak_tflops as gpu_peak_tflops
 from dsconform.profile.schema import NcclFloor, NvmePath, Profile
 from dsconform.profile.select import Rendezvous, rendezvous_info
 from dsconform.results.records import FactsRecorder, MetricsRecorder
@@ -118,5 +128,6 @@ __all__ = [
     "xdist_worker", "nvml_devices", "neighbours", "usable_cpu_cores", "usable_memory_bytes",
     "MLP", "TORCH_DTYPES", "ZERO_OFFLOADS", "ZeroCase", "cpu_fp32", "rank_batches",
     "record_zero_comparison", "train_zero_and_ddp", "zero_check_name", "clip_problems",
-    "schedules",
+    "schedules", "gpu_peak_tflops", "monitor_log", "MONITOR_JOB", "BATCH_KEYS",
+    "batch_rule",
 ]

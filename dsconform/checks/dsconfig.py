@@ -105,6 +105,23 @@ class DsSettings:
     # (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle), every parameter written out; None adds
     # none (lr_warmup_steps may add the checkpoint suite's WarmupLR instead).
     scheduler: Schedule | None = None
+    # The batch keys written (BATCH_KEYS names them; DeepSpeed infers a key left out), and
+    # train_batch, the train_batch_size written (None: micro_batch x grad_accum x world_size).
+    batch_keys: tuple[str, ...] = ("train", "micro", "accum")
+    train_batch: int | None = None
+    # The flops profiler at this global step (None: off), its report written to flops_output.
+    flops_profile_step: int | None = None
+    flops_output: str | None = None
+    # The monitors (None: off): csv_monitor and tensorboard, each under its own directory with
+    # the job name "dsconform".
+    csv_monitor_dir: str | None = None
+    tensorboard_dir: str | None = None
+
+
+# ds_config's batch_keys -> DeepSpeed's config key.
+BATCH_KEYS = {"train": "train_batch_size", "micro": "train_micro_batch_size_per_gpu",
+              "accum": "gradient_accumulation_steps"}
+MONITOR_JOB = "dsconform"
 
 
 def _validate_onebit(s: DsSettings) -> None:
@@ -236,6 +253,30 @@ def validate(s: DsSettings) -> None:
     _validate_onebit(s)
     _validate_nvme(s)
     _validate_checkpoint(s)
+    _validate_batch_and_logging(s)
+
+
+def _validate_batch_and_logging(s: DsSettings) -> None:
+    """The batch keys, the flops profiler and the monitors."""
+    if not (isinstance(s.batch_keys, tuple) and set(s.batch_keys) <= set(BATCH_KEYS)
+            and len(set(s.batch_keys)) == len(s.batch_keys)):
+        _fail("batch_keys", s.batch_keys, f"must be a tuple of distinct names from "
+              f"{tuple(BATCH_KEYS)}")
+    if s.train_batch is not None:
+        if isinstance(s.train_batch, bool) or not isinstance(s.train_batch, int) \
+                or s.train_batch < 1:
+            _fail("train_batch", s.train_batch, "must be an integer >= 1 (or None)")
+        if "train" not in s.batch_keys:
+            _fail("train_batch", s.train_batch, "is written only with 'train' in batch_keys")
+    step = s.flops_profile_step
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        _fail("flops_profile_step", step, "must be an integer >= 0 (or None: no profiler)")
+    if s.flops_output is not None and step is None:
+        _fail("flops_output", s.flops_output, "needs flops_profile_step")
+    for name in ("flops_output", "csv_monitor_dir", "tensorboard_dir"):
+        value = getattr(s, name)
+        if value is not None and not (isinstance(value, str) and value.startswith("/")):
+            _fail(name, value, "must be an absolute path (or None)")
 
 
 CHECKPOINT_WRITERS = (None, "fast")
@@ -344,10 +385,10 @@ def ds_config(**kwargs: Any) -> dict[str, Any]:
     if s.offload_device == "nvme":
         _nvme_offload(s, zero)
 
+    batch = {"train": s.micro_batch * s.grad_accum * s.world_size if s.train_batch is None
+             else s.train_batch, "micro": s.micro_batch, "accum": s.grad_accum}
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": s.micro_batch,
-        "gradient_accumulation_steps": s.grad_accum,
-        "train_batch_size": s.micro_batch * s.grad_accum * s.world_size,
+        **{BATCH_KEYS[k]: batch[k] for k in s.batch_keys},
         "steps_per_print": _QUIET_STEPS,
         "wall_clock_breakdown": False,
         # Default 1.0 since 0.19.3 (0.0 before): the reason this module exists.
@@ -395,7 +436,20 @@ def ds_config(**kwargs: Any) -> dict[str, Any]:
                                     "io_buffer_size": 64 * (1 << 20), "io_buffer_double": True,
                                     "io_multiplier": 1, "show_statistics": False}
         cfg["checkpoint"] = checkpoint
+    _logging_sections(s, cfg)
     return cfg
+
+
+def _logging_sections(s: DsSettings, cfg: dict[str, Any]) -> None:
+    """The flops profiler and the monitors, DeepSpeed's defaults written out."""
+    if s.flops_profile_step is not None:
+        cfg["flops_profiler"] = {"enabled": True, "recompute_fwd_factor": 0.0,
+                                 "profile_step": s.flops_profile_step, "module_depth": -1,
+                                 "top_modules": 1, "detailed": True,
+                                 "output_file": s.flops_output}
+    for key, path in (("csv_monitor", s.csv_monitor_dir), ("tensorboard", s.tensorboard_dir)):
+        if path is not None:
+            cfg[key] = {"enabled": True, "output_path": path, "job_name": MONITOR_JOB}
 
 
 def _nvme_offload(s: DsSettings, zero: dict[str, Any]) -> None:

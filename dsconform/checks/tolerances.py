@@ -35,6 +35,7 @@ Checks:
                   "sgd"). ``atol`` is in units of the schedule's peak lr (rtol unused).
   ``schedule_resume``  the lr after a checkpoint resume against the uninterrupted run's, step for
                   step.
+  ``monitor_loss``  the training loss a monitor wrote against the engine's (the monitor suite).
 
 Every entry carries a value per accelerator ("cpu": DeepSpeed's CPU accelerator with gloo;
 "cuda": GPUs with NCCL) and says why it is as loose as it is and where that was measured. An
@@ -520,6 +521,18 @@ _SCHEDULE_RESUME = Tol(0.0, 0.0,
 TABLE[("schedule", "fp32", "sgd")] = {"cpu": _SCHEDULE, "cuda": _SCHEDULE}
 TABLE[("schedule_applied", "fp32", "sgd")] = {"cpu": _SCHEDULE_APPLIED, "cuda": _SCHEDULE_APPLIED}
 TABLE[("schedule_resume", "fp32", "sgd")] = {"cpu": _SCHEDULE_RESUME, "cuda": _SCHEDULE_RESUME}
+
+# The monitor suite (suites/test_monitor.py): lr, samples and the loss scale are written as the
+# engine holds them and are held exactly; the loss is a sum DeepSpeed forms on tensors where the
+# suite adds the same floats in Python.
+_MONITOR_LOSS = Tol(1e-6, 0.0,
+                    "the step's loss, the mean of rank 0's micro-batch losses, summed in fp32 by "
+                    "DeepSpeed (before 0.18.3) and in Python's float by the suite: a few fp32 "
+                    "ulps (1.2e-7 each) over the suite's 2 micro-batches; not measured, no "
+                    "release since 0.18.3 writes the loss (DS-7665-MONITOR-NO-LOSS). A loss "
+                    "one step late differs by far more (the suite's loss moves > 1% a step)")
+for _dtype in ("fp32", "fp16"):
+    TABLE[("monitor_loss", _dtype, "sgd")] = {"cpu": _MONITOR_LOSS, "cuda": _MONITOR_LOSS}
 
 
 def key(check: str, dtype: str, optimizer: str) -> str:

@@ -32,106 +32,21 @@ registry names cells of a matrix without listing them one by one.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import re
-from dataclasses import dataclass
-from typing import Any
 
-from dsconform.gate import known_issues_check, versions
+from dsconform.gate import known_issues_check
+from dsconform.gate.known_issue import (
+    KINDS,
+    TORCH,
+    UPSTREAM,
+    KnownIssue,
+    KnownIssueFailure,
+    installed_torch,
+)
 
-UPSTREAM, TORCH = "upstream", "torch"
-KINDS = (UPSTREAM, TORCH)
-
-
-class KnownIssueFailure(AssertionError):
-    """A covered case failed the way its known issue fails: what the strict xfail expects."""
-
-
-@dataclass(frozen=True)
-class KnownIssue:
-    id: str          # stable, upper case: DS-8393-Z0-FP16-UNSCALED
-    title: str       # one line: what goes wrong
-    deepspeed: str   # the versions it was verified on, as a specifier: ">=0.19.6,<=0.19.8"
-    link: str        # the upstream issue or pull request
-    cases: tuple[str, ...]
-    seen: str        # where and how it was observed
-    # How the covered cases fail: a regular expression searched in the assertion's message
-    # (as the case's check words it, seen on a real run). Nothing else counts as this issue.
-    # A match with named groups ``gain`` and ``scale`` counts only if gain x scale is 1 (1%).
-    failure: str = ""
-    kind: str = UPSTREAM  # UPSTREAM: DeepSpeed's defect; TORCH: a DeepSpeed x torch mismatch
-    torch: str = ""  # TORCH: the torch versions it was seen with, as a specifier (">=2.13")
-    fixed_in: str = ""  # the first DeepSpeed release that carries upstream's fix, if any
-    # A race: the failure shows in some runs only. A covered case that fails its way is an
-    # xfail, one that passes passes (it is not a fixed build); any other failure still FAILS.
-    intermittent: bool = False
-
-    def expects(self, exc: BaseException) -> bool:
-        """Is ``exc`` this issue's failure? An assertion (a rank's error comes back as one)
-        whose message matches ``failure``; a timeout never does."""
-        from dsconform.harness.errors import RankTimeout
-
-        if not isinstance(exc, AssertionError) or isinstance(exc, RankTimeout) or \
-                not self.failure:
-            return False
-        for m in re.finditer(self.failure, str(exc), re.DOTALL):
-            groups = m.groupdict()
-            if groups.get("gain") is None or groups.get("scale") is None:
-                return True
-            # A pattern naming a gain and the loss scale in force: the gain must be
-            # 1 / scale (within 1%: fp16 rounding), the signature of a loss never scaled.
-            if abs(float(groups["gain"]) * float(groups["scale"]) - 1) <= 0.01:
-                return True
-        return False
-
-    def affects(self, deepspeed_version: str | None, torch_version: str | None = None) -> bool:
-        """This DeepSpeed (and, for a torch incompatibility, this torch: default the installed
-        one) is one the entry was verified on."""
-        v = versions.parse(deepspeed_version)
-        if v is None or v not in versions.specifier(self.deepspeed):
-            return False
-        if not self.torch:
-            return True
-        t = versions.public(torch_version if torch_version is not None else installed_torch())
-        return t is not None and t in versions.specifier(self.torch)
-
-    def covers(self, case: str) -> bool:
-        return any(_pattern(p).fullmatch(case) for p in self.cases)
-
-    @property
-    def reason(self) -> str:
-        """The xfail reason: also what an unexpected pass prints, so it says what to do then."""
-        what = ("known upstream issue" if self.kind == UPSTREAM else
-                f"known incompatibility with torch {self.torch}")
-        fixed = f"; fixed in DeepSpeed {self.fixed_in}" if self.fixed_in else ""
-        if self.intermittent:
-            return (f"{what} {self.id} (intermittent): {self.title} ({self.link}); verified on "
-                    f"DeepSpeed {self.deepspeed}{self._with_torch}{fixed}. A run that passes "
-                    f"proves nothing here: the failure is timing-dependent")
-        return (f"{what} {self.id}: {self.title} ({self.link}); verified on "
-                f"DeepSpeed {self.deepspeed}{self._with_torch}{fixed}. If this case passes, "
-                f"this build is fixed: narrow or drop the entry in dsconform/gate/known_issues.py")
-
-    @property
-    def _with_torch(self) -> str:
-        return f" with torch {self.torch}" if self.torch else ""
-
-    def summary(self) -> dict[str, str]:
-        """What the results list of an entry hit (summary.json, benchmarks.json)."""
-        out: dict[str, Any] = {"title": self.title, "link": self.link,
-                               "deepspeed": self.deepspeed, "kind": self.kind}
-        out.update({k: v for k, v in (("torch", self.torch), ("fixed_in", self.fixed_in),
-                                      ("intermittent", self.intermittent)) if v})
-        return out
-
-
-def installed_torch() -> str | None:
-    """The installed torch's version, from its package metadata (no import of torch)."""
-    try:
-        return importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
+# The entry's type lives in dsconform/gate/known_issue.py; its names are the registry's too.
+__all__ = ["KINDS", "KNOWN_ISSUES", "TORCH", "UPSTREAM", "KnownIssue", "KnownIssueFailure",
+           "by_id", "case_name", "check_registry", "expected_failure", "installed_torch",
+           "issues_for"]
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue(
@@ -524,6 +439,95 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "_swap_out_optimizer_state; 0.19.4 swaps through the I/O handles (#8212)",
     ),
     KnownIssue(
+        id="DS-8419-FLOPS-LINEAR-BIAS",
+        title="the flops profiler counts F.linear without its bias: a Linear with bias is "
+              "short one flop per output element (its conv and addmm counters count theirs)",
+        deepspeed="==0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/8419",
+        cases=("test_flops.py::test_model_profile[*-linear_bias]",),
+        # 2 x 13 MACs per output element counted, 2 x 13 + 1 flops done: 26/27 = 0.963
+        failure=r"get_model_profile of linear_bias .*: flops \d+, analytic \d+ \(0\.963x\)",
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: Linear(13, 7) on (3, 5, 13) counted "
+             "2730 flops where the matmul and the bias add are 2835 (MACs, parameters exact)",
+    ),
+    KnownIssue(
+        id="DS-8419-FLOPS-MATMUL-SHAPES",
+        title="the flops profiler's torch.matmul counter multiplies the first operand's size by "
+              "the second's last dimension: a broadcast batch of the second operand is dropped "
+              "and a vector second operand is counted as a matrix",
+        deepspeed="==0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/8419",
+        cases=("test_flops.py::test_model_profile[*-matmul_broadcast]",
+               "test_flops.py::test_model_profile[*-matmul_vector]",
+               "test_flops.py::test_model_profile[*-dot]"),
+        failure=(r"get_model_profile of (matmul_broadcast|matmul_vector|dot) .*: flops \d+, "
+                 r"analytic \d+ \((0\.3333|13)x\)"),
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: (5, 13) @ (3, 13, 7) counted 455 MACs "
+             "of 1365; (5, 13) @ (13,) 845 of 65, (13,) @ (13,) 169 of 13; 2-D, 3-D and bmm "
+             "exact (_matmul_flops_compute: prod(input.shape) * other.shape[-1])",
+    ),
+    KnownIssue(
+        id="DS-3087-FLOPS-OPERATORS",
+        title="the flops profiler counts torch.add/torch.mul but not the operators: x * w + b "
+              "counts 0 flops (every residual add and scale in a model is free)",
+        deepspeed="==0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/issues/3087",
+        cases=("test_flops.py::test_model_profile[*-scale_shift_operators]",),
+        failure=(r"get_model_profile of scale_shift_operators .*: flops 0, analytic \d+ "
+                 r"\(0x\)"),
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: x * w + b over (3, 5, 13) counted 0 "
+             "flops, torch.add(torch.mul(x, w), b) the exact 390 (open pull request #8509)",
+    ),
+    KnownIssue(
+        id="DS-Z3-FLOPS-LINEAR-TWICE",
+        title="the engine's flops profiler under ZeRO stage 3 counts every Linear twice: "
+              "ZeRO-3 replaces F.linear by its memory-efficient wrapper, whose inner "
+              "torch.matmul/addmm the profiler counts as well",
+        deepspeed="==0.19.8",
+        # No upstream issue or pull request names it yet: the link is the code at fault.
+        link="https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/zero/"
+             "partition_parameters.py#L412-L419",
+        cases=("test_flops.py::test_engine_profiler[*-z3]",),
+        failure=(r"ZeRO stage 3, profile_step \d+: the profiler during step \d+: flops \d+, "
+                 r"analytic \d+ \(2x\)"),
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, one rank: two bias-free Linear layers "
+             "counted 3840 flops and 1920 MACs where stage 0 counts the analytic 1920 and 960; "
+             "_enable_mem_efficient_linear sets torch.nn.functional.linear = zero3_linear_wrap "
+             "(for the life of the process), and LinearFunctionForZeroStage3.forward calls "
+             "input.matmul (torch.addmm with a bias), both wrapped by the profiler",
+    ),
+    KnownIssue(
+        id="DS-7665-MONITOR-NO-LOSS",
+        title="the engine writes no training loss to its monitors (csv_monitor, tensorboard, "
+              "wandb): Train/Samples/train_loss, which DeepSpeed's monitor docs list as logged "
+              "automatically, is gone since the backward rework of PR #7665; only the lr (and "
+              "the fp16 loss scale) remain",
+        deepspeed="==0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/7665",
+        cases=("test_monitor.py::test_csv_loss[*]", "test_monitor.py::test_tensorboard_loss[*]"),
+        failure=r"(csv_monitor|tensorboard) Train/Samples/train_loss: nothing written",
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, ZeRO 1, 2 ranks: csv and event files "
+             "hold Train/Samples/lr alone; the pull request removed the write from backward() "
+             "(first in 0.18.3, not run); the pipeline engine still writes it",
+    ),
+    KnownIssue(
+        id="DS-BATCH-ZERO-UNNAMED",
+        title="a train_batch_size smaller than micro-batch (or accumulation) x world size is "
+              "refused without naming it: the inferred third value is floor-divided to 0 and "
+              "the error says only 'Gradient accumulation steps: 0' (or 'Micro batch size per "
+              "gpu: 0') 'has to be greater than 0'",
+        deepspeed="==0.19.8",
+        # No upstream issue or pull request names it yet: the link is the code at fault.
+        link="https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/"
+             "config.py#L590-L629",
+        cases=("test_batch_size.py::test_too_small_is_refused_by_name[*]",),
+        failure=(r"refused, but the error does not name [^\n]*: 'AssertionError: (Gradient "
+                 r"accumulation steps|Micro batch size per gpu): 0 has to be greater than 0'"),
+        seen="CPU machine, DeepSpeed 0.19.8, 2 ranks: train_batch_size 5 with micro-batch 3, "
+             "7 with accumulation 4; a quotient of 1 or more that is not whole is refused by "
+             "the rule's assertion, which names all three",
+    ),
+    KnownIssue(
         id="DS-8539-Z3-GLOO-GATHER-RACE",
         title="ZeRO-3 on gloo (the CPU accelerator, more than one rank): the coalesced parameter "
               "all-gather waits for its last handle only, so a parameter can be read while an "
@@ -561,11 +565,6 @@ KNOWN_ISSUES: tuple[KnownIssue, ...] = (
              "0.18.9); launch_handles[-1].wait() up to 0.19.7, every handle in 0.19.8 (#8539)",
     ),
 )
-
-@functools.cache
-def _pattern(case: str) -> re.Pattern[str]:
-    return re.compile(".*".join(re.escape(part) for part in case.split("*")))
-
 
 def case_name(path_name: str, test_name: str) -> str:
     """The string cases are matched against: ``test_zero.py::test_zero_matches_ddp[cpu-z0-...]``."""

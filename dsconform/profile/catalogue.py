@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -25,6 +25,9 @@ FLOOR_FIELDS = {
     "h2d_gbps": "pinned host-to-device copy, GB/s",
     "d2h_gbps": "pinned device-to-host copy, GB/s",
 }
+#: Datasheet peaks an entry may carry (optional): field -> what it is. Nothing is held to them;
+#: they are the denominator of a model-FLOPs utilisation (MFU).
+PEAK_FIELDS = {"peak_bf16_tflops": "dense bf16 Tensor Core peak from the datasheet, TFLOPS"}
 _KEY_RE = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _CC_RE = re.compile(r"^\d+\.\d+$")
 _PCIE_RE = re.compile(r"^Gen[1-6] x(1|2|4|8|16)$")
@@ -56,6 +59,7 @@ class GpuModel:
     fp16: bool
     pcie: str
     floors: Mapping[str, Floor]
+    peaks: Mapping[str, Floor] = field(default_factory=dict)  # Floor.value: the peak
 
     def matches(self, device_name: str) -> bool:
         """Whether a device name (NVML's or torch's) is this model."""
@@ -87,13 +91,13 @@ def _problems(data: Mapping[str, Any], src: str) -> list[str]:
             continue
         fields = {"name": str, "match": list, "exclude": list, "memory_gib": (int, float),
                   "compute_capability": str, "bf16": bool, "fp16": bool, "pcie": str,
-                  **dict.fromkeys(FLOOR_FIELDS, dict)}
+                  **dict.fromkeys(FLOOR_FIELDS, dict), **dict.fromkeys(PEAK_FIELDS, dict)}
         for name in set(entry) - set(fields):
             problems.append(f"{at}.{name}: unknown field (known: {', '.join(sorted(fields))})")
         for name, kind in fields.items():
             value = entry.get(name)
             if value is None:
-                if name != "exclude":
+                if name != "exclude" and name not in PEAK_FIELDS:
                     problems.append(f"{at}.{name}: required")
                 continue
             if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
@@ -114,16 +118,18 @@ def _problems(data: Mapping[str, Any], src: str) -> list[str]:
                                 f"{value!r}")
             if name in FLOOR_FIELDS:
                 problems += _floor_problems(value, f"{at}.{name}")
+            if name in PEAK_FIELDS:
+                problems += _floor_problems(value, f"{at}.{name}", key="value")
     return problems
 
 
-def _floor_problems(value: Mapping[str, Any], at: str) -> list[str]:
+def _floor_problems(value: Mapping[str, Any], at: str, key: str = "floor") -> list[str]:
     out = []
-    for extra in set(value) - {"floor", "source"}:
-        out.append(f"{at}.{extra}: unknown (a floor has `floor` and `source`)")
-    floor = value.get("floor")
+    for extra in set(value) - {key, "source"}:
+        out.append(f"{at}.{extra}: unknown (expected `{key}` and `source`)")
+    floor = value.get(key)
     if isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor <= 0:
-        out.append(f"{at}.floor: expected a number > 0, found {floor!r}")
+        out.append(f"{at}.{key}: expected a number > 0, found {floor!r}")
     source = value.get("source")
     if not isinstance(source, str) or not source.strip():
         out.append(f"{at}.source: required: where the number comes from (a node type and "
@@ -140,7 +146,8 @@ def parse(data: Mapping[str, Any], src: str = "<catalogue>") -> dict[str, GpuMod
         key=key, name=e["name"], match=tuple(e["match"]), exclude=tuple(e.get("exclude", ())),
         memory_gib=float(e["memory_gib"]), compute_capability=e["compute_capability"],
         bf16=e["bf16"], fp16=e["fp16"], pcie=e["pcie"],
-        floors={f: Floor(float(e[f]["floor"]), e[f]["source"]) for f in FLOOR_FIELDS})
+        floors={f: Floor(float(e[f]["floor"]), e[f]["source"]) for f in FLOOR_FIELDS},
+        peaks={f: Floor(float(e[f]["value"]), e[f]["source"]) for f in PEAK_FIELDS if f in e})
         for key, e in data["models"].items()}
 
 
@@ -173,3 +180,10 @@ def find(names: Sequence[str]) -> GpuModel | None:
         return None
     found = {m.key: m for m in shipped().values() if all(m.matches(n) for n in names)}
     return next(iter(found.values())) if len(found) == 1 else None
+
+
+def peak_tflops(device_name: str, dtype: str) -> Floor | None:
+    """The datasheet peak of ``dtype`` ("bf16") for the GPU model named ``device_name`` (its
+    ``value`` and ``source``), or None where the catalogue has no such model or peak."""
+    model = find([device_name])
+    return None if model is None else model.peaks.get(f"peak_{dtype}_tflops")

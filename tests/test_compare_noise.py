@@ -223,3 +223,15 @@ def test_markdown_summarises_long_facts_too(runs, tmp_path, capsys):
     assert cli(tmp_path, runs["C"], runs["B"], "--markdown") == 0
     md = capsys.readouterr().out
     assert max(len(ln) for ln in md.splitlines() if "health." in ln) < 200
+
+
+@pytest.mark.parametrize("base, new", [("p", "q"), ("q", "p")])
+def test_two_cpu_tier_runs_of_one_machine_are_no_regression(tmp_path, capsys, base, new):
+    """The CPU accelerator's timings follow the machine's other load (2x between two runs of
+    one CPU machine): reported, never judged."""
+    pair = {r: json.loads(gzip.decompress((RUNS / f"cpu-{r}.benchmarks.json.gz").read_bytes()))
+            for r in (base, new)}
+    assert cli(tmp_path, pair[base], pair[new]) == 0, capsys.readouterr().out[-3000:]
+    result = compare.compare(pair[base], pair[new])
+    reasons = [c.detail for c in result.changes if c.kind == compare.NOT_JUDGED]
+    assert any("CPU accelerator" in r for r in reasons), reasons

@@ -337,7 +337,8 @@ def _compare_values(name: str, base: Measure, new: Measure, threshold: float) ->
     if n == b:
         return Change(UNCHANGED, name, f"{where} ({pct})", **shown)
     seconds = [m.seconds for m in (base, new) if m.seconds is not None]
-    why = noise.not_judged(new.metric, unit, min(seconds) if seconds else None, rounds)
+    why = noise.not_judged(new.metric, unit, min(seconds) if seconds else None, rounds,
+                           new.params.get("accelerator"))
     if why is not None:
         return Change(NOT_JUDGED, name, f"{where} ({pct}): not judged: {why}", **shown)
     text = _noise(band, margin, minimum, rounds, unit)

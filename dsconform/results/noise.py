@@ -63,6 +63,11 @@ MIN_CHANGE = {
     "nvme.": Rule(0.35, "DeepNVMe and dd throughput on the same disk moved by up to 30% (1.64 "
                         f"<-> 2.13 GB/s) between {EVIDENCE}; the floors still hold it"),
 }
+#: Why a timing of ranks on DeepSpeed's CPU accelerator is reported, never judged.
+CPU_ACCELERATOR_WHY = ("measured on the CPU accelerator, whose ranks share the machine's cores "
+                       "with every other process: a CPU all_reduce moved 2x between two runs "
+                       "of one CPU machine with rounds within 10% (tests/data/reference-runs: "
+                       "cpu-p, cpu-q); no profile holds it to a floor")
 #: The last part of a metric's name that marks a one-off cost.
 ONE_OFF = ("build_seconds", "load_seconds", "first_call_seconds", "startup_seconds")
 ONE_OFF_WHY = ("one-off cost (an op's build or load, a first call, a start-up): a cold cache "
@@ -102,13 +107,17 @@ def min_change(metric: str, threshold: float) -> float:
     return max([threshold, *wider])
 
 
-def not_judged(metric: str, unit: str, seconds: float | None, rounds: int) -> str | None:
+def not_judged(metric: str, unit: str, seconds: float | None, rounds: int,
+               accelerator: str | None = None) -> str | None:
     """Why a metric's change is reported but not judged, or None when it is judged.
 
     ``seconds``: the median time of one round where the metric is a time, a rate or a share of
-    a time (else None), the shorter of the two runs'; ``rounds``: the fewer of the two runs'."""
+    a time (else None), the shorter of the two runs'; ``rounds``: the fewer of the two runs';
+    ``accelerator``: the ranks' accelerator where the test names one ("cpu", "cuda")."""
     if is_one_off(metric):
         return ONE_OFF_WHY
+    if accelerator == "cpu" and (is_timing(unit) or unit == "%"):
+        return CPU_ACCELERATOR_WHY
     if seconds is not None and seconds < MIN_SECONDS.value:
         what = "a share of a timing" if unit == "%" else "a timing"
         return (f"{what} of {seconds * 1e6:.3g} us per round, under {MIN_SECONDS.value * 1e6:g} "
@@ -128,6 +137,7 @@ def rules() -> dict[str, dict[str, object]]:
                                          for k, r in table.items()}
     out["min_rounds"] = {"value": MIN_ROUNDS, "why": "fewer rounds cannot show a timing's noise"}
     out["one_off"] = {"value": list(ONE_OFF), "why": ONE_OFF_WHY}
+    out["cpu_accelerator"] = {"value": "cpu", "why": CPU_ACCELERATOR_WHY}
     return out
 
 

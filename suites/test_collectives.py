@@ -196,8 +196,8 @@ def record_point(metrics, collective: str, point: dict[str, Any],
     """Record one measured size: busbw (held to ``floor`` by the recorder, if given), algbw,
     and per rank its time inside the calls and how long its peers waited for it (held to
     ``straggler_pct`` by the recorder, naming the rank's GPU and bus id, where a call takes at
-    least gpu_health.MIN_WAIT_CHECK_SECONDS); then fail if any rank's checked call after the
-    timed ones returned a wrong element."""
+    least gpu_health.MIN_WAIT_CHECK_SECONDS and the wait at least MIN_WAIT_SECONDS); then fail
+    if any rank's checked call after the timed ones returned a wrong element."""
     n = len(ids)
     nbytes, seconds = point["bytes"], point["seconds"]
     factor = collectives.bus_factor(collective, n)
@@ -213,8 +213,10 @@ def record_point(metrics, collective: str, point: dict[str, Any],
         where = {"who": ident.label, **params, **ident.params()}
         metrics.record(f"{collective}.rank_seconds", inside[r], unit="s", better="lower",
                        **where)
+        wait_s = statistics.median(w[r] / 100 * s for w, s in zip(waited, seconds))
+        held = long_enough and wait_s >= gpu_health.MIN_WAIT_SECONDS
         metrics.record(f"{collective}.waited_for_pct", [w[r] for w in waited], unit="%",
-                       better="lower", limit=straggler_pct if long_enough else None, **where)
+                       better="lower", limit=straggler_pct if held else None, **where)
     # The timed collective at the timed size, checked once on known data: a fast but wrong
     # collective (part of the work at large sizes) must not pass its floor. The same call
     # through deepspeed.comm, too.

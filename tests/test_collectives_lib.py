@@ -422,3 +422,20 @@ def test_waits_are_held_to_the_threshold_only_where_a_call_is_long_enough():
         assert len(waits) == 2 and waits[1].value == pytest.approx(80.0)
         assert [v.split(" =")[0] for v in metrics.violations()] == (
             ["all_reduce.waited_for_pct"] if held else [])
+
+
+def test_launch_skew_on_a_call_just_over_the_minimum_is_not_a_straggler():
+    """A host-bound 1 MiB all_reduce of 103 us on healthy 2xH200 GPUs, one rank waiting 12 us
+    each round (12%): recorded, not failed; a 3.3 ms call whose rank waits 12% fails."""
+    from dsconform.results.records import MetricsRecorder
+    from suites.test_collectives import record_point
+
+    ids = gpu_health.identify([{"rank": 0, "device": "cpu"}, {"rank": 1, "device": "cpu"}])
+    for per_call, held in ((1.03e-4, False), (3.3e-3, True)):
+        point = {"bytes": MIB, "seconds": [per_call] * 3,
+                 "inside": [[per_call] * 3, [per_call * 0.88] * 3],
+                 "wrong": [0, 0], "wrong_ds": [0, 0]}
+        metrics = MetricsRecorder("t", "collectives", lambda m: None)
+        record_point(metrics, "all_reduce", point, ids, 10.0, bytes=MIB)
+        assert [v.split(" =")[0] for v in metrics.violations()] == (
+            ["all_reduce.waited_for_pct"] if held else [])

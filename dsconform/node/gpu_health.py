@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "DEFAULT_STRAGGLER_PCT", "MIN_WAIT_CHECK_SECONDS", "SLOWDOWN_REASONS", "GpuIdentity",
+    "DEFAULT_STRAGGLER_PCT", "MIN_WAIT_CHECK_SECONDS", "MIN_WAIT_SECONDS", "SLOWDOWN_REASONS",
+    "GpuIdentity",
     "canonical_bus_id", "identify", "matmul_flops", "pct_of_peer_median",
     "read_clock_event_reasons", "slowdown_problems", "slowdowns_under_load", "straggler_pct",
     "unread_clock_events", "waited_for_pct",
@@ -40,6 +41,11 @@ DEFAULT_STRAGGLER_PCT = 20.0
 #: microseconds of launch jitter are a large share of the call and say nothing about a GPU; the
 #: per-rank times are recorded all the same.
 MIN_WAIT_CHECK_SECONDS = 1e-4
+#: ... and only where the median round's wait itself is at least this long: a host-bound call
+#: near MIN_WAIT_CHECK_SECONDS (a 1 MiB all_reduce on 2xH200 took 60-103 us) carries 10-13 us
+#: of launch skew on healthy GPUs, 12% of such a call (docs/findings.md#collectives); a GPU
+#: that holds its peers up costs them far more at the sizes that carry floors.
+MIN_WAIT_SECONDS = 5e-5
 
 _BUS_RE = re.compile(r"^(?:(?P<domain>[0-9a-fA-F]{1,8}):)?(?P<bus>[0-9a-fA-F]{1,2}):"
                      r"(?P<dev>[0-9a-fA-F]{1,2})(?:\.(?P<fn>[0-7]))?$")

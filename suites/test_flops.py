@@ -166,10 +166,17 @@ def run_cell(name: str, accelerator: str, scale: float = 1.0) -> list[str]:
                           f"get_model_profile of {name} (inputs {cell.shapes})")
 
 
+#: Cells left off CUDA: a Conv2d forward in a pooled CUDA rank that had run earlier tests
+#: crashed the rank (SIGSEGV inside torch's conv) on 2xH200 (docs/findings.md#flops-profiler);
+#: the count is shape arithmetic, the same on either accelerator, and runs on the CPU one.
+NOT_ON_CUDA = frozenset({"conv2d"})
+
+
 def _count_params() -> list:
     """Every cell on the CPU accelerator and on one GPU: each is one forward of a few hundred
     elements."""
-    return [accel_cell(accel, name, id=name) for accel in ACCELERATORS for name in CELLS]
+    return [accel_cell(accel, name, id=name) for accel in ACCELERATORS for name in CELLS
+            if not (accel == "cuda" and name in NOT_ON_CUDA)]
 
 
 @pytest.mark.parametrize("accelerator, name", _count_params())

@@ -37,10 +37,7 @@ from dsconform.plugin.order import (
     selects_ops_suite,
     waits_for_a_build,
 )
-from dsconform.plugin.recorder import (
-    Recorder,
-    capability_from_nodeid,
-)
+from dsconform.plugin.recorder import Recorder, capability_from_nodeid, case_facts
 from dsconform.plugin.runstate import STATE, RunState, run_state
 from dsconform.profile.select import (
     detected_warning,
@@ -48,6 +45,7 @@ from dsconform.profile.select import (
     rendezvous_nodes,
     select_profile,
 )
+from dsconform.results.records import CASE_PROPERTY
 
 _register_hypothesis_profiles()
 
@@ -484,6 +482,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     """A failing test's report shows what its ranks printed (ranks.log holds every test's); a
     test's part is dropped once its report is made."""
     report = yield
+    if report.when != "teardown":  # the outcome's facts, where the controller can read them
+        known = run_state(item.config).known_issue_cases.get(item.nodeid, "")
+        report.user_properties.append((CASE_PROPERTY, case_facts(item, known)))
     if report.failed or report.when == "teardown":
         text = rank_output.take(item.nodeid)
         if text and report.failed:

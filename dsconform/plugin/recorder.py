@@ -39,7 +39,10 @@ def must_statement(doc: str | None) -> str:
 
 
 def _reason(report: pytest.TestReport) -> str:
-    """One line: a skip's reason, or the first line of the failure's message."""
+    """One line: a skip's or an expected failure's reason, or the first line of the failure's
+    message."""
+    if report.skipped and hasattr(report, "wasxfail"):
+        return str(report.wasxfail)[:300]
     if report.skipped and isinstance(report.longrepr, tuple):
         return re.sub(r"^Skipped: ", "", str(report.longrepr[2]))
     if not report.failed:
@@ -49,6 +52,14 @@ def _reason(report: pytest.TestReport) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     first = re.sub(r"^(Failed|E): ", "", lines[0]) if lines else ""
     return first[:300]
+
+
+def case_facts(item: pytest.Item, known_issue: str) -> dict[str, str]:
+    """What an outcome records about its test beside the report (records.CASE_PROPERTY)."""
+    return {"capability": item.stash.get(ITEM_CAPABILITY, "")
+            or capability_from_nodeid(item.nodeid),
+            "must": must_statement(getattr(getattr(item, "function", None), "__doc__", None)),
+            "known_issue": known_issue}
 
 
 def capability_from_nodeid(nodeid: str) -> str:
@@ -64,8 +75,9 @@ class Recorder:
 
     def __init__(self, state: RunState):
         self.state = state
-        self.capabilities: dict[str, str] = {}
-        self.musts: dict[str, str] = {}
+        # Each test's records.CASE_PROPERTY, from its setup and call reports (the only way it
+        # reaches an xdist controller); a teardown report's outcome takes it from there.
+        self.cases: dict[str, dict[str, str]] = {}
         # Selected tests that need a GPU, from the reports' keywords (under xdist the controller
         # never sees the items), and how many of them ran (not skipped).
         self.gpu_tests: set[str] = set()
@@ -94,18 +106,14 @@ class Recorder:
             except prometheus.TextfileError as e:
                 raise pytest.UsageError(f"--prometheus-textfile: {e}") from None
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        for item in session.items:
-            self.capabilities[item.nodeid] = item.stash.get(ITEM_CAPABILITY, "")
-            self.musts[item.nodeid] = must_statement(
-                getattr(getattr(item, "function", None), "__doc__", None))
-
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
             self.collection_errors.append((report.nodeid or ".", _error_line(report)))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for key, value in report.user_properties:
+            if key == records.CASE_PROPERTY:
+                self.cases[report.nodeid] = dict(value)
         outcome = None
         if report.when == "call" or (report.when == "setup" and not report.passed):
             outcome = report.outcome
@@ -125,13 +133,13 @@ class Recorder:
                 outcome = "error"
         if outcome is None:
             return
-        cap = self.capabilities.get(report.nodeid) or capability_from_nodeid(report.nodeid)
+        case = self.cases.get(report.nodeid, {})
+        cap = case.get("capability") or capability_from_nodeid(report.nodeid)
         # A known issue is "hit" by a case that ran (xfailed, or failed/xpassed), not a skip.
         # (An intermittent issue's case that passed did not hit it either.)
-        known = ("" if outcome in ("skipped", "passed")
-                 else self.state.known_issue_cases.get(report.nodeid, ""))
+        known = "" if outcome in ("skipped", "passed") else case.get("known_issue", "")
         o = records.Outcome(report.nodeid, outcome, cap, _reason(report),
-                            round(report.duration, 3), self.musts.get(report.nodeid, ""), known)
+                            round(report.duration, 3), case.get("must", ""), known)
         self.state.outcomes.append(o)
         if "gpu" in report.keywords:
             self.gpu_tests.add(report.nodeid)

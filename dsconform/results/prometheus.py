@@ -56,8 +56,7 @@ RATE_UNITS: dict[str, tuple[str, float, str]] = {
 }
 RATE_LABELS = ("capability", "test", "metric", "size_bytes", "dtype", "gpu", "bus_id")
 #: The summary table's columns: what each counts.
-OUTCOME_COLUMNS = (("passed", ("passed",)), ("failed", summary.FAILED), ("skipped", ("skipped",)),
-                   ("known", ("xfailed",)))
+OUTCOME_COLUMNS = summary.COLUMNS
 ACTIONS = (*aggregate.HARDWARE_ACTIONS, "MONITOR")
 _ACTION = re.compile(rf"^({'|'.join(ACTIONS)})\b")
 #: The phases of the gate: the suite's HEALTH-1 and HEALTH-2, and `dsconform health`.

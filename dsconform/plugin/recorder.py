@@ -24,7 +24,7 @@ from dsconform.plugin.runstate import RunState, describe
 from dsconform.profile.select import (
     rendezvous_info,
 )
-from dsconform.results import prometheus, records, summary
+from dsconform.results import aggregate, prometheus, records, summary, verdict
 
 # What a finished run writes into --results; set aside when the next run starts there.
 STALE_RESULTS = ("benchmarks.json", "summary.json", "summary.txt")
@@ -86,6 +86,9 @@ class Recorder:
         # by them says so, not "interrupted".
         self.collection_errors: list[tuple[str, str]] = []
         self.stopped: str | None = None  # why the run stopped early, said after its summary
+        # The run's verdict in one line (dsconform.results.verdict), the last of summary.txt
+        # and of the plugin's console output; None until the session ends.
+        self.verdict: str | None = None
         if state.results is not None:  # this run's journal starts empty
             (state.results / "records.jsonl").write_text("")
             # And the previous run's results in this folder are set aside (renamed, not
@@ -233,6 +236,15 @@ class Recorder:
                                 for sec, nodeid in b["longest"]))
         return out
 
+    def _verdict(self, result: dict[str, Any]) -> str:
+        """The verdict line, read back from the results just written as dsconform.prom and
+        `dsconform aggregate` read them."""
+        try:
+            node = aggregate.load_node(self.state.results)
+        except aggregate.AggregateInputError:  # unreadable: judged from what was to be written
+            node = verdict.of_summary(result, self.state.outcomes, self.state.node.hostname)
+        return verdict.line(node, self.stopped)
+
     def pytest_terminal_summary(self, terminalreporter, exitstatus: int,
                                 config: pytest.Config) -> None:
         if not self.state.outcomes:
@@ -257,10 +269,14 @@ class Recorder:
         if session.exitstatus == pytest.ExitCode.INTERRUPTED:  # said in summary.json and .txt
             self.stopped = self.interrupted(session)
             state.notices.append(self.stopped)
+        result = self.summary()
         if state.results is None:
+            if not session.config.option.collectonly:
+                result.update(exitstatus=int(session.exitstatus), notices=state.notices)
+                self.verdict = verdict.line(verdict.of_summary(
+                    result, state.outcomes, state.node.hostname), self.stopped)
             return
         prof = describe(state)
-        result = self.summary()
         doc = records.document(
             state.metrics, state.outcomes, machine_info=_machine_info(state),
             commit_info=_commit_info(), profile=prof,
@@ -276,8 +292,9 @@ class Recorder:
                                          for n, e in self.collection_errors])
         _write(state.results / "benchmarks.json", json.dumps(doc, indent=2, default=str))
         _write(state.results / "summary.json", json.dumps(result, indent=2, default=str))
-        _write(state.results / "summary.txt",
-               "\n".join(self.lines(result) + self.run_lines(session.config)) + "\n")
+        self.verdict = self._verdict(result)
+        _write(state.results / "summary.txt", "\n".join(
+            self.lines(result) + self.run_lines(session.config) + [self.verdict]) + "\n")
         try:  # the verdict for Prometheus, a failed or interrupted run's too
             prometheus.write_run(state.results,
                                  session.config.getoption("prometheus_textfile", None))

@@ -43,6 +43,7 @@ def runs(tmp_path_factory):
         proc = _run(d / name, profile, *extra)
         assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
         out[name] = d / name
+        out[f"{name} console"] = proc.stdout.splitlines()
     return out
 
 
@@ -110,3 +111,18 @@ def test_compare_of_the_two_runs_finds_no_change(runs):
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stdout + out.stderr
     assert "== What stopped working (0) ==" in out.stdout, out.stdout
+
+
+def test_the_console_groups_skips_and_ends_with_the_verdict(runs):
+    """tox.ini's options: no line per skip or xfail after the summary (it groups them by
+    reason); the verdict is the last line before pytest's counts, the same under -n 2."""
+    verdicts = []
+    for name in ("serial", "xdist"):
+        lines = runs[f"{name} console"]
+        assert not [ln for ln in lines if ln.startswith(("SKIPPED [", "XFAIL "))], name
+        assert "skipped 8, by reason:" in lines and any(
+            ln.startswith("known 2 (strict xfails") for ln in lines), name
+        assert lines[-1].startswith("=") and " failed" in lines[-1], lines[-1]
+        verdicts.append(lines[-2])
+    assert verdicts[0] == verdicts[1]
+    assert verdicts[0].endswith(" FAILED (12 failures in 1 capability)"), verdicts[0]

@@ -14,6 +14,8 @@ a line while a test waits for an op's build, and the node's verdict as the last 
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import pytest
 
 import dsconform
 from dsconform.harness import output as rank_output
-from dsconform.plugin.early import RANK_LOG_NAME
+from dsconform.plugin.early import RANK_LOG_NAME, is_xdist_worker
 
 #: Frames of these folders are the harness's and the test runner's, not the check's.
 INTERNAL = tuple(str(folder) + "/" for folder in (
@@ -64,6 +66,29 @@ def rank_lines(text: str, *, short: bool) -> str:
                       *lines[-RANK_LINES_SHOWN:]]) + "\n"
 
 
+class BuildProgress:
+    """ParallelBuilds.on_progress for a pytest run: the line on the terminal, between pytest's
+    progress lines. Only from the main thread, which pytest's own output comes from (a
+    background wait, the cell batch's, stays silent), and not in an xdist worker, whose
+    terminal nobody sees."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.wrote = False  # since the last test report: its file's line must start again
+
+    def __call__(self, progress: Any) -> None:
+        plugins = self.config.pluginmanager
+        reporter = plugins.get_plugin("terminalreporter")
+        if (reporter is None or threading.current_thread() is not threading.main_thread()
+                or is_xdist_worker(self.config)):
+            return
+        capture = plugins.get_plugin("capturemanager")
+        # The wait runs inside a test's setup or call, whose output pytest captures.
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            reporter.write_line(f"dsconform: {progress.line()}")
+        self.wrote = True
+
+
 class Console:
     """Registered in pytest_configure, in the controller and in every xdist worker (where the
     reports are made)."""
@@ -71,6 +96,17 @@ class Console:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.short = shortens_failures(config)
+        self.progress = BuildProgress(config)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """After a build's progress lines the waiting test's outcome starts a line that names
+        its file again, as pytest's lines do (with -v pytest names the test again itself)."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if self.progress.wrote and reporter is not None:
+            self.progress.wrote = False
+            if reporter.showfspath and reporter.verbosity <= 0:
+                reporter.write_fspath_result(report.nodeid, "")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):

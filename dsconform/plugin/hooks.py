@@ -395,6 +395,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 state.op_builds.extend(order)
             else:
                 state.op_builds = ParallelBuilds.start(order, skip_cached=True)
+            state.op_builds.on_progress = session.config.pluginmanager.get_plugin(
+                "dsconform-console").progress
         step("op builds")
         started = _start_cell_batch(session, state, cells)
         step("cell batch")
@@ -485,7 +487,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     failing report shows: dsconform.plugin.console)."""
     report = yield
     if report.when != "teardown":
-        known = run_state(item.config).known_issue_cases.get(item.nodeid, "")
+        known = item.config.stash[STATE].known_issue_cases.get(item.nodeid, "")
         report.user_properties.append((CASE_PROPERTY, case_facts(item, known)))
     return report
 

@@ -119,7 +119,9 @@ class Console:
                 report.sections.append((f"Captured rank stdout/stderr {report.when}",
                                         rank_lines(text, short=self.short)))
         excinfo = call.excinfo
-        if (self.short and report.failed and excinfo is not None
+        # The test's own failure; a setup's or teardown's error keeps pytest's report (a
+        # fixture not found is reported as its message, not a traceback).
+        if (self.short and report.failed and report.when == "call" and excinfo is not None
                 and not (isinstance(excinfo.value, pytest.fail.Exception)
                          and not excinfo.value.pytrace)):  # already its message alone
             report.longrepr = excinfo.getrepr(style="short", tbfilter=check_frames,

@@ -1,4 +1,5 @@
-"""The ``dsconform`` command: profiles, ds_report, compare, aggregate, health, nvme-tune, bundle.
+"""The ``dsconform`` command: the suite's tools beside ``pytest suites`` (``build_parser`` lists
+them, and ``--help`` names every one).
 
 Exit codes: 0 success; 2 invalid input (a profile that does not validate, an unreadable file);
 1 for a command that ran and found a problem (reserved for comparisons).
@@ -11,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+from dsconform import __version__
 from dsconform.node import detect
 from dsconform.profile import schema as profile
 from dsconform.profile import toml_writer as toml_out
@@ -169,8 +171,15 @@ def cmd_health(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dsconform", description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="command", required=True)
+    ap = argparse.ArgumentParser(
+        prog="dsconform",
+        description="The DeepSpeed conformance suite's tools; the suite itself runs as "
+                    "`pytest suites`.",
+        epilog="`dsconform COMMAND --help` for a command's options; all of them: "
+               "docs/options.md.")
+    ap.add_argument("--version", action="version", version=f"dsconform {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                            title="commands")
     d = sub.add_parser("detect", help="print a TOML hardware profile of this node")
     d.add_argument("--name", help="profile name (default: derived from the GPUs)")
     d.set_defaults(func=cmd_detect)

@@ -58,8 +58,7 @@ def _run_started(run) -> float:
 def _verdict(report, when: str, facts, run) -> None:
     for name, value in report.facts(when).items():
         facts.record(name, value)
-    run.notices.extend(f"hardware MONITOR at the {when} of the run: {f.where}: {f.what}: "
-                       f"{f.detail}" for f in report.monitor)
+    run.notices.extend(health.monitor_notes(report, when))
     message = report.failure_message()
     if message:
         pytest.fail(message, pytrace=False)

@@ -522,3 +522,25 @@ def test_drain_reason_puts_the_hardware_action_first():
     [line] = aggregate.drain_commands(report)
     assert line.startswith('scontrol update nodename=gpu-node-7 state=drain reason="dsconform: '
                            '1 x ISOLATE (drain the node and replace the GPU)'), line
+
+
+def test_nvlink_crc_errors_under_the_limit_are_one_note_per_gpu():
+    """Two GPUs whose 18 links each saw a few CRC errors: MONITOR, one summary note per GPU
+    (not 36), with the count of links and the first ones' values."""
+    counters = {pynvml.NVML_NVLINK_ERROR_DL_REPLAY: 0, pynvml.NVML_NVLINK_ERROR_DL_RECOVERY: 0,
+                pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT: 0, pynvml.NVML_NVLINK_ERROR_DL_CRC_DATA: 0}
+
+    def crc(nvml, log, gate):
+        for gpu in nvml.gpus:
+            for _, link in gpu["nvlink"]:
+                link[pynvml.NVML_NVLINK_ERROR_DL_CRC_FLIT] = 2
+    gpus = [h200(nvlink=[(True, dict(counters)) for _ in range(18)]),
+            h200(bus="00000000:2B:00.0", nvlink=[(True, dict(counters)) for _ in range(18)])]
+    _, end = run_gate(FakeNvml(gpus), crc)
+    assert end.failure_message() is None and len(end.monitor) == 36
+    notes = health.monitor_notes(end, "end")
+    assert len(notes) == 2, notes
+    assert notes[0].startswith(f"hardware MONITOR at the end of the run: GPU 0 (PCI {PCI}): "
+                               "NVLink CRC errors during the run, under the limit: 18 x link 0: "
+                               "+2 CRC errors ("), notes[0]
+    assert notes[0].endswith("; and 15 more") and "GPU 1 (PCI 0000:2b:00.0)" in notes[1]

@@ -74,7 +74,7 @@ def test_plugin_turns_covered_cases_into_strict_xfails_and_reports_them(pytester
                                 str(pytester.path / "res"), "-rx")
     # installed DeepSpeed is 0.19.8 (affected): two z0 cells xfail, z1 passes
     result.assert_outcomes(passed=1, xfailed=2, failed=1)
-    result.stdout.fnmatch_lines(["*known upstream issues hit*",
+    result.stdout.fnmatch_lines(["known 2 (strict xfails: known upstream issues and limitations*",
                                  "*2 x DS-8393-Z0-FP16-UNSCALED*pull/8393*"])
     doc = json.loads((pytester.path / "res" / "benchmarks.json").read_text())
     [hit] = doc["dsconform"]["known_issues"]

@@ -114,7 +114,7 @@ def test_results_files_and_summary(run, pytester, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["capabilities"]["demo"] == {"passed": 2, "skipped": 4}
     result.stdout.fnmatch_lines(["*dsconform conformance summary*", "demo*2*0*4*",
-                                 "skips by reason:"])
+                                 "skipped 4, by reason:"])
 
 
 def test_collect_only_leaves_the_last_results_alone(run, pytester, tmp_path):

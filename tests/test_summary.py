@@ -91,3 +91,27 @@ def test_a_short_case_id_stays_in_the_words_of_its_reason():
     reason = "profile h200-x2 promises [GPUs>=1 + fp16]: expected fp16 support, found CPU"
     [g] = group([(nodeid, reason)])
     assert g["reason"] == reason
+
+
+def test_the_known_column_and_the_known_list_count_the_same_cases():
+    """The known column counts strict xfails; the list under "known N" names each of them once:
+    a registered issue by its id (not the covered case that failed another way: a failure), a
+    limitation the suite marks itself by its reason."""
+    outs = [Outcome(f"{ZERO}[c{i}]", "xfailed", "zero", "known upstream issue DS-1: bug",
+                    known_issue="DS-1") for i in range(2)]
+    outs += [Outcome(f"{ZERO}[c2]", "failed", "zero", "TypeError: a crash", known_issue="DS-1"),
+             Outcome("suites/test_checkpoint.py::test_flip[cpu]", "xfailed", "checkpoint",
+                     "known limitation: torch.load does not check the CRC"),
+             Outcome("t::ok", "passed", "zero")]
+    s = summarize(outs, {"DS-1": {"title": "bug", "link": "https://x", "deepspeed": "<=1"}})
+    [k] = s["known_issues"]
+    assert (k["count"], k["cases"]) == (2, [f"{ZERO}[c0]", f"{ZERO}[c1]"])
+    out = lines(s, profile="p", host="h")
+    column = sum(int(ln.split()[-1]) for ln in out[2:4])
+    head = out.index("known 3 (strict xfails: known upstream issues and limitations, not node "
+                     "failures):")
+    listed = out[head + 1:]
+    assert listed == ["     2 x DS-1: bug https://x (DeepSpeed <=1)",
+                      "     1 x known limitation: torch.load does not check the CRC"]
+    assert column == 3 == sum(int(ln.split()[0]) for ln in listed)
+    assert "failed 1, by reason:" in out and "     1 x TypeError: a crash" in out

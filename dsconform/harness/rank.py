@@ -133,8 +133,8 @@ def _skip_reason(exc: BaseException) -> str | None:
     return None
 
 
-def _error_outcome(exc: BaseException) -> tuple:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+def _error_outcome(exc: BaseException, tb: Any = None) -> tuple:
+    text = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
     return ("error", type(exc).__name__, str(exc), text)
 
 
@@ -146,7 +146,8 @@ def call_outcome(fn: Any, args: tuple, kwargs: dict) -> tuple:
         reason = _skip_reason(exc)
         if reason is not None:
             return ("skip", reason)
-        return _error_outcome(exc)
+        # From fn's frame on: this frame is the harness's, in every rank's traceback.
+        return _error_outcome(exc, exc.__traceback__ and exc.__traceback__.tb_next)
     return ("ok", value)
 
 

@@ -328,6 +328,27 @@ def boot_time() -> float:
 
 # ------------------------------------------------------------------ the gate
 
+#: Of one GPU's findings of one kind (NVLink CRC errors on each of its 18 links), the most a
+#: summary note spells out.
+DETAILS_SHOWN = 3
+
+
+def monitor_notes(report: Report, when: str) -> list[str]:
+    """The run summary's notes of MONITOR findings: one line per GPU and condition, however
+    many links or counters of that GPU show it."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for f in report.monitor:
+        groups.setdefault((f.where, f.what), []).append(f.detail)
+    out = []
+    for (where, what), details in groups.items():
+        shown = "; ".join(details[:DETAILS_SHOWN])
+        if len(details) > DETAILS_SHOWN:
+            shown += f"; and {len(details) - DETAILS_SHOWN} more"
+        count = f"{len(details)} x " if len(details) > 1 else ""
+        out.append(f"hardware MONITOR at the {when} of the run: {where}: {what}: {count}{shown}")
+    return out
+
+
 def _could_not_check(gpus: Sequence[GpuSnapshot]) -> list[str]:
     return [f"{s.label}: {counter}: {why}" for s in gpus for counter, why in s.unreadable.items()]
 

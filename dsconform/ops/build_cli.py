@@ -59,21 +59,31 @@ def _say(text: str) -> None:
 
 
 class _Progress:
-    """Prints each build's start and end as the builds report them (from their thread)."""
+    """Prints each build's start and end as the builds report them (from their thread), and
+    every PROGRESS_S the builds still running with their seconds so far."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
 
+    def tick(self, progress: Any) -> None:
+        with self.lock:
+            if progress.building:
+                _say("; ".join(f"{op}: building, {secs:.0f} s so far"
+                               for op, secs in progress.building))
+
     def __call__(self, op: str, what: str, info: dict[str, Any]) -> None:
         with self.lock:
             if what == "start":
+                if info.get("cached"):  # its build is in the cache: it only loads
+                    _say(f"{op}: cached, loading it")
+                    return
                 beside = (f", nice {info['nice']}, beside {', '.join(info['beside'])}"
                           if info["beside"] else "")
                 _say(f"{op}: building (MAX_JOBS={info['jobs']}{beside})")
                 return
             secs = info.get("wall_seconds", 0.0)
             if info.get("loaded"):
-                how = "built" if info.get("built_now") else "already built, loads"
+                how = "built" if info.get("built_now") else "cached, loaded"
                 _say(f"{op}: {how} in {secs:.1f} s")
             else:
                 failure = str(info.get("failure") or "no reason given").replace("\n", "\n    ")
@@ -197,7 +207,8 @@ def cmd_build_ops(args: argparse.Namespace) -> int:
          f"{ext_dir} ({cores} cores{how})")
     if not ops:
         return 0
-    builds = ParallelBuilds.start(ops, cores, on_event=_Progress())
+    progress = _Progress()
+    builds = ParallelBuilds.start(ops, cores, on_event=progress, on_progress=progress.tick)
     said: list[str] = []
     warm = None
     if bytecode is not None:  # else pip compiled them at install, or nothing is kept

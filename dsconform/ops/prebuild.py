@@ -57,6 +57,9 @@ READING_EVERY_S = 2.0
 IDLE_SHARE = 0.25
 #: Each build started beside running ones is this much nicer than the nicest of them.
 NICE_STEP = 10
+#: How often a caller that waits for a build hears which op it waits for and how long the
+#: builds have run (``on_progress``): a cold build takes minutes of silence otherwise.
+PROGRESS_S = 15.0
 
 #: The ops a run of the suites loads on each accelerator beside the profile's promises, for
 #: ``dsconform build-ops`` (tests/test_build_ops.py holds it to the suites' requires(op=...)):
@@ -185,6 +188,10 @@ class Build:
     reader: threading.Thread | None = None
     ended: float | None = None
 
+    @property
+    def running(self) -> bool:
+        return self.ended is None and self.proc.poll() is None
+
     def drain(self) -> None:
         """Read the build's output as it comes: a build that prints more than a pipe holds
         (64 KiB of compiler warnings) would otherwise stop until its op's test reads it, and
@@ -198,6 +205,36 @@ def _command(op: str, nice: int) -> list[str]:
 
 
 @dataclass
+class Progress:
+    """What a wait for a build says every PROGRESS_S (ParallelBuilds.on_progress): the op it
+    waits for, how long it has waited, and each running build with its seconds so far."""
+    op: str
+    waited_s: float
+    building: list[tuple[str, float]]
+    pending: bool  # the op's own build has not started yet
+
+    def line(self) -> str:
+        """``op cpu_adam: building, 45 s so far`` (and the builds beside it)."""
+        own = dict(self.building)
+        if self.op in own:
+            text = f"op {self.op}: building, {own.pop(self.op):.0f} s so far"
+        elif self.pending:
+            text = f"op {self.op}: waiting {self.waited_s:.0f} s for its build to start"
+        else:
+            text = f"op {self.op}: waiting {self.waited_s:.0f} s for its build"
+        if own:
+            text += "; beside it " + ", ".join(f"{op} {secs:.0f} s" for op, secs in own.items())
+        return text
+
+
+@dataclass
+class _Ticker:
+    """When a wait (or wait_all's several) next reports its progress."""
+    started: float = field(default_factory=time.monotonic)
+    next_at: float = field(default_factory=lambda: time.monotonic() + PROGRESS_S)
+
+
+@dataclass
 class ParallelBuilds:
     """One build process per op, started in ``order`` as the cores allow (the module's
     docstring); ``wait(op)`` returns its result (``loaded``, ``build_seconds``, ``built_now``,
@@ -208,6 +245,8 @@ class ParallelBuilds:
     command: Callable[[str, int], list[str]] = _command
     meter: Callable[[Build], tuple[bool, float]] = field(default_factory=TreeMeter)
     on_event: Callable[[str, str, dict[str, Any]], None] | None = None
+    #: Told every PROGRESS_S while a caller waits for a build (in the waiting thread).
+    on_progress: Callable[[Progress], None] | None = None
     cached: list[str] = field(default_factory=list)  # in the cache at the start
     builds: dict[str, Build] = field(default_factory=dict)
     pending: list[str] = field(default_factory=list)
@@ -278,7 +317,8 @@ class ParallelBuilds:
             b.reader = threading.Thread(target=b.drain, name=f"dsconform-build-{op}", daemon=True)
             b.reader.start()
         self._event(op, "start", {"jobs": b.jobs, "nice": nice, "started_at": b.started_at,
-                                  "beside": [r.op for r in running]})
+                                  "beside": [r.op for r in running],
+                                  "cached": op in self.cached})
 
     def _at_lowest_priority(self) -> bool:
         """Whether the running builds have reached nice 19, where the next would start too."""
@@ -353,30 +393,55 @@ class ParallelBuilds:
         self._event(b.op, "done", b.result)
         return b.result
 
-    def wait(self, op: str, timeout_s: float = 900) -> dict[str, Any] | None:
+    def wait(self, op: str, timeout_s: float = 900, *, ticker: _Ticker | None = None
+             ) -> dict[str, Any] | None:
         """The build's result; None when this run does not build ``op``. A build that dies or
-        runs past ``timeout_s`` (from now) is a result too (``loaded`` False, the reason)."""
+        runs past ``timeout_s`` (from now) is a result too (``loaded`` False, the reason).
+        Meanwhile ``on_progress`` hears every PROGRESS_S how it goes."""
         deadline = time.monotonic() + timeout_s
-        with self.changed:
-            while op in self.pending and not self.closed:
-                if not self.changed.wait(min(1.0, max(0.01, deadline - time.monotonic()))) \
-                        and time.monotonic() >= deadline:
+        ticker = ticker or _Ticker()
+        while True:
+            with self.lock:  # _start_next moves an op from pending to builds under it
+                if op not in self.pending or self.closed:
                     break
+            until = deadline if self.on_progress is None else min(deadline, ticker.next_at)
+            with self.changed:
+                woke = self.changed.wait(min(1.0, max(0.01, until - time.monotonic())))
+            if not woke and time.monotonic() >= deadline:
+                break
+            self._tick(op, ticker)
         b = self.builds.get(op)
         if b is None:
             if op in self.pending:
                 return {"op": op, "loaded": False, "log_tail": "",
                         "failure": f"op {op}: its build did not start within {timeout_s:.0f} s"}
             return None
-        if b.result is None:
+        while b.result is None:
+            until = deadline if self.on_progress is None else min(deadline, ticker.next_at)
             try:
-                b.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                b.proc.wait(timeout=max(0.01, until - time.monotonic()))
             except subprocess.TimeoutExpired:
+                if time.monotonic() < deadline:
+                    self._tick(op, ticker)
+                    continue
                 self._kill(b)
                 return self._finish(b, f"op {op}: the parallel build did not finish within "
                                        f"{timeout_s:.0f} s")
             return self._finish(b)
         return b.result
+
+    def _tick(self, op: str, ticker: _Ticker) -> None:
+        now = time.monotonic()
+        if self.on_progress is None or now < ticker.next_at:
+            return
+        ticker.next_at = now + PROGRESS_S
+        with self.lock:
+            building = [(b.op, now - b.started) for b in self.builds.values() if b.running]
+            pending = op in self.pending
+        try:
+            self.on_progress(Progress(op, now - ticker.started, building, pending))
+        except Exception:  # a progress printer must not stop the wait
+            pass
 
     @staticmethod
     def _output(b: Build) -> str:
@@ -440,7 +505,8 @@ class ParallelBuilds:
 
     def wait_all(self, timeout_s: float = 3600) -> dict[str, dict[str, Any]]:
         """Every build's result (dsconform build-ops)."""
-        return {op: self.wait(op, timeout_s) for op in self.order}
+        ticker = _Ticker()  # one line every PROGRESS_S, whichever build it waits for
+        return {op: self.wait(op, timeout_s, ticker=ticker) for op in self.order}
 
     def timings(self) -> dict[str, Any]:
         """The builds this run made, for its results: each op's build seconds (DeepSpeed's

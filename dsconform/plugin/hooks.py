@@ -26,6 +26,7 @@ from dsconform.harness import cpu_info, timeline, zygote
 from dsconform.harness import output as rank_output
 from dsconform.node import nccl_env
 from dsconform.plugin import early
+from dsconform.plugin.console import Console
 from dsconform.plugin.hypothesis_profiles import register as _register_hypothesis_profiles
 from dsconform.plugin.keys import BROKEN_PROMISE, COVERED_BY, ITEM_CAPABILITY, RECORDER
 from dsconform.plugin.options import add_options
@@ -37,10 +38,7 @@ from dsconform.plugin.order import (
     selects_ops_suite,
     waits_for_a_build,
 )
-from dsconform.plugin.recorder import (
-    Recorder,
-    capability_from_nodeid,
-)
+from dsconform.plugin.recorder import Recorder, capability_from_nodeid, case_facts
 from dsconform.plugin.runstate import STATE, RunState, run_state
 from dsconform.profile.select import (
     detected_warning,
@@ -48,6 +46,7 @@ from dsconform.profile.select import (
     rendezvous_nodes,
     select_profile,
 )
+from dsconform.results.records import CASE_PROPERTY
 
 _register_hypothesis_profiles()
 
@@ -157,6 +156,7 @@ def pytest_configure(config: pytest.Config) -> None:
         state.neighbours = NeighbourWatch.on_this_node().start()
     if not early.is_xdist_worker(config):
         config.pluginmanager.register(Recorder(state), "dsconform-recorder")
+    config.pluginmanager.register(Console(config), "dsconform-console")
     early.start_ranks_early(config, state)
     early.drop_builds_at_load()  # none adopted: this run does not build them
     timeline.mark("configured")
@@ -397,6 +397,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                 state.op_builds.extend(order)
             else:
                 state.op_builds = ParallelBuilds.start(order, skip_cached=True)
+            state.op_builds.on_progress = session.config.pluginmanager.get_plugin(
+                "dsconform-console").progress
         step("op builds")
         started = _start_cell_batch(session, state, cells)
         step("cell batch")
@@ -483,13 +485,12 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    """A failing test's report shows what its ranks printed (ranks.log holds every test's); a
-    test's part is dropped once its report is made."""
+    """The outcome's facts travel with the report, where the controller can read them (what a
+    failing report shows: dsconform.plugin.console)."""
     report = yield
-    if report.failed or report.when == "teardown":
-        text = rank_output.take(item.nodeid)
-        if text and report.failed:
-            report.sections.append((f"Captured rank stdout/stderr {report.when}", text))
+    if report.when != "teardown":
+        known = item.config.stash[STATE].known_issue_cases.get(item.nodeid, "")
+        report.user_properties.append((CASE_PROPERTY, case_facts(item, known)))
     return report
 
 

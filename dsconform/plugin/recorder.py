@@ -24,7 +24,7 @@ from dsconform.plugin.runstate import RunState, describe
 from dsconform.profile.select import (
     rendezvous_info,
 )
-from dsconform.results import prometheus, records, summary
+from dsconform.results import aggregate, prometheus, records, summary, verdict
 
 # What a finished run writes into --results; set aside when the next run starts there.
 STALE_RESULTS = ("benchmarks.json", "summary.json", "summary.txt")
@@ -39,7 +39,10 @@ def must_statement(doc: str | None) -> str:
 
 
 def _reason(report: pytest.TestReport) -> str:
-    """One line: a skip's reason, or the first line of the failure's message."""
+    """One line: a skip's or an expected failure's reason, or the first line of the failure's
+    message."""
+    if report.skipped and hasattr(report, "wasxfail"):
+        return str(report.wasxfail)[:300]
     if report.skipped and isinstance(report.longrepr, tuple):
         return re.sub(r"^Skipped: ", "", str(report.longrepr[2]))
     if not report.failed:
@@ -49,6 +52,14 @@ def _reason(report: pytest.TestReport) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     first = re.sub(r"^(Failed|E): ", "", lines[0]) if lines else ""
     return first[:300]
+
+
+def case_facts(item: pytest.Item, known_issue: str) -> dict[str, str]:
+    """What an outcome records about its test beside the report (records.CASE_PROPERTY)."""
+    return {"capability": item.stash.get(ITEM_CAPABILITY, "")
+            or capability_from_nodeid(item.nodeid),
+            "must": must_statement(getattr(getattr(item, "function", None), "__doc__", None)),
+            "known_issue": known_issue}
 
 
 def capability_from_nodeid(nodeid: str) -> str:
@@ -64,8 +75,9 @@ class Recorder:
 
     def __init__(self, state: RunState):
         self.state = state
-        self.capabilities: dict[str, str] = {}
-        self.musts: dict[str, str] = {}
+        # Each test's records.CASE_PROPERTY, from its setup and call reports (the only way it
+        # reaches an xdist controller); a teardown report's outcome takes it from there.
+        self.cases: dict[str, dict[str, str]] = {}
         # Selected tests that need a GPU, from the reports' keywords (under xdist the controller
         # never sees the items), and how many of them ran (not skipped).
         self.gpu_tests: set[str] = set()
@@ -74,6 +86,9 @@ class Recorder:
         # by them says so, not "interrupted".
         self.collection_errors: list[tuple[str, str]] = []
         self.stopped: str | None = None  # why the run stopped early, said after its summary
+        # The run's verdict in one line (dsconform.results.verdict), the last of summary.txt
+        # and of the plugin's console output; None until the session ends.
+        self.verdict: str | None = None
         if state.results is not None:  # this run's journal starts empty
             (state.results / "records.jsonl").write_text("")
             # And the previous run's results in this folder are set aside (renamed, not
@@ -94,18 +109,14 @@ class Recorder:
             except prometheus.TextfileError as e:
                 raise pytest.UsageError(f"--prometheus-textfile: {e}") from None
 
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_finish(self, session: pytest.Session) -> None:
-        for item in session.items:
-            self.capabilities[item.nodeid] = item.stash.get(ITEM_CAPABILITY, "")
-            self.musts[item.nodeid] = must_statement(
-                getattr(getattr(item, "function", None), "__doc__", None))
-
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
             self.collection_errors.append((report.nodeid or ".", _error_line(report)))
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for key, value in report.user_properties:
+            if key == records.CASE_PROPERTY:
+                self.cases[report.nodeid] = dict(value)
         outcome = None
         if report.when == "call" or (report.when == "setup" and not report.passed):
             outcome = report.outcome
@@ -125,13 +136,13 @@ class Recorder:
                 outcome = "error"
         if outcome is None:
             return
-        cap = self.capabilities.get(report.nodeid) or capability_from_nodeid(report.nodeid)
+        case = self.cases.get(report.nodeid, {})
+        cap = case.get("capability") or capability_from_nodeid(report.nodeid)
         # A known issue is "hit" by a case that ran (xfailed, or failed/xpassed), not a skip.
         # (An intermittent issue's case that passed did not hit it either.)
-        known = ("" if outcome in ("skipped", "passed")
-                 else self.state.known_issue_cases.get(report.nodeid, ""))
+        known = "" if outcome in ("skipped", "passed") else case.get("known_issue", "")
         o = records.Outcome(report.nodeid, outcome, cap, _reason(report),
-                            round(report.duration, 3), self.musts.get(report.nodeid, ""), known)
+                            round(report.duration, 3), case.get("must", ""), known)
         self.state.outcomes.append(o)
         if "gpu" in report.keywords:
             self.gpu_tests.add(report.nodeid)
@@ -225,6 +236,15 @@ class Recorder:
                                 for sec, nodeid in b["longest"]))
         return out
 
+    def _verdict(self, result: dict[str, Any]) -> str:
+        """The verdict line, read back from the results just written as dsconform.prom and
+        `dsconform aggregate` read them."""
+        try:
+            node = aggregate.load_node(self.state.results)
+        except aggregate.AggregateInputError:  # unreadable: judged from what was to be written
+            node = verdict.of_summary(result, self.state.outcomes, self.state.node.hostname)
+        return verdict.line(node, self.stopped)
+
     def pytest_terminal_summary(self, terminalreporter, exitstatus: int,
                                 config: pytest.Config) -> None:
         if not self.state.outcomes:
@@ -249,10 +269,14 @@ class Recorder:
         if session.exitstatus == pytest.ExitCode.INTERRUPTED:  # said in summary.json and .txt
             self.stopped = self.interrupted(session)
             state.notices.append(self.stopped)
+        result = self.summary()
         if state.results is None:
+            if not session.config.option.collectonly:
+                result.update(exitstatus=int(session.exitstatus), notices=state.notices)
+                self.verdict = verdict.line(verdict.of_summary(
+                    result, state.outcomes, state.node.hostname), self.stopped)
             return
         prof = describe(state)
-        result = self.summary()
         doc = records.document(
             state.metrics, state.outcomes, machine_info=_machine_info(state),
             commit_info=_commit_info(), profile=prof,
@@ -268,8 +292,9 @@ class Recorder:
                                          for n, e in self.collection_errors])
         _write(state.results / "benchmarks.json", json.dumps(doc, indent=2, default=str))
         _write(state.results / "summary.json", json.dumps(result, indent=2, default=str))
-        _write(state.results / "summary.txt",
-               "\n".join(self.lines(result) + self.run_lines(session.config)) + "\n")
+        self.verdict = self._verdict(result)
+        _write(state.results / "summary.txt", "\n".join(
+            self.lines(result) + self.run_lines(session.config) + [self.verdict]) + "\n")
         try:  # the verdict for Prometheus, a failed or interrupted run's too
             prometheus.write_run(state.results,
                                  session.config.getoption("prometheus_textfile", None))

@@ -56,8 +56,7 @@ RATE_UNITS: dict[str, tuple[str, float, str]] = {
 }
 RATE_LABELS = ("capability", "test", "metric", "size_bytes", "dtype", "gpu", "bus_id")
 #: The summary table's columns: what each counts.
-OUTCOME_COLUMNS = (("passed", ("passed",)), ("failed", summary.FAILED), ("skipped", ("skipped",)),
-                   ("known", ("xfailed",)))
+OUTCOME_COLUMNS = summary.COLUMNS
 ACTIONS = (*aggregate.HARDWARE_ACTIONS, "MONITOR")
 _ACTION = re.compile(rf"^({'|'.join(ACTIONS)})\b")
 #: The phases of the gate: the suite's HEALTH-1 and HEALTH-2, and `dsconform health`.
@@ -151,13 +150,14 @@ def verdict_families(node: aggregate.NodeResult, labels: Mapping[str, str] | Non
 
 def capability_family(nodes: Iterable[tuple[Mapping[str, str], Mapping[str, Mapping[str, int]]]],
                       name: str = "capability_tests") -> GaugeMetricFamily:
-    """Tests per capability and outcome column (``known``: strict xfails of a known upstream
-    issue; ``failed``: failed, error and xpassed), as the summary's table counts them."""
+    """Tests per capability and outcome column (``known``: strict xfails, of a known upstream
+    issue or a limitation; ``failed``: failed, error and xpassed), as the summary's table counts
+    them."""
     nodes = list(nodes)
     extra = list(nodes[0][0]) if nodes else []
     fam = _gauge(name, "Tests of a capability by outcome, as the summary table counts them "
                  "(failed: failed, error, xpassed; known: strict xfails of a known upstream "
-                 "issue)", [*extra, "capability", "outcome"])
+                 "issue or limitation)", [*extra, "capability", "outcome"])
     for labels, caps in nodes:
         for cap, counts in sorted(caps.items()):
             if not isinstance(counts, Mapping):

@@ -23,6 +23,10 @@ FORMAT = "dsconform-records/1"
 BETTER = ("lower", "higher")
 USER_PROPERTY = "dsconform_metric"  # key in pytest's user_properties (travels under xdist)
 FACT_PROPERTY = "dsconform_fact"  # the same, for facts
+#: The same channel for what the outcome needs from the collected item (its capability, MUST
+#: statement and known issue): an xdist controller never sees the items. On the setup and call
+#: reports only, so JUnit's properties (taken from the teardown report) stay the test's own.
+CASE_PROPERTY = "dsconform_case"
 #: Units of performance values (times and rates). A performance value held to a limit carries
 #: at least MIN_ROUNDS samples, so a comparison can see its noise and a floor is not decided by
 #: one unlucky round.

@@ -1,0 +1,142 @@
+"""What a run shows on the console beside pytest's own lines: failures as the check states them,
+a line while a test waits for an op's build, and the node's verdict as the last line.
+
+- A failure's report keeps the test's own frames and what the check says; the frames of this
+  package (the rank harness, the checks' helpers), pytest's and pluggy's are left out unless
+  ``-v``, ``--tb`` or ``--showlocals`` asks for pytest's full report. A failing rank's own
+  traceback is part of the check's message and stays.
+- A wait for an op's build (dsconform.ops.prebuild) says every PROGRESS_S which op it waits
+  for and how long it has been building, through pytest's terminal reporter with the output
+  capture suspended, as pytest's live logging writes.
+- ``dsconform: NODE <host> PASSED`` or ``FAILED (...)`` (dsconform.results.verdict) follows
+  pytest's short test summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from pathlib import Path
+from typing import Any
+
+import pluggy
+import pytest
+
+import dsconform
+from dsconform.harness import output as rank_output
+from dsconform.plugin.early import RANK_LOG_NAME, is_xdist_worker
+
+#: Frames of these folders are the harness's and the test runner's, not the check's.
+INTERNAL = tuple(str(folder) + "/" for folder in (
+    Path(dsconform.__file__).parent, Path(pytest.__file__).parents[1] / "_pytest",
+    Path(pluggy.__file__).parent))
+
+#: The most lines of rank output a short failure report shows.
+RANK_LINES_SHOWN = 40
+
+
+def _internal(entry: Any) -> bool:
+    return str(entry.path).startswith(INTERNAL)
+
+
+def check_frames(excinfo: pytest.ExceptionInfo) -> Any:
+    """The traceback a short report shows: frames that are not hidden (``__tracebackhide__``)
+    and not internal; where every frame is internal, the innermost one, which raised."""
+    shown = excinfo.traceback.filter(excinfo)
+    own = shown.filter(lambda entry: not _internal(entry))
+    return own if len(own) else (shown or excinfo.traceback)[-1:]
+
+
+def shortens_failures(config: pytest.Config) -> bool:
+    """Short reports unless the user asked pytest for more: -v, --tb, --showlocals,
+    --full-trace."""
+    return (config.get_verbosity() < 1 and config.getoption("tbstyle", "auto") == "auto"
+            and not config.getoption("showlocals", False)
+            and not config.getoption("fulltrace", False))
+
+
+def rank_lines(text: str, *, short: bool) -> str:
+    """A failure report's rank output: in a short report its last RANK_LINES_SHOWN lines, the
+    ones nearest the failure (a GPU rank's DeepSpeed start-up alone prints dozens)."""
+    lines = text.splitlines()
+    if not short or len(lines) <= RANK_LINES_SHOWN:
+        return text
+    return "\n".join([f"(the last {RANK_LINES_SHOWN} of {len(lines)} lines; all of them: "
+                      f"{RANK_LOG_NAME} in --results, or -v)",
+                      *lines[-RANK_LINES_SHOWN:]]) + "\n"
+
+
+class BuildProgress:
+    """ParallelBuilds.on_progress for a pytest run: the line on the terminal, between pytest's
+    progress lines. Only from the main thread, which pytest's own output comes from (a
+    background wait, the cell batch's, stays silent), and not in an xdist worker, whose
+    terminal nobody sees."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.wrote = False  # since the last test report: its file's line must start again
+
+    def __call__(self, progress: Any) -> None:
+        plugins = self.config.pluginmanager
+        reporter = plugins.get_plugin("terminalreporter")
+        if (reporter is None or threading.current_thread() is not threading.main_thread()
+                or is_xdist_worker(self.config)):
+            return
+        capture = plugins.get_plugin("capturemanager")
+        # The wait runs inside a test's setup or call, whose output pytest captures.
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            reporter.write_line(f"dsconform: {progress.line()}")
+        self.wrote = True
+
+
+class Console:
+    """Registered in pytest_configure, in the controller and in every xdist worker (where the
+    reports are made)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.short = shortens_failures(config)
+        self.progress = BuildProgress(config)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        """After a build's progress lines the waiting test's outcome starts a line that names
+        its file again, as pytest's lines do (with -v pytest names the test again itself)."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if self.progress.wrote and reporter is not None:
+            self.progress.wrote = False
+            if reporter.showfspath and reporter.verbosity <= 0:
+                reporter.write_fspath_result(report.nodeid, "")
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        """A failing test's report shows what its ranks printed (ranks.log holds every
+        test's); a test's part is dropped once its report is made."""
+        report = yield
+        if report.failed or report.when == "teardown":
+            text = rank_output.take(item.nodeid)
+            if text and report.failed:
+                report.sections.append((f"Captured rank stdout/stderr {report.when}",
+                                        rank_lines(text, short=self.short)))
+        excinfo = call.excinfo
+        # The test's own failure; a setup's or teardown's error keeps pytest's report (a
+        # fixture not found is reported as its message, not a traceback).
+        if (self.short and report.failed and report.when == "call" and excinfo is not None
+                and not (isinstance(excinfo.value, pytest.fail.Exception)
+                         and not excinfo.value.pytrace)):  # already its message alone
+            report.longrepr = excinfo.getrepr(style="short", tbfilter=check_frames,
+                                              funcargs=False, showlocals=False)
+        return report
+
+    # Outermost (tryfirst) around the terminal reporter's own wrapper: what follows the yield
+    # comes after pytest's short test summary, before its final counts.
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_terminal_summary(self, terminalreporter, exitstatus: int,
+                                config: pytest.Config):
+        result = yield
+        recorder = config.pluginmanager.get_plugin("dsconform-recorder")
+        line = getattr(recorder, "verdict", None)
+        if line:
+            passed = line.endswith(" PASSED")
+            terminalreporter.write_line(line, bold=True, green=passed, red=not passed)
+        return result

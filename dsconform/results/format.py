@@ -14,11 +14,27 @@ SUMMARY_JSON = "summary.json"
 SUMMARY_TXT = "summary.txt"
 RECORDS_JSONL = "records.jsonl"  # one line per test as it ends: what survives a killed run
 JUNIT_XML = "junit.xml"
+DS_REPORT_JSON = "ds_report.json"  # written by the ops suite
+PROM_FILE = "dsconform.prom"  # the verdict in node_exporter's textfile format
 #: What aggregate reads of a node's folder, in the order it prefers them.
 RESULT_FILES = (SUMMARY_JSON, BENCHMARKS_JSON, RECORDS_JSONL)
-#: What a finished run writes; set aside when the next run starts in the same folder.
-FINISHED_RESULTS = (BENCHMARKS_JSON, SUMMARY_JSON, SUMMARY_TXT)
+#: Every file a reader may take for a run's verdict. A run sets the previous run's aside before
+#: anything can refuse it (dsconform.results.verdict), so none of them outlives its run.
+VERDICT_FILES = (SUMMARY_JSON, SUMMARY_TXT, BENCHMARKS_JSON, JUNIT_XML, DS_REPORT_JSON,
+                 RECORDS_JSONL, PROM_FILE)
+#: summary.json's ``status``: how the run ended.
+STATUSES = ("passed", "failed", "interrupted", "refused")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+
+
+def previous_name(name: str) -> str:
+    """Where a verdict file of the previous run is kept: ``summary.previous.json``. The .prom
+    keeps its suffix last (``dsconform.prom.previous``): node_exporter reads every ``*.prom`` of
+    its folder, and an old verdict must never be one of them."""
+    if name == PROM_FILE:
+        return name + ".previous"
+    stem, dot, suffix = name.partition(".")
+    return f"{stem}.previous{dot}{suffix}"
 
 
 class ResultsFormatError(ValueError):

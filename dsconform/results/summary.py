@@ -109,8 +109,10 @@ def summarize(outcomes: Sequence[Outcome],
 
 
 def lines(summary: Mapping[str, Any], *, profile: str, host: str,
-          notices: Sequence[str] = ()) -> list[str]:
+          notices: Sequence[str] = (), run: str = "") -> list[str]:
+    """The summary as printed. ``run``: what kind of run it was (a GPU or a CPU run)."""
     out = [f"profile {profile} on {host}"]
+    out += [f"run: {run}"] if run else []
     out += [f"NOTE: {n}" for n in notices]
     out.append(f"{'capability':<22}{'passed':>8}{'failed':>8}{'skipped':>9}{'known':>7}")
     for cap, c in summary["capabilities"].items():

@@ -1,0 +1,158 @@
+"""A run refused at its start: the checks of its options (each refusal a usage error naming the
+option, the value and what to fix), and the verdict files around them.
+
+Before anything can refuse a run, the previous run's verdict in --results is set aside and
+dsconform.prom says "not finished" there and in --prometheus-textfile DIR
+(dsconform.results.verdict): a refused or killed run never leaves an older pass for a reader to
+find. A refused run then writes its own verdict, "refused" with the reason, wherever it can.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from dsconform.results import verdict
+from dsconform.storage.nvme import mount_of
+
+#: The run's attempt, from the start of pytest_configure to the verdict.
+ATTEMPT = pytest.StashKey["Attempt"]()
+
+#: File systems that are kernel interfaces, not storage: a scratch directory there can take no
+#: file (/proc answers "No such file or directory" to a create), so the refusal names the kind.
+KERNEL_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "cgroup", "cgroup2", "devpts", "debugfs", "tracefs", "securityfs", "bpf",
+    "configfs", "pstore", "efivarfs", "mqueue", "binfmt_misc", "fusectl", "nsfs", "autofs",
+    "rpc_pipefs", "selinuxfs"})
+
+
+def usage(msg: str) -> pytest.UsageError:
+    return pytest.UsageError(f"dsconform: {msg}")
+
+
+@dataclass
+class Attempt:
+    """This run's attempt: where its verdict goes, from before any check to its end."""
+    results: Path | None    # --results as given: it may not exist, or be unusable
+    textfile: Path | None   # --prometheus-textfile DIR
+    started: str
+    textfile_error: str = ""  # why the "not finished" copy could not be written there
+    concluded: bool = False  # a verdict of this run is written (its own, or "refused")
+
+
+def _given(value: object) -> Path | None:
+    return Path(str(value)).expanduser() if value else None
+
+
+def begin(config: pytest.Config, *, started: str, is_worker: bool) -> Attempt | None:
+    """Set the previous run's verdict aside and say "not finished", before any check. Nothing
+    for --collect-only (it writes nothing and keeps the last run's results) or an xdist worker
+    (the controller owns the files)."""
+    if config.option.collectonly or is_worker:
+        return None
+    attempt = Attempt(_given(config.getoption("--results")),
+                      _given(config.getoption("prometheus_textfile", None)), started)
+    config.stash[ATTEMPT] = attempt
+    if attempt.results is not None and attempt.results.is_dir():
+        verdict.set_aside(attempt.results)
+        verdict.write_running([attempt.results], started)
+    if attempt.textfile is not None:
+        errors = verdict.write_running([attempt.textfile], started)
+        attempt.textfile_error = errors[0] if errors else ""
+    return attempt
+
+
+def results_ready(config: pytest.Config, results: Path | None) -> None:
+    """Once --results is known to be a writable folder: "not finished" there too (a folder
+    this run created had none), and refuse a --prometheus-textfile folder that took no file."""
+    attempt = config.stash.get(ATTEMPT, None)
+    if attempt is None:
+        return
+    if results is not None:
+        verdict.write_running([results], attempt.started)
+    if attempt.textfile_error:
+        raise usage(f"--prometheus-textfile: {attempt.textfile_error}; give a folder this user "
+                    "can write (node_exporter's --collector.textfile.directory)")
+
+
+def refuse(config: pytest.Config, reason: str, rendezvous: dict | None = None) -> None:
+    """Write this run's "refused" verdict with ``reason`` (the usage error's words), once."""
+    attempt = config.stash.get(ATTEMPT, None)
+    if attempt is None or attempt.concluded:
+        return
+    attempt.concluded = True
+    summ = verdict.refused_summary(reason, started=attempt.started,
+                                   hostname=socket.gethostname(), rendezvous=rendezvous)
+    verdict.write_refused(attempt.results, attempt.textfile, summ)
+
+
+def conclude(config: pytest.Config) -> None:
+    """The run wrote its own verdict (the recorder, at the session's end)."""
+    attempt = config.stash.get(ATTEMPT, None)
+    if attempt is not None:
+        attempt.concluded = True
+
+
+def unconcluded(config: pytest.Config) -> None:
+    """At pytest's end: a run that wrote no verdict of its own stopped before its session began
+    (another plugin's usage error, an internal error while configuring): refused, never left
+    saying "not finished" forever."""
+    refuse(config, "the run stopped before its first test (see pytest's error above); it "
+                   "wrote no results")
+
+
+def check_results(opt: str | None) -> Path | None:
+    """The --results folder, made where missing; refused, naming the option and why, where it
+    cannot be made or written."""
+    if not opt:
+        return None
+    path = Path(opt).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".dsconform-probe-"):
+            pass
+    except OSError as e:
+        existing = next((p for p in (path, *path.absolute().parents) if p.exists()), path)
+        fstype = _filesystem(existing)
+        why = (f"{existing} is on the kernel's {fstype} file system, where no file can be "
+               "created" if fstype in KERNEL_FILESYSTEMS else e.strerror or str(e))
+        raise usage(f"--results {opt}: cannot create or write it ({why})") from None
+    return path.resolve()
+
+
+def check_scratch(opt: str | None) -> tuple[Path, bool]:
+    """The --scratch directory (made when not given: a temporary one, removed at the end) and
+    whether it is temporary. Refused, naming the option and why: missing, not a directory, a
+    kernel interface rather than a disk, or not writable."""
+    if not opt:
+        return Path(tempfile.mkdtemp(prefix="dsconform-scratch-")), True
+    path = Path(opt).expanduser()
+    fix = "point --scratch at an existing writable directory on the disk under test"
+    if not path.exists():
+        raise usage(f"--scratch {opt}: no such directory (create it, or {fix})")
+    if not path.is_dir():
+        raise usage(f"--scratch {opt}: not a directory ({fix})")
+    fstype = _filesystem(path)
+    if fstype in KERNEL_FILESYSTEMS:
+        raise usage(f"--scratch {opt}: not a directory on a disk: it is on the kernel's {fstype} "
+                    f"file system, where no file can be created; {fix}")
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".dsconform-probe-"):
+            pass
+    except OSError as e:
+        raise usage(f"--scratch {opt}: not writable: creating a file there failed "
+                    f"({e.strerror or e}); {fix}") from None
+    return path.resolve(), False
+
+
+def _filesystem(path: Path) -> str:
+    """The type of the file system ``path`` is on ("" where /proc/self/mountinfo is unread)."""
+    try:
+        mount = mount_of(path)
+    except OSError:
+        return ""
+    return mount.fstype if mount is not None else ""

@@ -341,8 +341,7 @@ K8S_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?
 K8S_ANNOTATION_CHARS = 1000
 #: A problem's short token (the dsconform/reason label), by how NodeResult.problems words it.
 _REASON_TOKENS = (("no results folder", "no-results"), ("the run did not finish", "unfinished"),
-                  ("the newest run did not finish", "unfinished"),
-                  ("the run was refused", "refused"), ("the newest run was refused", "refused"),
+                  ("the run was refused", "refused"),
                   ("no GPU found", "no-gpu"), ("the run recorded no test", "no-tests"),
                   ("no benchmarks.json", "incomplete-results"))
 

@@ -181,13 +181,14 @@ def _newest_attempt(path: Path, mark: attempt.Mark, stale: list[str]) -> NodeRes
     """The verdict of a folder whose newest attempt wrote none of its own (refused before its
     results folder could take a summary, running, killed): that attempt's, never the older
     run's files beside it."""
-    what = "was refused" if mark.refused else "did not finish"
     older = (f"; the {' and '.join(stale)} beside it are an older run's and are not read"
              if stale else "")
     node = NodeResult.missing(path.name)
     node.path, node.absent = path, False
     node.status = "refused" if mark.refused else ""
-    node.reason = f"the newest run {what} (its {mark.path.name} says so){older}"
+    # problems() puts "the run was refused: " before a refused run's reason.
+    node.reason = (("" if mark.refused else "the run did not finish: ")
+                   + f"the newest run's {mark.path.name} says so{older}")
     return node
 
 

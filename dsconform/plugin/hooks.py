@@ -85,10 +85,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _configure(config: pytest.Config, started: str) -> None:
-    # --collect-only runs no test: writing results would replace the last real run's with an
-    # empty one.
-    results = (None if config.option.collectonly
-               else refusal.check_results(config.getoption("--results")))
+    # --collect-only (or --help, --fixtures, ...) runs no test: writing results would replace
+    # the last real run's with an empty one.
+    runs = refusal.runs_tests(config)
+    results = refusal.check_results(config.getoption("--results")) if runs else None
     refusal.results_ready(config, results)
     scratch, scratch_is_temp = refusal.check_scratch(config.getoption("--scratch"))
     if results is not None and not early.is_xdist_worker(config) and not config.option.xmlpath:
@@ -124,7 +124,7 @@ def _configure(config: pytest.Config, started: str) -> None:
     state = RunState(
         selection=selection, scratch=scratch, scratch_is_temp=scratch_is_temp, results=results,
         started=started, multinode=rendezvous_nodes() > 1, notices=notices,
-        kind=run_kind(config.option.markexpr, selection.node))
+        kind=run_kind(config.option.markexpr, selection.node) if runs else None)
     if is_detected(selection.profile):
         state.notices.append(detected_warning())
     if selection.node.unusable_gpus():

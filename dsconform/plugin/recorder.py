@@ -249,11 +249,13 @@ class Recorder:
             state.notices.append(self.stopped)
         if self.refused:
             state.notices.append(self.refused)
-        refusal.conclude(session.config)
+        attempt = refusal.conclude(session.config)
         textfile = session.config.getoption("prometheus_textfile", None)
+        if attempt is None:
+            return
         if state.results is None:
-            if textfile:  # the "not finished" there must not stay
-                self._write_prom(None, textfile, session, {})
+            if textfile:  # the "not finished" written there at the start must not stay
+                self._write_prom(None, textfile, session)
             return
         prof = describe(state)
         result = self.summary()
@@ -281,10 +283,10 @@ class Recorder:
                          json.dumps(result, indent=2, default=str))
         write_atomically(state.results / "summary.txt",
                          "\n".join(self.lines(result) + self.run_lines(session.config)) + "\n")
-        self._write_prom(state.results, textfile, session, result)
+        self._write_prom(state.results, textfile, session)
 
-    def _write_prom(self, results: Path | None, textfile: str | None, session: pytest.Session,
-                    result: dict[str, Any]) -> None:
+    def _write_prom(self, results: Path | None, textfile: str | None,
+                    session: pytest.Session) -> None:
         """The verdict for Prometheus, a failed or interrupted run's too; without --results,
         only into the --prometheus-textfile folder."""
         try:
@@ -297,6 +299,7 @@ class Recorder:
                     "reason": reason, "node": {"hostname": self.state.node.hostname}}
             node = node_from_summary(Path(self.state.node.hostname), summ,
                                      outcomes=[asdict(o) for o in self.state.outcomes])
+            node.has_benchmarks = True  # without --results no benchmarks.json is written
             prometheus.write(prometheus.result_families(node, started=self.state.started),
                              Path(textfile).expanduser() / prometheus.PROM_FILE)
         except prometheus.TextfileError as e:  # shown in the terminal's summary

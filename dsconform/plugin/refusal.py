@@ -44,22 +44,34 @@ class Attempt:
     concluded: bool = False  # a verdict of this run is written (its own, or "refused")
 
 
+def runs_tests(config: pytest.Config) -> bool:
+    """Whether this pytest invocation runs tests: --collect-only, --help, --markers, --fixtures,
+    --setup-plan and --setup-only run none, so they write no results and keep the last run's."""
+    o = config.option
+    return not any(getattr(o, name, False) for name in (
+        "collectonly", "help", "markers", "showfixtures", "show_fixtures_per_test", "setupplan",
+        "setuponly"))
+
+
 def _given(value: object) -> Path | None:
     return Path(str(value)).expanduser() if value else None
 
 
 def begin(config: pytest.Config, *, started: str, is_worker: bool) -> Attempt | None:
     """Set the previous run's verdict aside and say "not finished", before any check. Nothing
-    for --collect-only (it writes nothing and keeps the last run's results) or an xdist worker
-    (the controller owns the files)."""
-    if config.option.collectonly or is_worker:
+    where no test runs (runs_tests) or in an xdist worker (the controller owns the files)."""
+    if not runs_tests(config) or is_worker:
         return None
     attempt = Attempt(_given(config.getoption("--results")),
                       _given(config.getoption("prometheus_textfile", None)), started)
     config.stash[ATTEMPT] = attempt
-    if attempt.results is not None and attempt.results.is_dir():
-        verdict.set_aside(attempt.results)
-        verdict.write_running([attempt.results], started)
+    try:
+        folder = attempt.results if attempt.results and attempt.results.is_dir() else None
+    except OSError:  # a folder this user may not look into: check_results names it
+        folder = None
+    if folder is not None:
+        verdict.set_aside(folder)
+        verdict.write_running([folder], started)
     if attempt.textfile is not None:
         errors = verdict.write_running([attempt.textfile], started)
         attempt.textfile_error = errors[0] if errors else ""
@@ -90,11 +102,13 @@ def refuse(config: pytest.Config, reason: str, rendezvous: dict | None = None) -
     verdict.write_refused(attempt.results, attempt.textfile, summ)
 
 
-def conclude(config: pytest.Config) -> None:
-    """The run wrote its own verdict (the recorder, at the session's end)."""
+def conclude(config: pytest.Config) -> Attempt | None:
+    """The run writes its own verdict now (the recorder, at the session's end): its attempt,
+    None where no test runs (nothing is written then)."""
     attempt = config.stash.get(ATTEMPT, None)
     if attempt is not None:
         attempt.concluded = True
+    return attempt
 
 
 def unconcluded(config: pytest.Config) -> None:

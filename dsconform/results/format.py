@@ -51,6 +51,10 @@ def load_benchmarks(path: str | Path) -> dict[str, Any]:
     try:
         doc = json.loads(p.read_text())
     except FileNotFoundError:
+        refused = _refusal(p.parent / SUMMARY_JSON)
+        if refused is not None:
+            raise ResultsFormatError(f"{p.parent}: its newest run was refused before its first "
+                                     f"test ({refused}): it measured nothing") from None
         raise ResultsFormatError(f"{p}: no such file (give a benchmarks.json or the --results "
                                 "directory of a run)") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -65,6 +69,17 @@ def load_benchmarks(path: str | Path) -> dict[str, Any]:
         raise ResultsFormatError(f"{p}: a pytest-benchmark file without dsconform outcomes (no "
                                 "'dsconform' section): not a suite run")
     return doc
+
+
+def _refusal(summary_path: Path) -> str | None:
+    """The reason of a refused run's summary.json; None for any other summary, or none."""
+    try:
+        doc = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(doc, dict) and doc.get("status") == "refused":
+        return str(doc.get("reason") or "no reason recorded")
+    return None
 
 
 def ran_nothing(doc: dict[str, Any]) -> bool:

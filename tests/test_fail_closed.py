@@ -265,3 +265,40 @@ def test_previous_names_are_never_read_as_a_verdict():
     names = [results_format.previous_name(n) for n in results_format.VERDICT_FILES]
     assert "dsconform.prom.previous" in names and "summary.previous.json" in names
     assert not [n for n in names if n.endswith(".prom") or n in results_format.VERDICT_FILES]
+
+
+def _node(gpus: int) -> detect.NodeFacts:
+    hw = detect.GpuHardware(count=gpus, models=["NVIDIA H200"] * gpus, source="nvml",
+                            seen={"nvml": gpus})
+    return detect.NodeFacts(hostname="n", python="3.11", cpu_cores=8, host_memory_bytes=None,
+                            shm_bytes=None, torch_version="2.13", deepspeed_version="0.19.8",
+                            gpus=[detect.GpuInfo("NVIDIA H200", 150 * 10**9, "9.0")] * gpus,
+                            hardware=hw)
+
+
+@pytest.mark.parametrize("markexpr, gpus, gpu_run, fails", [
+    ("gpu", 8, True, False), ("gpu and not slow", 8, True, False), ("", 8, True, False),
+    ("not gpu and not slow", 8, False, False), ("gpu", 0, False, True),
+    ("not slow", 0, False, False), ("not gpu", 0, False, False)])
+def test_what_kind_of_run_it_is(markexpr, gpus, gpu_run, fails):
+    from dsconform.profile.select import run_kind
+
+    kind = run_kind(markexpr, _node(gpus))
+    assert (kind.gpu, kind.failure is not None) == (gpu_run, fails), kind
+    assert kind.description.startswith("a GPU run" if gpu_run else ("GPU tier" if fails
+                                                                    else "a CPU run"))
+
+
+def test_what_runs_no_test_leaves_the_last_verdict_alone(pytester, passed_before):
+    """--help, --collect-only: no test runs, nothing is set aside or written, and -m gpu where
+    no GPU is found fails only a run that runs tests."""
+    res, textfile = passed_before
+    before = {p.name: p.read_bytes() for p in res.iterdir() if p.name != "ranks.log"}
+    for args in (["--help"], ["--collect-only", "-m", "gpu"]):
+        result = pytester.runpytest("-p", "fixtures.plugin", "-p", "no:cacheprovider",
+                                    "--results", str(res), "--prometheus-textfile",
+                                    str(textfile), *args)
+        assert result.ret in (0, pytest.ExitCode.NO_TESTS_COLLECTED), args
+    after = {p.name: p.read_bytes() for p in res.iterdir() if p.name != "ranks.log"}
+    assert after == before
+    assert gauges(textfile / "dsconform.prom")["dsconform_node_passed"] == 1

@@ -45,13 +45,15 @@ from dsconform.plugin.runstate import STATE, RunState, run_state
 from dsconform.profile.select import (
     detected_warning,
     is_detected,
-    rendezvous_info,
     rendezvous_nodes,
     run_kind,
     select_profile,
 )
 
 _register_hypothesis_profiles()
+
+# The refused verdict, around the whole run.
+pytest_plugins = ["dsconform.plugin.refusal"]
 
 
 #: Where a pytest run's rank output goes (dsconform.harness.output): --results/ranks.log.
@@ -74,17 +76,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for name, text in _MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    # Before any check can refuse the run: the last run's verdict must not outlive a refusal.
+    # Before any check can refuse the run: the last run's verdict must not outlive a refusal
+    # (a refusal's own verdict: dsconform.plugin.refusal's pytest_cmdline_main).
     refusal.begin(config, started=started, is_worker=early.is_xdist_worker(config))
-    try:
-        _configure(config, started)
-    except pytest.UsageError as e:
-        rdzv = rendezvous_info()
-        refusal.refuse(config, str(e), rdzv.to_dict() if rdzv else None)
-        raise
-
-
-def _configure(config: pytest.Config, started: str) -> None:
     # --collect-only (or --help, --fixtures, ...) runs no test: writing results would replace
     # the last real run's with an empty one.
     runs = refusal.runs_tests(config)
@@ -192,7 +186,6 @@ _MARKERS = {
 def pytest_unconfigure(config: pytest.Config) -> None:
     sink = config.stash.get(RANK_LOG, None)
     try:
-        refusal.unconcluded(config)
         _stop_everything(config)
     finally:
         if sink is not None:

@@ -69,24 +69,29 @@ def write_running(folders: Iterable[Path], started: str) -> list[str]:
 
 
 def refused_summary(reason: str, *, started: str, hostname: str,
-                    rendezvous: dict[str, Any] | None = None) -> dict[str, Any]:
+                    rendezvous: dict[str, Any] | None = None,
+                    exitstatus: int | None = REFUSED_EXIT_STATUS) -> dict[str, Any]:
     """summary.json of a run refused before its first test: no test ran, nothing was measured;
-    ``status`` "refused" and ``reason`` say why, in the words the console showed."""
+    ``status`` "refused" and ``reason`` say why, in the words the console showed.
+    ``exitstatus``: pytest's, None where it is not known here."""
     reason = reason.removeprefix("dsconform: ")
     return {"status": "refused", "reason": reason, "started": started, "ended": now(),
             "run": None, "capabilities": {}, "failures": [], "skips": [], "known_issues": [],
-            "profile": None, "node": {"hostname": hostname},
-            "exitstatus": REFUSED_EXIT_STATUS, "notices": [reason], "rendezvous": rendezvous,
-            "ops": None, "collection_errors": []}
+            "profile": None, "node": {"hostname": hostname}, "exitstatus": exitstatus,
+            "notices": [reason], "rendezvous": rendezvous, "ops": None,
+            "collection_errors": []}
 
 
 def refused_lines(summ: dict[str, Any]) -> list[str]:
     """summary.txt of a refused run."""
     host = (summ.get("node") or {}).get("hostname", "?")
+    code = summ.get("exitstatus")
+    status = (f"pytest exit status {code} ({node_folder.EXIT_STATUS.get(code, 'unknown')})"
+              if code is not None else "pytest's exit status is on its console")
     return [f"REFUSED on {host}: the run stopped before its first test, so it does not accept "
             "the node",
             f"reason: {summ['reason']}",
-            f"started {summ['started']}; pytest exit status {summ['exitstatus']} (usage error)"]
+            f"started {summ['started']}; {status}"]
 
 
 def write_refused(folder: Path | None, textfile: Path | None, summ: dict[str, Any]) -> list[str]:

@@ -25,6 +25,7 @@ from dsconform.profile.select import (
     rendezvous_info,
 )
 from dsconform.results import prometheus, records, summary
+from dsconform.results.node_folder import node_from_summary
 from dsconform.results.verdict import write_atomically
 
 
@@ -293,7 +294,6 @@ class Recorder:
             if results is not None:
                 prometheus.write_run(results, textfile)
                 return
-            from dsconform.results.node_folder import node_from_summary
             status, reason = self.verdict(int(session.exitstatus))
             summ = {**self.summary(), "exitstatus": int(session.exitstatus), "status": status,
                     "reason": reason, "node": {"hostname": self.state.node.hostname}}

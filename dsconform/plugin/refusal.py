@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dsconform.profile.select import rendezvous_info
 from dsconform.results import verdict
 from dsconform.storage.nvme import mount_of
 
@@ -91,14 +92,33 @@ def results_ready(config: pytest.Config, results: Path | None) -> None:
                     "can write (node_exporter's --collector.textfile.directory)")
 
 
-def refuse(config: pytest.Config, reason: str, rendezvous: dict | None = None) -> None:
-    """Write this run's "refused" verdict with ``reason`` (the usage error's words), once."""
+@pytest.hookimpl(wrapper=True)
+def pytest_cmdline_main(config: pytest.Config):
+    """Around the whole run: a usage error before the session began (the suite's own checks,
+    another plugin's) refuses the run in the error's words; a run that ended with no verdict of
+    its own (an internal error, or an interruption before its session began) is refused with
+    pytest's exit status, never left saying "not finished"."""
+    try:
+        code = yield
+    except pytest.UsageError as e:
+        refuse(config, str(e))
+        raise
+    refuse(config, f"pytest stopped the run before its first test: exit status {int(code)} "
+                   "(its console output says why)", exitstatus=int(code))
+    return code
+
+
+def refuse(config: pytest.Config, reason: str, *,
+           exitstatus: int | None = verdict.REFUSED_EXIT_STATUS) -> None:
+    """Write this run's "refused" verdict with ``reason``, once."""
     attempt = config.stash.get(ATTEMPT, None)
     if attempt is None or attempt.concluded:
         return
     attempt.concluded = True
-    summ = verdict.refused_summary(reason, started=attempt.started,
-                                   hostname=socket.gethostname(), rendezvous=rendezvous)
+    rdzv = rendezvous_info()  # a refused rank of a job is still that job's
+    summ = verdict.refused_summary(reason, started=attempt.started, exitstatus=exitstatus,
+                                   hostname=socket.gethostname(),
+                                   rendezvous=rdzv.to_dict() if rdzv else None)
     verdict.write_refused(attempt.results, attempt.textfile, summ)
 
 
@@ -109,14 +129,6 @@ def conclude(config: pytest.Config) -> Attempt | None:
     if attempt is not None:
         attempt.concluded = True
     return attempt
-
-
-def unconcluded(config: pytest.Config) -> None:
-    """At pytest's end: a run that wrote no verdict of its own stopped before its session began
-    (another plugin's usage error, an internal error while configuring): refused, never left
-    saying "not finished" forever."""
-    refuse(config, "the run stopped before its first test (see pytest's error above); it "
-                   "wrote no results")
 
 
 def check_results(opt: str | None) -> Path | None:

@@ -119,7 +119,8 @@ def verdict_families(node: node_folder.NodeResult, labels: Mapping[str, str] | N
     """The node's verdict, as ``dsconform aggregate`` judges it (NodeResult.problems)."""
     names, values = list((labels or {}).keys()), list((labels or {}).values())
     passed = _gauge("node_passed", "1: the run accepts the node; 0: it does not (a failure, "
-                    "an interrupted or unfinished run, a run that recorded nothing)", names)
+                    "an interrupted, unfinished or refused run, a run that recorded nothing)",
+                    names)
     passed.add_metric(values, 0.0 if node.failed else 1.0)
     problems = _gauge("node_problems", "Reasons the run does not accept the node (failure "
                       "groups, exit status, an unfinished run): 0 on a pass", names)

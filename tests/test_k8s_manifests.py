@@ -457,7 +457,8 @@ def test_the_multinode_command_runs_two_ranks_that_join_one_job(tmp_path):
 
 def test_the_acceptance_command_writes_the_node_folder(tmp_path):
     """The acceptance pod's command, $(VAR)s expanded as Kubernetes does, on this CPU machine:
-    every GPU test skips with its reason (exit 0) and the results land in /results/<node>."""
+    every GPU test skips with its reason, the run fails (exit 1: no GPU found, and -m gpu asks
+    for the GPU tier) and the results land in /results/<node>."""
     (job,) = [d for w, d in documents() if w.startswith("acceptance-job.yaml")]
     main = pod_spec(job)["containers"][0]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "MASTER_"))}
@@ -469,9 +470,10 @@ def test_the_acceptance_command_writes_the_node_folder(tmp_path):
     # suites/test_profile.py alone: the collection of every suite is not what is tested here
     argv[argv.index("suites")] = "suites/test_profile.py"
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     summ = json.loads((tmp_path / "results" / "gpu-k01" / "summary.json").read_text())
-    assert summ["exitstatus"] == 0 and summ["capabilities"], summ
+    assert summ["exitstatus"] == 1 and summ["capabilities"], summ
+    assert summ["reason"].startswith("no GPU found on this node"), summ["reason"]
     assert shlex.join(argv).count("--results") == 1
 
 

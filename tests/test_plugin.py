@@ -83,10 +83,20 @@ def test_promised_needs_fail_with_found_value(run, tmp_path):
     assert result.ret == 1
 
 
-def test_gpu_marker_on_cpu_node_exits_zero(run, tmp_path):
+def test_gpu_tier_on_this_cpu_node_fails(run, tmp_path):
+    """`-m gpu` where no GPU is found: the GPU tests skip with their reasons, and the run fails
+    with one line saying why (tests/test_fail_closed.py holds the verdict files)."""
     result = run("--profile", str(profile_file(tmp_path, 0)), "-m", "gpu")
     result.assert_outcomes(skipped=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["dsconform: no GPU found on this node (NVML: *) but -m gpu "
+                                 "asks for the GPU acceptance tier"])
+
+
+def test_a_cpu_run_says_so(run, tmp_path):
+    result = run("--profile", str(profile_file(tmp_path, 0)), "-m", "not gpu")
     assert result.ret == 0
+    result.stdout.fnmatch_lines(["dsconform run: a CPU run: *", "run: a CPU run: *"])
 
 
 def test_results_files_and_summary(run, pytester, tmp_path):
@@ -161,10 +171,13 @@ def test_malformed_profile_names_file_and_field(run, tmp_path):
 
 
 def test_unwritable_scratch_is_usage_error(run):
-    # /proc is a directory nobody can create files in, root included (CI runs as root).
+    # /proc is a directory nobody can create files in, root included (CI runs as root): the
+    # refusal names the kind of file system, not the ENOENT a create there answers.
     result = run("--scratch", "/proc")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--scratch /proc: not writable*"])
+    result.stderr.fnmatch_lines(["*--scratch /proc: not a directory on a disk: it is on the "
+                                 "kernel's proc file system*"])
+    assert "No such file" not in result.stderr.str()
 
 
 def test_an_interrupted_run_says_how_far_it_got(tmp_path):

@@ -7,7 +7,6 @@ each saves on 1xH200."""
 from __future__ import annotations
 
 import os
-import re
 import threading
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from dsconform.harness import output as rank_output
 from dsconform.harness import timeline, zygote
 from dsconform.plugin.runstate import RunState
+from dsconform.profile.select import selects_gpu_tests
 
 #: The rank log's name in --results (its lines: dsconform.harness.output).
 RANK_LOG_NAME = "ranks.log"
@@ -124,11 +124,6 @@ def gpu_device_files() -> bool:
     """Whether the NVIDIA driver's device files are here (/dev/nvidia0, ...): a hint, before
     the node is detected, that ranks will run on GPUs."""
     return any(Path("/dev").glob("nvidia[0-9]*"))
-
-
-def selects_gpu_tests(markexpr: str) -> bool:
-    """Whether ``-m`` names the gpu mark other than as ``not gpu``."""
-    return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None
 
 
 def start_ranks_early(config: pytest.Config, state: RunState) -> None:

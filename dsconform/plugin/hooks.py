@@ -25,7 +25,7 @@ from dsconform.gate import requires as gating
 from dsconform.harness import cpu_info, timeline, zygote
 from dsconform.harness import output as rank_output
 from dsconform.node import nccl_env
-from dsconform.plugin import early
+from dsconform.plugin import early, refusal
 from dsconform.plugin.console import Console
 from dsconform.plugin.hypothesis_profiles import register as _register_hypothesis_profiles
 from dsconform.plugin.keys import BROKEN_PROMISE, COVERED_BY, ITEM_CAPABILITY, RECORDER
@@ -44,11 +44,15 @@ from dsconform.profile.select import (
     detected_warning,
     is_detected,
     rendezvous_nodes,
+    run_kind,
     select_profile,
 )
 from dsconform.results.records import CASE_PROPERTY
 
 _register_hypothesis_profiles()
+
+# The refused verdict, around the whole run.
+pytest_plugins = ["dsconform.plugin.refusal"]
 
 
 #: Where a pytest run's rank output goes (dsconform.harness.output): --results/ranks.log.
@@ -62,39 +66,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
-def _usage(msg: str) -> pytest.UsageError:
-    return pytest.UsageError(f"dsconform: {msg}")
-
-
-def _check_scratch(opt: str | None) -> tuple[Path, bool]:
-    if not opt:
-        return Path(tempfile.mkdtemp(prefix="dsconform-scratch-")), True
-    path = Path(opt).expanduser()
-    if not path.is_dir():
-        raise _usage(f"--scratch {opt}: no such directory (create it, or point --scratch at an "
-                     "existing directory on the disk under test)")
-    try:
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".dsconform-probe-"):
-            pass
-    except OSError as e:
-        raise _usage(f"--scratch {opt}: not writable ({e.strerror or e})") from None
-    return path.resolve(), False
-
-
-def _check_results(opt: str | None) -> Path | None:
-    if not opt:
-        return None
-    path = Path(opt).expanduser()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".dsconform-probe-"):
-            pass
-    except OSError as e:
-        raise _usage(f"--results {opt}: cannot create or write it "
-                     f"({e.strerror or e})") from None
-    return path.resolve()
-
-
 @pytest.hookimpl(tryfirst=True)  # before junitxml's configure reads xmlpath
 def pytest_configure(config: pytest.Config) -> None:
     timeline.mark("pytest configures")
@@ -103,11 +74,16 @@ def pytest_configure(config: pytest.Config) -> None:
     enable_bytecode_cache()
     for name, text in _MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
-    # --collect-only runs no test: writing results would replace the last real run's with an
-    # empty one.
-    results = (None if config.option.collectonly
-               else _check_results(config.getoption("--results")))
-    scratch, scratch_is_temp = _check_scratch(config.getoption("--scratch"))
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    # Before any check can refuse the run: the last run's verdict must not outlive a refusal
+    # (a refusal's own verdict: dsconform.plugin.refusal's pytest_cmdline_main).
+    refusal.begin(config, started=started, is_worker=early.is_xdist_worker(config))
+    # --collect-only (or --help, --fixtures, ...) runs no test: writing results would replace
+    # the last real run's with an empty one.
+    runs = refusal.runs_tests(config)
+    results = refusal.check_results(config.getoption("--results")) if runs else None
+    refusal.results_ready(config, results)
+    scratch, scratch_is_temp = refusal.check_scratch(config.getoption("--scratch"))
     if results is not None and not early.is_xdist_worker(config) and not config.option.xmlpath:
         config.option.xmlpath = str(results / "junit.xml")
     # Every rank's stdout and stderr, by test (dsconform.harness.output): the controller starts
@@ -137,11 +113,11 @@ def pytest_configure(config: pytest.Config) -> None:
     except (ValueError, RuntimeError) as e:  # ProfileError, StaleBuildLock: name what to fix
         if scratch_is_temp:
             shutil.rmtree(scratch, ignore_errors=True)
-        raise _usage(str(e).replace("\n", "\n  ")) from None
+        raise refusal.usage(str(e).replace("\n", "\n  ")) from None
     state = RunState(
         selection=selection, scratch=scratch, scratch_is_temp=scratch_is_temp, results=results,
-        started=time.strftime("%Y-%m-%dT%H:%M:%S%z"), multinode=rendezvous_nodes() > 1,
-        notices=notices)
+        started=started, multinode=rendezvous_nodes() > 1, notices=notices,
+        kind=run_kind(config.option.markexpr, selection.node) if runs else None)
     state.notices.append(versions.torch_note(selection.node.torch_version))
     if is_detected(selection.profile):
         state.notices.append(detected_warning())
@@ -269,11 +245,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"NCCL {n.nccl_version or '-'}, python {n.python}",
         f"dsconform {nccl_env.header_line(nccl_env.nccl_settings())}",
         f"dsconform profile: {p.name} ({state.selection.how})",
+        f"dsconform run: {state.kind.description}" if state.kind else "",
         f"dsconform scratch: {state.scratch}{' (temporary)' if state.scratch_is_temp else ''}; "
         f"results: {state.results or _not_written(config)}",
     ]
     lines += [f"dsconform NOTE: {notice}" for notice in state.notices]
-    return lines
+    if state.kind is not None and state.kind.failure:  # said once, before any test runs
+        lines.append(f"dsconform: {state.kind.failure}")
+    return [ln for ln in lines if ln]
 
 
 def _capability(item: pytest.Item) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import platform
 import re
 import sys
@@ -19,15 +18,15 @@ import pytest
 import dsconform
 from dsconform.gate import known_issues
 from dsconform.node import nccl_env
+from dsconform.plugin import refusal
 from dsconform.plugin.keys import ITEM_CAPABILITY
 from dsconform.plugin.runstate import RunState, describe
 from dsconform.profile.select import (
     rendezvous_info,
 )
 from dsconform.results import aggregate, prometheus, records, summary, verdict
-
-# What a finished run writes into --results; set aside when the next run starts there.
-STALE_RESULTS = ("benchmarks.json", "summary.json", "summary.txt")
+from dsconform.results.node_folder import node_from_summary
+from dsconform.results.run_files import write_atomically
 
 
 def must_statement(doc: str | None) -> str:
@@ -89,25 +88,20 @@ class Recorder:
         # The run's verdict in one line (dsconform.results.verdict), the last of summary.txt
         # and of the plugin's console output; None until the session ends.
         self.verdict: str | None = None
-        if state.results is not None:  # this run's journal starts empty
+        # A usage error that stopped collection (a test path that does not exist): the run was
+        # refused, in pytest's words.
+        self.refused: str | None = None
+        if state.results is not None:  # this run's journal starts empty (the last one's was
+            # set aside at configure: dsconform.plugin.refusal.begin)
             (state.results / "records.jsonl").write_text("")
-            # And the previous run's results in this folder are set aside (renamed, not
-            # deleted): a run that dies before writing its own must not leave last night's
-            # passing summary in place for `dsconform aggregate` to read as this run's.
-            for name in STALE_RESULTS:
-                old = state.results / name
-                if old.exists():
-                    old.replace(old.with_name(old.stem + ".previous" + old.suffix))
 
-    def pytest_sessionstart(self, session: pytest.Session) -> None:
-        """dsconform.prom says "not finished" while the run runs: a run killed before its end
-        never leaves the last run's verdict in node_exporter's folder."""
-        if self.state.results is not None:
-            try:
-                prometheus.write_run(self.state.results, session.config.getoption(
-                    "prometheus_textfile", None), started=self.state.started)
-            except prometheus.TextfileError as e:
-                raise pytest.UsageError(f"--prometheus-textfile: {e}") from None
+    @pytest.hookimpl(wrapper=True)
+    def pytest_collection(self, session: pytest.Session):
+        try:
+            return (yield)
+        except pytest.UsageError as e:
+            self.refused = str(e)
+            raise
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
@@ -160,8 +154,12 @@ class Recorder:
                 f.write(json.dumps(entry, default=str) + "\n")
 
     def no_gpu_test_ran(self) -> str | None:
-        """On a node with NVIDIA GPUs, a run that selected GPU tests and ran none of them is not
-        a pass: why, in one line (None when that is not the case)."""
+        """A run that cannot pass for want of GPUs, why in one line (None when that is not the
+        case): the GPU tier where no GPU is found (profile.select.run_kind), or, on a node with
+        NVIDIA GPUs, a run that selected GPU tests and ran none of them."""
+        kind = self.state.kind
+        if kind is not None and kind.failure:
+            return kind.failure
         node = self.state.node
         if not node.is_gpu_node or not self.gpu_tests or self.gpu_tests_ran:
             return None
@@ -191,10 +189,11 @@ class Recorder:
 
     def lines(self, result: dict[str, Any]) -> list[str]:
         notices = list(self.state.notices)
-        if self.no_gpu_test_ran():
+        if self.no_gpu_test_ran() and self.no_gpu_test_ran() not in notices:
             notices.append(self.no_gpu_test_ran())
         out = summary.lines(result, profile=self.state.profile.name,
-                            host=self.state.node.hostname, notices=notices)
+                            host=self.state.node.hostname, notices=notices,
+                            run=self.state.kind.description if self.state.kind else "")
         if self.state.op_builds is not None:  # what the cold start cost
             from dsconform.ops.prebuild import summary_line
             line = summary_line(self.state.op_builds.timings())
@@ -248,8 +247,8 @@ class Recorder:
     def pytest_terminal_summary(self, terminalreporter, exitstatus: int,
                                 config: pytest.Config) -> None:
         if not self.state.outcomes:
-            if self.stopped:
-                terminalreporter.write_line(f"dsconform: {self.stopped}")
+            for why in dict.fromkeys(w for w in (self.stopped, self.no_gpu_test_ran()) if w):
+                terminalreporter.write_line(f"dsconform: {why}")
             return
         terminalreporter.section("dsconform conformance summary")
         for line in self.lines(self.summary()) + self.run_lines(config):
@@ -269,12 +268,19 @@ class Recorder:
         if session.exitstatus == pytest.ExitCode.INTERRUPTED:  # said in summary.json and .txt
             self.stopped = self.interrupted(session)
             state.notices.append(self.stopped)
+        if self.refused:
+            state.notices.append(self.refused)
+        attempt = refusal.conclude(session.config)
+        textfile = session.config.getoption("prometheus_textfile", None)
+        if attempt is None:
+            return
         result = self.summary()
         if state.results is None:
-            if not session.config.option.collectonly:
-                result.update(exitstatus=int(session.exitstatus), notices=state.notices)
-                self.verdict = verdict.line(verdict.of_summary(
-                    result, state.outcomes, state.node.hostname), self.stopped)
+            result.update(exitstatus=int(session.exitstatus), notices=state.notices)
+            self.verdict = verdict.line(verdict.of_summary(
+                result, state.outcomes, state.node.hostname), self.stopped)
+            if textfile:  # the "not finished" written there at the start must not stay
+                self._write_prom(None, textfile, session)
             return
         prof = describe(state)
         doc = records.document(
@@ -285,21 +291,57 @@ class Recorder:
         rdzv = rendezvous_info()  # which job and rank this was, for `dsconform aggregate`
         ops = state.op_builds.timings() if state.op_builds is not None else None
         doc["dsconform"]["ops"] = ops  # each op build's seconds (dsconform.ops.prebuild)
-        result.update(profile=prof, node=state.node.to_dict(),
+        status, reason = self.run_status(int(session.exitstatus))
+        result.update(status=status, reason=reason, started=state.started,
+                      ended=doc["dsconform"]["finished"],
+                      run=({"gpu": state.kind.gpu, "description": state.kind.description}
+                           if state.kind else None),
+                      profile=prof, node=state.node.to_dict(),
                       exitstatus=int(session.exitstatus), notices=state.notices,
                       rendezvous=rdzv.to_dict() if rdzv else None, ops=ops,
                       collection_errors=[{"nodeid": n, "error": e}
                                          for n, e in self.collection_errors])
-        _write(state.results / "benchmarks.json", json.dumps(doc, indent=2, default=str))
-        _write(state.results / "summary.json", json.dumps(result, indent=2, default=str))
+        write_atomically(state.results / "benchmarks.json",
+                         json.dumps(doc, indent=2, default=str))
+        write_atomically(state.results / "summary.json",
+                         json.dumps(result, indent=2, default=str))
         self.verdict = self._verdict(result)
-        _write(state.results / "summary.txt", "\n".join(
+        write_atomically(state.results / "summary.txt", "\n".join(
             self.lines(result) + self.run_lines(session.config) + [self.verdict]) + "\n")
-        try:  # the verdict for Prometheus, a failed or interrupted run's too
-            prometheus.write_run(state.results,
-                                 session.config.getoption("prometheus_textfile", None))
+        self._write_prom(state.results, textfile, session)
+
+    def _write_prom(self, results: Path | None, textfile: str | None,
+                    session: pytest.Session) -> None:
+        """The verdict for Prometheus, a failed or interrupted run's too; without --results,
+        only into the --prometheus-textfile folder."""
+        try:
+            if results is not None:
+                prometheus.write_run(results, textfile)
+                return
+            status, reason = self.run_status(int(session.exitstatus))
+            summ = {**self.summary(), "exitstatus": int(session.exitstatus), "status": status,
+                    "reason": reason, "node": {"hostname": self.state.node.hostname}}
+            node = node_from_summary(Path(self.state.node.hostname), summ,
+                                     outcomes=[asdict(o) for o in self.state.outcomes])
+            node.has_benchmarks = True  # without --results no benchmarks.json is written
+            prometheus.write(prometheus.result_families(node, started=self.state.started),
+                             Path(textfile).expanduser() / prometheus.PROM_FILE)
         except prometheus.TextfileError as e:  # shown in the terminal's summary
-            state.notices.append(f"--prometheus-textfile: {e}: this run's verdict is not there")
+            self.state.notices.append(f"--prometheus-textfile: {e}: this run's verdict is not "
+                                      "there")
+
+    def run_status(self, exitstatus: int) -> tuple[str, str]:
+        """summary.json's ``status`` (results.format.STATUSES) and ``reason``: why the run as
+        a whole did not pass, in one line ("" on a pass, or where failing tests say it)."""
+        why = self.refused or self.stopped or self.no_gpu_test_ran() or ""
+        if exitstatus == pytest.ExitCode.USAGE_ERROR:
+            return "refused", (self.refused or "pytest stopped the run with a usage error "
+                               "(see its output)").removeprefix("dsconform: ")
+        if exitstatus == pytest.ExitCode.INTERRUPTED:
+            return "interrupted", why
+        if exitstatus == pytest.ExitCode.OK and self.state.outcomes:
+            return "passed", ""
+        return "failed", why
 
 
 def _error_line(report: pytest.CollectReport) -> str:
@@ -347,10 +389,3 @@ def _pytest_benchmark_entries(config: pytest.Config) -> list[dict]:
         except Exception:
             continue
     return out
-
-
-def _write(path: Path, text: str) -> None:
-    """Write atomically: an interrupted run never leaves a half-written JSON for compare."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

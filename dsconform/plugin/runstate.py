@@ -18,7 +18,7 @@ import pytest
 
 from dsconform.node.detect import NodeFacts
 from dsconform.profile.schema import Profile
-from dsconform.profile.select import Selection
+from dsconform.profile.select import RunKind, Selection
 from dsconform.results import records
 
 STATE = pytest.StashKey["RunState"]()
@@ -47,6 +47,9 @@ class RunState:
     # On a GPU node: the watch of other processes computing on the GPUs while the run runs
     # (dsconform.node.neighbours.NeighbourWatch), from configure to the end.
     neighbours: Any = None
+    # A GPU or a CPU run, said in the header and the summary; a GPU tier where no GPU is found
+    # fails (profile.select.run_kind). None: not decided (a state built outside configure).
+    kind: RunKind | None = None
 
     @property
     def node(self) -> NodeFacts:

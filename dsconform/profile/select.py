@@ -1,8 +1,11 @@
-"""Which profile a run is held to, and what kind of run this is (single node or a rendezvous)."""
+"""Which profile a run is held to, and what kind of run this is (a GPU or a CPU run; single
+node or a rendezvous)."""
 
 from __future__ import annotations
 
 import os
+import re
+import shlex
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -109,6 +112,48 @@ def select_profile(spec: str, node: NodeFacts | None = None, *,
     if not path.exists():
         raise ProfileError([f"{named}: no such file"])
     return Selection(profiles.load(path), node, f"--profile {spec}")
+
+
+def selects_gpu_tests(markexpr: str | None) -> bool:
+    """Whether ``-m`` names the gpu mark other than as ``not gpu``: the GPU tiers (acceptance,
+    nightly), which a node passes only on its GPUs."""
+    return re.search(r"(?<!not )\bgpu\b", markexpr or "") is not None
+
+
+def gpu_search(node: NodeFacts) -> str:
+    """Where this node's GPUs were looked for and what each place said, in one line."""
+    seen = node.hardware.seen
+    nvml = seen.get("nvml", "not asked")
+    return (f"NVML: {nvml if isinstance(nvml, str) else f'{nvml} GPUs'}; "
+            f"/proc/driver/nvidia: {seen.get('/proc/driver/nvidia') or 'no GPU'}; "
+            f"PCI: {seen.get('pci') or 'no NVIDIA GPU'}; torch: {node.gpu_count} CUDA devices")
+
+
+@dataclass(frozen=True)
+class RunKind:
+    """What a run can say about the node: its GPUs (a GPU run) or only its CPU stack."""
+    gpu: bool
+    description: str            # one line, for the report header and the summary
+    failure: str | None = None  # why the run cannot pass, known before any test runs
+
+
+def run_kind(markexpr: str | None, node: NodeFacts) -> RunKind:
+    """A GPU run where the node has GPUs and ``-m`` does not leave the GPU tests out; a CPU run
+    otherwise. ``-m gpu`` (the acceptance tier) where no GPU is found fails: every GPU test would
+    skip, and a node whose GPUs fell off the bus would pass it."""
+    m = f"-m {shlex.quote(markexpr or '')}"
+    if selects_gpu_tests(markexpr) and not node.is_gpu_node:
+        return RunKind(False, f"GPU tier ({m}) on a node where no GPU is found: it fails",
+                       f"no GPU found on this node ({gpu_search(node)}) but {m} asks for the "
+                       "GPU acceptance tier")
+    if not node.is_gpu_node:
+        return RunKind(False, f"a CPU run: no GPU found on this node ({gpu_search(node)}); GPU "
+                              "tests skip, so it says nothing about GPUs")
+    if not selects_gpu_tests(markexpr) and re.search(r"\bnot gpu\b", markexpr or ""):
+        return RunKind(False, f"a CPU run: {m} leaves the GPU tests out; the run says nothing "
+                              f"about this node's {node.gpus_present} GPUs")
+    return RunKind(True, f"a GPU run on this node's {node.gpus_present} GPUs"
+                         + (f" ({m})" if markexpr else ""))
 
 
 def rendezvous_nodes(env: dict[str, str] | None = None) -> int:

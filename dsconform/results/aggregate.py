@@ -4,8 +4,9 @@ A nightly acceptance run leaves one ``--results`` folder per node under a shared
 (``$SHARED/nightly/$(hostname)``: summary.json, benchmarks.json, junit.xml, records.jsonl), and,
 for the multi-node tier, one folder per rank. This module reads them and answers:
 
-- **which nodes failed, and why** (the failure groups of each node's summary; a run that did
-  not finish, found by records.jsonl without summary.json; a pytest exit status that is not 0);
+- **which nodes failed, and why** (dsconform.results.node_folder reads and judges each folder:
+  the failure groups of its summary; a run that was refused, or did not finish, by its
+  summary.json or by a dsconform.prom newer than it; a pytest exit status that is not 0);
 - **a matrix of nodes by capabilities** (passed / failed / skipped per suite);
 - **outliers**: a node whose performance metric is below ``outlier_pct`` percent of the median
   of its node type (the nodes of the same profile and GPUs: a 1-GPU node's numbers say nothing
@@ -47,6 +48,12 @@ from typing import Any
 
 from dsconform.results import compare, noise, records, summary
 from dsconform.results import format as results_format
+from dsconform.results.node_folder import (
+    EXIT_STATUS,
+    AggregateInputError,
+    NodeResult,
+    load_node,
+)
 
 #: Files that make a folder a node's results folder (what the plugin writes under --results).
 #: The marker of aggregate's own output folder, which may sit beside the node folders.
@@ -56,9 +63,6 @@ REPORT_JSON = "cluster.json"
 #: nightly/multinode/node7-rank3).
 MAX_DEPTH = 2
 DEFAULT_OUTLIER_PCT = 90.0
-#: pytest's exit statuses, for a node whose run ended badly without a failing test.
-EXIT_STATUS = {1: "tests failed", 2: "interrupted", 3: "internal error", 4: "usage error",
-               5: "no tests ran"}
 _NODE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 DRAIN_REASON_CHARS = 100
 _RANK_SUFFIX = re.compile(r"-rank\d+$")
@@ -66,74 +70,6 @@ _RANK_SUFFIX = re.compile(r"-rank\d+$")
 #: (dsconform/node/severity.py FAILING): its failure reasons start with one.
 HARDWARE_ACTIONS = ("ISOLATE", "REBOOT", "RESET")
 _HARDWARE_REASON = re.compile(rf"^\d+ x ({'|'.join(HARDWARE_ACTIONS)}) \(")
-
-
-class AggregateInputError(ValueError):
-    """Input aggregate cannot use; the message names the folder or file and what to do."""
-
-
-@dataclass
-class NodeResult:
-    """One node's (or one rank's) results folder, as read."""
-    name: str                      # the folder's name: the node, for the drain command
-    path: Path
-    hostname: str
-    finished: bool                 # False: records.jsonl without summary.json (a killed run)
-    exitstatus: int | None
-    capabilities: dict[str, dict[str, int]]
-    failures: list[dict[str, Any]]  # summary groups: {"reason", "count", "cases"}
-    notices: list[str]
-    known_issues: list[dict[str, Any]]
-    outcomes: list[dict[str, Any]]
-    measures: dict[str, compare.Measure]
-    environment: dict[str, str]
-    rendezvous: dict[str, Any] | None = None
-    run_id: str = ""               # the run's own identity: a copied folder has the same one
-    absent: bool = False           # expected (--expect) and no folder was found
-    has_benchmarks: bool = True    # False: summary.json without the benchmarks.json beside it
-
-    @classmethod
-    def missing(cls, name: str) -> NodeResult:
-        return cls(name=name, path=Path("-"), hostname=name, finished=False, exitstatus=None,
-                   capabilities={}, failures=[], notices=[], known_issues=[], outcomes=[],
-                   measures={}, environment={}, absent=True)
-
-    @property
-    def job(self) -> str | None:
-        """The torchrun/Slurm job this run was a rank of (None: a plain run). A job on one node
-        too: its folders are ranks (``<node>-rank<R>``), not nodes."""
-        r = self.rendezvous or {}
-        return str(r["job"]) if r.get("job") is not None else None
-
-    @property
-    def problems(self) -> list[str]:
-        """Why this node failed, one line each (empty: it passed)."""
-        if self.absent:
-            return ["no results folder: its run never started or wrote nothing (expected by "
-                    "--expect)"]
-        out = []
-        if not self.finished:
-            last = self.outcomes[-1]["nodeid"] if self.outcomes else "none"
-            out.append(f"the run did not finish: no summary.json ({len(self.outcomes)} test "
-                       f"outcomes in records.jsonl, the last {last})")
-        out += [f"{g['count']} x {g['reason']}" for g in self.failures]
-        status = self.exitstatus
-        if self.finished and status not in (None, 0) and (status != 1 or not self.failures):
-            why = EXIT_STATUS.get(status, "unknown")
-            notes = "; ".join(self.notices)
-            out.append(f"pytest exit status {status} ({why})" + (f": {notes}" if notes else ""))
-        if self.finished and status in (None, 0) and not self.outcomes and not any(
-                sum(c.values()) for c in self.capabilities.values() if isinstance(c, dict)):
-            out.append("the run recorded no test outcome: it proves nothing about the node (a "
-                       "selection that matched nothing, or a --collect-only run)")
-        if self.finished and not self.has_benchmarks:
-            out.append("no benchmarks.json beside summary.json: its outcomes and measurements "
-                       "cannot be read (an incomplete copy of the folder?)")
-        return out
-
-    @property
-    def failed(self) -> bool:
-        return bool(self.problems)
 
 
 @dataclass(frozen=True)
@@ -187,79 +123,10 @@ class ClusterReport:
 
 # ------------------------------------------------------------------ reading
 
-def _check_summary(doc: Any, path: Path) -> None:
-    def foreign(what: str) -> AggregateInputError:
-        return AggregateInputError(f"{path}: not a dsconform summary.json ({what}); expected the "
-                                   "summary a `pytest suites --results DIR` run writes")
-    if not isinstance(doc, dict):
-        raise foreign(f"a JSON {type(doc).__name__}, not an object")
-    caps = doc.get("capabilities")
-    if not isinstance(caps, dict) or not all(isinstance(c, dict) for c in caps.values()):
-        raise foreign("no 'capabilities' table")
-    for key in ("failures", "known_issues"):
-        if not isinstance(doc.get(key, []), list):
-            raise foreign(f"'{key}' is not a list")
-    for i, g in enumerate(doc.get("failures", [])):
-        if not isinstance(g, dict) or not {"reason", "count"} <= set(g):
-            raise foreign(f"failures[{i}] has no 'reason' and 'count'")
-    if not isinstance(doc.get("node", {}), dict):
-        raise foreign("'node' is not an object")
-
-
-def _summarize(outcomes: list[dict[str, Any]]) -> dict[str, Any]:
-    fields = ("nodeid", "outcome", "capability", "reason")
-    try:
-        return summary.summarize([records.Outcome(**{k: o[k] for k in fields if k in o})
-                                  for o in outcomes])
-    except (TypeError, KeyError) as e:
-        raise AggregateInputError(f"outcomes without nodeid/outcome/capability: {e}") from None
-
-
-def load_node(path: Path) -> NodeResult:
-    """Read one node's results folder. Raises AggregateInputError."""
-    summary_path, bench_path, journal_path = (path / f for f in results_format.RESULT_FILES)
-    doc = None
-    if bench_path.exists():
-        try:
-            doc = results_format.load_benchmarks(bench_path)
-        except results_format.ResultsFormatError as e:
-            raise AggregateInputError(str(e)) from None
-    outcomes = list(((doc or {}).get("dsconform") or {}).get("outcomes") or [])
-    finished = True
-    if summary_path.exists():
-        summ = results_format.read_json(summary_path, AggregateInputError)
-        _check_summary(summ, summary_path)
-    elif doc is not None:
-        summ = _summarize(outcomes)  # a folder that lost its summary.json: rebuild it
-    else:
-        finished = False
-        try:
-            outcomes = results_format.read_journal(journal_path)
-        except OSError as e:
-            raise AggregateInputError(f"{journal_path}: cannot read: {e}") from None
-        try:
-            summ = _summarize(outcomes)
-        except AggregateInputError as e:
-            raise AggregateInputError(f"{journal_path}: {e}") from None
-    node = summ.get("node") or {}
-    machine = (doc or {}).get("machine_info") or {}
-    hostname = str(node.get("hostname") or machine.get("node") or path.name)
-    measures = compare.read_run(doc).measures if doc is not None else {}
-    rdzv = summ.get("rendezvous")
-    rank = rdzv.get("rank") if isinstance(rdzv, dict) else None
-    return NodeResult(
-        name=path.name, path=path, hostname=hostname, finished=finished,
-        exitstatus=summ.get("exitstatus"), capabilities=summ.get("capabilities") or {},
-        failures=summ.get("failures") or [], notices=list(summ.get("notices") or []),
-        known_issues=summ.get("known_issues") or [], outcomes=outcomes, measures=measures,
-        environment=compare.environment(doc) if doc is not None else {},
-        rendezvous=rdzv if isinstance(rdzv, dict) else None,
-        run_id=f"{hostname}|{(doc or {}).get('datetime', '')}|{rank}" if doc else "",
-        has_benchmarks=doc is not None or not finished)
-
-
 def _is_node_dir(path: Path) -> bool:
-    return any((path / f).is_file() for f in results_format.RESULT_FILES)
+    # dsconform.prom alone: a run refused, or killed, before it wrote anything else.
+    return any((path / f).is_file()
+               for f in (*results_format.RESULT_FILES, results_format.PROM_FILE))
 
 
 def _is_own_output(path: Path) -> bool:
@@ -488,7 +355,8 @@ K8S_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?
 K8S_ANNOTATION_CHARS = 1000
 #: A problem's short token (the dsconform/reason label), by how NodeResult.problems words it.
 _REASON_TOKENS = (("no results folder", "no-results"), ("the run did not finish", "unfinished"),
-                  ("the run recorded no test", "no-tests"),
+                  ("the run was refused", "refused"),
+                  ("no GPU found", "no-gpu"), ("the run recorded no test", "no-tests"),
                   ("no benchmarks.json", "incomplete-results"))
 
 

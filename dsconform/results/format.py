@@ -14,11 +14,27 @@ SUMMARY_JSON = "summary.json"
 SUMMARY_TXT = "summary.txt"
 RECORDS_JSONL = "records.jsonl"  # one line per test as it ends: what survives a killed run
 JUNIT_XML = "junit.xml"
+DS_REPORT_JSON = "ds_report.json"  # written by the ops suite
+PROM_FILE = "dsconform.prom"  # the verdict in node_exporter's textfile format
 #: What aggregate reads of a node's folder, in the order it prefers them.
 RESULT_FILES = (SUMMARY_JSON, BENCHMARKS_JSON, RECORDS_JSONL)
-#: What a finished run writes; set aside when the next run starts in the same folder.
-FINISHED_RESULTS = (BENCHMARKS_JSON, SUMMARY_JSON, SUMMARY_TXT)
+#: Every file a reader may take for a run's verdict. A run sets the previous run's aside before
+#: anything can refuse it (dsconform.results.run_files), so none of them outlives its run.
+VERDICT_FILES = (SUMMARY_JSON, SUMMARY_TXT, BENCHMARKS_JSON, JUNIT_XML, DS_REPORT_JSON,
+                 RECORDS_JSONL, PROM_FILE)
+#: summary.json's ``status``: how the run ended.
+STATUSES = ("passed", "failed", "interrupted", "refused")
 OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed")
+
+
+def previous_name(name: str) -> str:
+    """Where a verdict file of the previous run is kept: ``summary.previous.json``. The .prom
+    keeps its suffix last (``dsconform.prom.previous``): node_exporter reads every ``*.prom`` of
+    its folder, and an old verdict must never be one of them."""
+    if name == PROM_FILE:
+        return name + ".previous"
+    stem, dot, suffix = name.partition(".")
+    return f"{stem}.previous{dot}{suffix}"
 
 
 class ResultsFormatError(ValueError):
@@ -35,6 +51,10 @@ def load_benchmarks(path: str | Path) -> dict[str, Any]:
     try:
         doc = json.loads(p.read_text())
     except FileNotFoundError:
+        refused = _refusal(p.parent / SUMMARY_JSON)
+        if refused is not None:
+            raise ResultsFormatError(f"{p.parent}: its newest run was refused before its first "
+                                     f"test ({refused}): it measured nothing") from None
         raise ResultsFormatError(f"{p}: no such file (give a benchmarks.json or the --results "
                                 "directory of a run)") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -49,6 +69,17 @@ def load_benchmarks(path: str | Path) -> dict[str, Any]:
         raise ResultsFormatError(f"{p}: a pytest-benchmark file without dsconform outcomes (no "
                                 "'dsconform' section): not a suite run")
     return doc
+
+
+def _refusal(summary_path: Path) -> str | None:
+    """The reason of a refused run's summary.json; None for any other summary, or none."""
+    try:
+        doc = json.loads(summary_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(doc, dict) and doc.get("status") == "refused":
+        return str(doc.get("reason") or "no reason recorded")
+    return None
 
 
 def ran_nothing(doc: dict[str, Any]) -> bool:

@@ -5,8 +5,9 @@ from the results folder's documents, and the cluster view ``cluster.prom`` from
 The series (docs/fleet.md lists them with their labels):
 
 - the verdict: ``dsconform_node_passed`` (1: the run accepts the node), the problems behind a 0
-  (the ones ``dsconform aggregate`` names: failures, an interrupted or unfinished run, a run that
-  recorded nothing), whether the run finished, and pytest's exit status with its meaning;
+  (the ones ``dsconform aggregate`` names: failures, an interrupted, unfinished or refused run, a
+  run that recorded nothing), whether the run finished, whether it was refused (it never started:
+  a bad option, profile or folder), and pytest's exit status with its meaning;
 - per capability (summary.json's keys) the tests passed, failed, skipped and known (strict xfails
   of a known upstream issue);
 - every measured rate (benchmarks.json, read as ``dsconform compare`` reads it) in base units,
@@ -27,7 +28,6 @@ import json
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +39,10 @@ from prometheus_client.core import (
     Metric,
 )
 
-from dsconform.results import aggregate, summary
+from dsconform.results import aggregate, attempt, node_folder, summary
 from dsconform.results import format as results_format
 
-PROM_FILE = "dsconform.prom"  # node_exporter's convention: one file per job
+PROM_FILE = results_format.PROM_FILE  # node_exporter's convention: one file per job
 CLUSTER_PROM = "cluster.prom"
 #: `dsconform health --json`, where the job saved it beside the results.
 HEALTH_JSON = "health.json"
@@ -111,24 +111,15 @@ def _number(value: Any) -> float | None:
     return float(value) if results_format.is_number(value) else None
 
 
-def _timestamp(text: Any) -> float | None:
-    """Seconds since the epoch of an ISO 8601 time (``started``: ``...+0000``)."""
-    if not isinstance(text, str):
-        return None
-    try:
-        return datetime.fromisoformat(text).timestamp()
-    except ValueError:
-        return None
-
-
 # ------------------------------------------------------------------ one node
 
-def verdict_families(node: aggregate.NodeResult, labels: Mapping[str, str] | None = None
+def verdict_families(node: node_folder.NodeResult, labels: Mapping[str, str] | None = None
                      ) -> list[Metric]:
     """The node's verdict, as ``dsconform aggregate`` judges it (NodeResult.problems)."""
     names, values = list((labels or {}).keys()), list((labels or {}).values())
     passed = _gauge("node_passed", "1: the run accepts the node; 0: it does not (a failure, "
-                    "an interrupted or unfinished run, a run that recorded nothing)", names)
+                    "an interrupted, unfinished or refused run, a run that recorded nothing)",
+                    names)
     passed.add_metric(values, 0.0 if node.failed else 1.0)
     problems = _gauge("node_problems", "Reasons the run does not accept the node (failure "
                       "groups, exit status, an unfinished run): 0 on a pass", names)
@@ -136,7 +127,11 @@ def verdict_families(node: aggregate.NodeResult, labels: Mapping[str, str] | Non
     finished = _gauge("run_finished", "1: the run wrote its summary; 0: it is running, or "
                       "was killed before its end", names)
     finished.add_metric(values, 1.0 if node.finished else 0.0)
-    out: list[Metric] = [passed, problems, finished]
+    refused = _gauge("run_refused", "1: the run was refused before its first test (a bad "
+                     "option, profile or folder; the reason is in its summary.txt): its "
+                     "verdict is 0", names)
+    refused.add_metric(values, 1.0 if node.status == "refused" else 0.0)
+    out: list[Metric] = [passed, problems, finished, refused]
     if isinstance(node.exitstatus, int) and not isinstance(node.exitstatus, bool):
         status = _gauge("run_exit_status", "pytest's exit status (0 passed, 1 tests failed, "
                         "2 interrupted, 3 internal error, 4 usage error, 5 no tests ran)",
@@ -168,7 +163,7 @@ def capability_family(nodes: Iterable[tuple[Mapping[str, str], Mapping[str, Mapp
     return fam
 
 
-def rate_families(node: aggregate.NodeResult) -> list[Metric]:
+def rate_families(node: node_folder.NodeResult) -> list[Metric]:
     """Every rate the run measured, in base units, and its floor where the suite held it to
     one; the count of rates below their floor (a NaN rate is below any floor)."""
     caps = {o.get("nodeid"): o.get("capability") or "" for o in node.outcomes
@@ -357,17 +352,19 @@ def health_families(readings: Mapping[str, Mapping[str, Any]]) -> list[Metric]:
     return out
 
 
-def run_families(doc: Mapping[str, Any] | None, started: str | None = None) -> list[Metric]:
-    """The run's start and end, the versions and the profile."""
+def run_families(doc: Mapping[str, Any] | None, started: str | None = None,
+                 ended: str | None = None) -> list[Metric]:
+    """The run's start and end, the versions and the profile. ``started`` and ``ended``: for a
+    run that wrote no benchmarks.json (running, refused)."""
     ds = (doc or {}).get("dsconform") or {}
     mi = (doc or {}).get("machine_info") or {}
     out: list[Metric] = []
     for name, text, doc_ in (
             ("run_start_timestamp_seconds", ds.get("started") or started,
              "When the run started, seconds since the epoch"),
-            ("run_end_timestamp_seconds", ds.get("finished"),
+            ("run_end_timestamp_seconds", ds.get("finished") or ended,
              "When the run wrote its results, seconds since the epoch")):
-        t = _timestamp(text)
+        t = attempt.timestamp(text)
         if t is not None:
             fam = _gauge(name, doc_)
             fam.add_metric([], t)
@@ -396,18 +393,29 @@ def node_families(folder: Path, started: str | None = None) -> list[Metric]:
     that lacks a field, gives fewer series and a verdict of 0, never an exception.
     ``started``: the run's start, for a run that has written no document yet."""
     try:
-        node = aggregate.load_node(folder)
-    except aggregate.AggregateInputError as e:
-        node = aggregate.NodeResult.missing(folder.name)
+        node = node_folder.load_node(folder)
+    except node_folder.AggregateInputError as e:
+        node = node_folder.NodeResult.missing(folder.name)
         node.absent, node.notices = False, [str(e)]
     try:
         doc = results_format.load_benchmarks(folder)
     except results_format.ResultsFormatError:
         doc = None
     check = _read_json(folder / HEALTH_JSON)
+    summ = _read_json(folder / results_format.SUMMARY_JSON)
+    summ = summ if isinstance(summ, dict) else {}
+    return result_families(node, doc, check, started=started or summ.get("started"),
+                           ended=summ.get("ended"))
+
+
+def result_families(node: node_folder.NodeResult, doc: Mapping[str, Any] | None = None,
+                    check: Mapping[str, Any] | None = None, *, started: str | None = None,
+                    ended: str | None = None) -> list[Metric]:
+    """The series of a node's result: its verdict, tests, rates, the gate's readings, the
+    run's start and end."""
     return [*verdict_families(node), capability_family([({}, node.capabilities)]),
             *rate_families(node), *health_families(health_readings(doc, check)),
-            *run_families(doc, started)]
+            *run_families(doc, started, ended)]
 
 
 def write(families: Iterable[Metric], path: Path) -> Path:

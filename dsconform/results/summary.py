@@ -145,8 +145,10 @@ def column_totals(summary: Mapping[str, Any]) -> dict[str, int]:
 
 
 def lines(summary: Mapping[str, Any], *, profile: str, host: str,
-          notices: Sequence[str] = ()) -> list[str]:
+          notices: Sequence[str] = (), run: str = "") -> list[str]:
+    """The summary as printed. ``run``: what kind of run it was (a GPU or a CPU run)."""
     out = [f"profile {profile} on {host}"]
+    out += [f"run: {run}"] if run else []
     out += [f"NOTE: {n}" for n in notices]
     out.append(f"{'capability':<22}" + "".join(f"{column:>{w}}" for (column, _), w
                                                 in zip(COLUMNS, WIDTHS)))

@@ -40,7 +40,7 @@ def _node_label(n: NodeResult) -> str:
 def _matrix_rows(report: ClusterReport) -> list[list[str]]:
     rows = []
     for n in report.nodes:
-        verdict = "FAILED" if n.failed else "passed"
+        verdict = n.verdict
         rows.append([n.name, n.hostname, n.environment.get("profile", "-"),
                      n.environment.get("DeepSpeed", "-")]
                     + [cell(n.capabilities.get(c)) for c in report.capabilities] + [verdict])
@@ -153,7 +153,8 @@ def markdown(report: ClusterReport) -> str:
 def to_json(report: ClusterReport) -> dict[str, Any]:
     def node(n: NodeResult) -> dict[str, Any]:
         return {"name": n.name, "path": str(n.path), "hostname": n.hostname,
-                "failed": n.failed, "problems": n.problems, "finished": n.finished,
+                "failed": n.failed, "verdict": n.verdict, "problems": n.problems,
+                "finished": n.finished, "status": n.status,
                 "exitstatus": n.exitstatus, "capabilities": n.capabilities,
                 "environment": n.environment, "rendezvous": n.rendezvous}
     return {

@@ -16,6 +16,7 @@ start that saw it, and every later one, spawn instead, and the rank log says why
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sys
 import threading
 
@@ -84,13 +85,23 @@ def start_ahead() -> None:
 
 def stop() -> None:
     """Stop the server, then multiprocessing's resource tracker (the server held it open too),
-    and wait for both, so neither outlives pytest's process; a later rank start starts them
-    again. The stdlib offers no public stop: each object's own _stop() (which CPython's tests
-    use) closes the pipe the process watches and reaps it. Call it once no rank is left."""
+    and reap both, so neither outlives pytest's process; a later rank start starts them again.
+    The server holds nothing to clean up once no rank is left, so it is killed rather than
+    left to tear torch down on its own (about a second). The tracker is asked to end: at its
+    end it names and removes what killed ranks leaked. The stdlib offers no public stop: each
+    object's own _stop() (which CPython's tests use) closes the pipe the process watches and
+    reaps it. Call it once no rank is left."""
+    import signal
     from multiprocessing import forkserver, resource_tracker
 
-    for holder in (getattr(forkserver, "_forkserver", None),
-                   getattr(resource_tracker, "_resource_tracker", None)):
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:  # gone already
+            pass
+    for holder in (server, getattr(resource_tracker, "_resource_tracker", None)):
         stopper = getattr(holder, "_stop", None)
         if stopper is None:
             continue

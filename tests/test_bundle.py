@@ -242,6 +242,11 @@ def crafted_bundle(tmp_path) -> Path:
 def source(script: str, tmp_path: Path, cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "DSCONFORM_SITE": str(tmp_path / "site"),
            "DSCONFORM_LIBAIO": str(tmp_path / "libaio"), "DSCONFORM_SUITE": str(tmp_path / "s")}
+    # No compiled files read or written: the fake versions' sources differ only in their text,
+    # so a .pyc kept elsewhere (this process's PYTHONPYCACHEPREFIX, shared between runs) could
+    # stand for a file that has since been replaced within the same second and size.
+    env.pop("PYTHONPYCACHEPREFIX", None)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     return subprocess.run(["bash", "-c", f"set -u; {script}"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -1,0 +1,98 @@
+"""Known upstream issues of the flops profiler, the monitor and the batch-size rule (test_flops.py,
+test_monitor.py, test_batch_size.py)."""
+
+from __future__ import annotations
+
+from dsconform.gate.known_issue import KnownIssue
+
+ISSUES: tuple[KnownIssue, ...] = (
+    KnownIssue(
+        id="DS-8419-FLOPS-LINEAR-BIAS",
+        title="the flops profiler counts F.linear without its bias: a Linear with bias is "
+              "short one flop per output element (its conv and addmm counters count theirs)",
+        deepspeed="==0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/8419",
+        cases=("test_flops.py::test_model_profile[*-linear_bias]",),
+        # 2 x 13 MACs per output element counted, 2 x 13 + 1 flops done: 26/27 = 0.963
+        failure=r"get_model_profile of linear_bias .*: flops \d+, analytic \d+ \(0\.963x\)",
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: Linear(13, 7) on (3, 5, 13) counted "
+             "2730 flops where the matmul and the bias add are 2835 (MACs, parameters exact)",
+    ),
+    KnownIssue(
+        id="DS-8419-FLOPS-MATMUL-SHAPES",
+        title="the flops profiler's torch.matmul counter multiplies the first operand's size by "
+              "the second's last dimension: a broadcast batch of the second operand is dropped "
+              "and a vector second operand is counted as a matrix",
+        deepspeed="==0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/8419",
+        cases=("test_flops.py::test_model_profile[*-matmul_broadcast]",
+               "test_flops.py::test_model_profile[*-matmul_vector]",
+               "test_flops.py::test_model_profile[*-dot]"),
+        failure=(r"get_model_profile of (matmul_broadcast|matmul_vector|dot) .*: flops \d+, "
+                 r"analytic \d+ \((0\.3333|13)x\)"),
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: (5, 13) @ (3, 13, 7) counted 455 MACs "
+             "of 1365; (5, 13) @ (13,) 845 of 65, (13,) @ (13,) 169 of 13; 2-D, 3-D and bmm "
+             "exact (_matmul_flops_compute: prod(input.shape) * other.shape[-1])",
+    ),
+    KnownIssue(
+        id="DS-3087-FLOPS-OPERATORS",
+        title="the flops profiler counts torch.add/torch.mul but not the operators: x * w + b "
+              "counts 0 flops (every residual add and scale in a model is free)",
+        deepspeed="==0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/issues/3087",
+        cases=("test_flops.py::test_model_profile[*-scale_shift_operators]",),
+        failure=(r"get_model_profile of scale_shift_operators .*: flops 0, analytic \d+ "
+                 r"\(0x\)"),
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: x * w + b over (3, 5, 13) counted 0 "
+             "flops, torch.add(torch.mul(x, w), b) the exact 390 (open pull request #8509)",
+    ),
+    KnownIssue(
+        id="DS-Z3-FLOPS-LINEAR-TWICE",
+        title="the engine's flops profiler under ZeRO stage 3 counts every Linear twice: "
+              "ZeRO-3 replaces F.linear by its memory-efficient wrapper, whose inner "
+              "torch.matmul/addmm the profiler counts as well",
+        deepspeed="==0.19.8",
+        # No upstream issue or pull request names it yet: the link is the code at fault.
+        link="https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/zero/"
+             "partition_parameters.py#L412-L419",
+        cases=("test_flops.py::test_engine_profiler[*-z3]",),
+        failure=(r"ZeRO stage 3, profile_step \d+: the profiler during step \d+: flops \d+, "
+                 r"analytic \d+ \(2x\)"),
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, one rank: two bias-free Linear layers "
+             "counted 3840 flops and 1920 MACs where stage 0 counts the analytic 1920 and 960; "
+             "_enable_mem_efficient_linear sets torch.nn.functional.linear = zero3_linear_wrap "
+             "(for the life of the process), and LinearFunctionForZeroStage3.forward calls "
+             "input.matmul (torch.addmm with a bias), both wrapped by the profiler",
+    ),
+    KnownIssue(
+        id="DS-7665-MONITOR-NO-LOSS",
+        title="the engine writes no training loss to its monitors (csv_monitor, tensorboard, "
+              "wandb): Train/Samples/train_loss, which DeepSpeed's monitor docs list as logged "
+              "automatically, is gone since the backward rework of PR #7665; only the lr (and "
+              "the fp16 loss scale) remain",
+        deepspeed="==0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/7665",
+        cases=("test_monitor.py::test_csv_loss[*]", "test_monitor.py::test_tensorboard_loss[*]"),
+        failure=r"(csv_monitor|tensorboard) Train/Samples/train_loss: nothing written",
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, ZeRO 1, 2 ranks: csv and event files "
+             "hold Train/Samples/lr alone; the pull request removed the write from backward() "
+             "(first in 0.18.3, not run); the pipeline engine still writes it",
+    ),
+    KnownIssue(
+        id="DS-BATCH-ZERO-UNNAMED",
+        title="a train_batch_size smaller than micro-batch (or accumulation) x world size is "
+              "refused without naming it: the inferred third value is floor-divided to 0 and "
+              "the error says only 'Gradient accumulation steps: 0' (or 'Micro batch size per "
+              "gpu: 0') 'has to be greater than 0'",
+        deepspeed="==0.19.8",
+        # No upstream issue or pull request names it yet: the link is the code at fault.
+        link="https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/"
+             "config.py#L590-L629",
+        cases=("test_batch_size.py::test_too_small_is_refused_by_name[*]",),
+        failure=(r"refused, but the error does not name [^\n]*: 'AssertionError: (Gradient "
+                 r"accumulation steps|Micro batch size per gpu): 0 has to be greater than 0'"),
+        seen="CPU machine, DeepSpeed 0.19.8, 2 ranks: train_batch_size 5 with micro-batch 3, "
+             "7 with accumulation 4; a quotient of 1 or more that is not whole is refused by "
+             "the rule's assertion, which names all three",
+    ),
+)

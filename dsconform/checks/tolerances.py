@@ -59,6 +59,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dsconform.checks import tolerances_moe
+
 ACCELERATORS = ("cpu", "cuda")
 # What a profile's [tolerances."check.dtype.optimizer"] table may set.
 OVERRIDE_FIELDS = ("rtol", "atol", "update", "gain", "tensor_gain", "why")
@@ -533,6 +535,9 @@ _MONITOR_LOSS = Tol(1e-6, 0.0,
                     "one step late differs by far more (the suite's loss moves > 1% a step)")
 for _dtype in ("fp32", "fp16"):
     TABLE[("monitor_loss", _dtype, "sgd")] = {"cpu": _MONITOR_LOSS, "cuda": _MONITOR_LOSS}
+
+for _key, (_rtol, _atol, _why) in tolerances_moe.ENTRIES.items():
+    TABLE[_key] = dict.fromkeys(ACCELERATORS, Tol(_rtol, _atol, _why))
 
 
 def key(check: str, dtype: str, optimizer: str) -> str:

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dsconform.suite import cpu_fp32, device, ds_config, rank, seed_everything, world
+from dsconform.suite import cpu_fp32, device, ds_config, gather, rank, seed_everything, world
 
 HIDDEN = 8
 EXPERTS = 4
@@ -411,10 +411,14 @@ def checkpoint_round_trip(ep_size: int, stage: int, steps: int, more: int, micro
         with torch.no_grad():  # the fresh engine must get everything from the checkpoint
             for p in fresh.module.parameters():
                 p.add_(0.5)
+        error = None
         try:
             fresh.load_checkpoint(ckpt_dir, tag="moe")
         except Exception as e:  # the load refused a damaged checkpoint: say so, compare nothing
-            return {"rank": rank(), "files": files, "load_error": f"{type(e).__name__}: {e}"}
+            error = f"{type(e).__name__}: {e}"
+        if any(gather(error)):  # every rank stops, none waits in a collective for another
+            return {"rank": rank(), "files": files, "load_error": error or "another rank's "
+                    "load failed"}
         loaded = _state(fresh)
         resumed = train(fresh, data[steps:], steps)
         resumed_final = _state(fresh)

@@ -438,32 +438,39 @@ def checkpoint_round_trip(ep_size: int, stage: int, steps: int, more: int, micro
 def all_to_all_busbw(sizes: list[int], rounds: int, warmup: int) -> list[dict[str, Any]]:
     """Rank entry point: all_to_all_single of fp32 buffers of each size in bytes (the buffer an
     MoE layer sends: every rank's [experts, capacity, hidden] block), checked once on known data,
-    then timed ``rounds`` times after ``warmup`` calls. Times are each round's slowest rank."""
+    then timed ``rounds`` times after ``warmup`` calls. Times are each round's slowest rank. The
+    suite measures on GPUs; the project's tests run it on the CPU accelerator."""
     import time
 
     import torch.distributed as tdist
 
     dev = device()
     n = world()
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out = []
     for size in sizes:
         count = size // 4 // n * n
-        send = (torch.arange(count, dtype=torch.float32, device=dev) + rank() * count)
+        chunk = count // n
+
+        def values(src: int, first: int, length: int) -> torch.Tensor:
+            # Small integers (exact in fp32) that name the sender and the element.
+            idx = torch.arange(first, first + length, dtype=torch.int64, device=dev)
+            return ((idx * 7 + src * 13) % 4093).to(torch.float32)
+
+        send = values(rank(), 0, count)
         recv = torch.empty_like(send)
         tdist.all_to_all_single(recv, send)
-        chunk = count // n
-        expected = torch.cat([torch.arange(chunk, dtype=torch.float32, device=dev)
-                              + r * count + rank() * chunk for r in range(n)])
+        expected = torch.cat([values(r, rank() * chunk, chunk) for r in range(n)])
         exact = bool(torch.equal(recv, expected))
         for _ in range(warmup):
             tdist.all_to_all_single(recv, send)
         times = []
         for _ in range(rounds):
-            torch.cuda.synchronize()
+            sync()
             tdist.barrier()
             t0 = time.perf_counter()
             tdist.all_to_all_single(recv, send)
-            torch.cuda.synchronize()
+            sync()
             elapsed = torch.tensor([time.perf_counter() - t0], device=dev)
             tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)
             times.append(float(elapsed))

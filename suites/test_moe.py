@@ -133,9 +133,13 @@ def layer_problems(result: dict[str, Any], cell: dict[str, Any], accelerator: st
 @pytest.mark.parametrize("accelerator", [accel_cell(accel, world_size=1)
                                          for accel in ACCELERATORS])
 @pytest.mark.parametrize("cell", LAYER_CELLS, ids=[c["id"] for c in LAYER_CELLS])
-def test_layer_matches_reference(accelerator: str, cell: dict[str, Any]):
+def test_layer_matches_reference(accelerator: str, cell: dict[str, Any], metrics):
     """MOE-LAYER-1: the MoE layer MUST compute the reference's output, l_aux and kept routes."""
-    problems = layer_problems(layer_results(accelerator)[cell["id"]], cell, accelerator)
+    result = layer_results(accelerator)[cell["id"]]
+    metrics.record("moe.layer_output_max_abs_diff",
+                   float((result["output"] - result["reference"]["output"]).abs().max()),
+                   unit="1", better="lower")
+    problems = layer_problems(result, cell, accelerator)
     assert not problems, "\n".join(problems)
 
 
@@ -180,17 +184,19 @@ def merged_trace(per_rank: list[dict[str, Any]], r: int) -> dict[str, Any]:
     return {"losses": per_rank[r]["losses"], "grads": grads, "params": params}
 
 
+def ep_comparisons(runs: dict[int, list[dict[str, Any]]], label: str, accelerator: str
+                   ) -> list[Any]:
+    """Every rank's ep_size = world size trace against its ep_size = 1 trace."""
+    tol = tolerance("moe_ep", "fp32", "sgd", accelerator=accelerator)
+    return [compare_traces(merged_trace(runs[WORLD_SIZE], r), merged_trace(runs[1], r), tol,
+                           label=label, where=f"rank {r}") for r in range(WORLD_SIZE)]
+
+
 def ep_problems(runs: dict[int, list[dict[str, Any]]], label: str, accelerator: str
                 ) -> list[str]:
-    """MOE-EP-1's judgement: every rank's ep_size = world size trace against its ep_size = 1
-    trace, and clipping that bit (the cell checks what it says)."""
-    tol = tolerance("moe_ep", "fp32", "sgd", accelerator=accelerator)
-    problems = []
-    for r in range(WORLD_SIZE):
-        cmp = compare_traces(merged_trace(runs[WORLD_SIZE], r), merged_trace(runs[1], r), tol,
-                             label=label, where=f"rank {r}")
-        if not cmp.ok:
-            problems.append(cmp.report())
+    """MOE-EP-1's judgement: the comparisons, and clipping that bit (the cell checks what it
+    says)."""
+    problems = [cmp.report() for cmp in ep_comparisons(runs, label, accelerator) if not cmp.ok]
     norms = [_true_norm(merged_trace(runs[1], 0)["grads"][s]) for s in range(EP_STEPS)]
     if not any(n > CLIP for n in norms):
         problems.append(f"{label}: no step's gradient norm exceeds gradient_clipping {CLIP} "
@@ -226,9 +232,14 @@ def norm_problems(runs: dict[int, list[dict[str, Any]]], label: str) -> list[str
 
 
 @pytest.mark.parametrize("accelerator, stage", EP_CELLS)
-def test_expert_parallel_trains_like_ep1(accelerator: str, stage: int):
+def test_expert_parallel_trains_like_ep1(accelerator: str, stage: int, metrics):
     """MOE-EP-1: ep_size = world size MUST train like ep_size = 1 (ZeRO 0-2, clipping on)."""
-    problems = ep_problems(ep_runs(accelerator, stage), f"z{stage}", accelerator)
+    runs = ep_runs(accelerator, stage)
+    for quantity in ("loss", "grad", "param"):  # what an upgrade moves, inside the bound too
+        worst = max(cmp.worst(quantity)[0] for cmp in ep_comparisons(runs, "", accelerator))
+        metrics.record(f"moe.ep_{quantity}_max_abs_diff", worst, unit="1", better="lower",
+                       stage=stage)
+    problems = ep_problems(runs, f"z{stage}", accelerator)
     assert not problems, "\n".join(problems)
 
 
@@ -242,7 +253,7 @@ def test_clip_norm_counts_every_expert_once(accelerator: str, stage: int):
 # ------------------------------------------------------------------ MOE-CKPT-1
 
 CKPT_STEPS, CKPT_MORE = 3, 3
-CKPT_CELLS = [accel_cell(accel, ws, id=f"z{stage}-ws{ws}", world_size=ws,
+CKPT_CELLS = [accel_cell(accel, stage, ws, id=f"z{stage}-ws{ws}", world_size=ws,
                          one_gpu=("tier" if ws == 1 else "covered") if accel == "cuda" else None,
                          slow=accel == "cuda" and ws == 1)
               for accel in ACCELERATORS for stage, ws in ((1, 2), (2, 1))
@@ -277,10 +288,10 @@ def checkpoint_problems(results: list[dict[str, Any]], ep_size: int, accelerator
     return problems
 
 
-@pytest.mark.parametrize("accelerator, world_size", CKPT_CELLS)
-def test_checkpoint_round_trip(accelerator: str, world_size: int, scratch):
-    """MOE-CKPT-1: an MoE checkpoint MUST round-trip bit for bit and resume on its trajectory."""
-    stage = 1 if world_size > 1 else 2
+@pytest.mark.parametrize("accelerator, stage, world_size", CKPT_CELLS)
+def test_checkpoint_round_trip(accelerator: str, stage: int, world_size: int, scratch):
+    """MOE-CKPT-1: an MoE checkpoint MUST round-trip bit for bit and resume on its trajectory
+    (ep_size = world size)."""
     results = run_ranks(moe_ranks.checkpoint_round_trip, world_size, timeout_s=TIMEOUT_S,
                         args=(world_size, stage, CKPT_STEPS, CKPT_MORE, MICRO_BATCH,
                               str(scratch / "moe_ckpt")), accelerator=accelerator)

@@ -68,3 +68,13 @@ def test_dropped_expert_file_fails_the_checkpoint_check(tmp_path):
     assert checkpoint_problems(run("control", False), 2, "cpu") == []
     text = "\n".join(checkpoint_problems(run("dropped", True), 2, "cpu"))
     assert re.search(r"rank 1: the load failed: \w+", text), text
+
+
+def test_all_to_all_check_sees_its_data():
+    """MOE-A2A-1's rank code on 2 CPU ranks (gloo): every size comes back exact, each timed
+    3 times; the suite runs it on GPUs only."""
+    points = run_ranks(moe_ranks.all_to_all_busbw, 2, timeout_s=120, accelerator="cpu",
+                       args=([4096, 1 << 20], 3, 1))[0]
+    assert [p["bytes"] for p in points] == [4096, 1 << 20]
+    assert all(p["exact"] and len(p["seconds"]) == 3 and min(p["seconds"]) > 0
+               for p in points), points

@@ -246,7 +246,8 @@ def batches(steps: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tens
     return out
 
 
-def _engine(ep_size: int, stage: int, clip: float, lr: float, micro_batch: int):
+def _engine(ep_size: int, stage: int, clip: float, lr: float, micro_batch: int,
+            momentum: float = 0.0):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
@@ -257,7 +258,7 @@ def _engine(ep_size: int, stage: int, clip: float, lr: float, micro_batch: int):
         {"params": list(model.parameters()), "name": "parameters"})
     config = ds_config(stage=stage, dtype="fp32", optimizer="sgd", lr=lr,
                        micro_batch=micro_batch, grad_accum=1, world_size=world(),
-                       gradient_clipping=clip)
+                       gradient_clipping=clip, momentum=momentum)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=config)
     return engine, ep_rank
 
@@ -389,7 +390,8 @@ def checkpoint_round_trip(ep_size: int, stage: int, steps: int, more: int, micro
             losses.append(loss.item())
         return losses
 
-    engine, _ = _engine(ep_size, stage, 0.0, 0.05, micro_batch)
+    # SGD with momentum: the resumed steps need the optimizer state the checkpoint holds.
+    engine, _ = _engine(ep_size, stage, 0.0, 0.05, micro_batch, momentum=0.9)
     try:
         train(engine, data[:steps], 0)
         engine.save_checkpoint(ckpt_dir, tag="moe")
@@ -406,7 +408,7 @@ def checkpoint_round_trip(ep_size: int, stage: int, steps: int, more: int, micro
     if drop_expert_file and rank() == 0:
         os.remove(os.path.join(ckpt_dir, files[-1]))
     tdist.barrier()
-    fresh, _ = _engine(ep_size, stage, 0.0, 0.05, micro_batch)
+    fresh, _ = _engine(ep_size, stage, 0.0, 0.05, micro_batch, momentum=0.9)
     try:
         with torch.no_grad():  # the fresh engine must get everything from the checkpoint
             for p in fresh.module.parameters():

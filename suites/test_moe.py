@@ -130,9 +130,8 @@ def layer_problems(result: dict[str, Any], cell: dict[str, Any], accelerator: st
     return problems
 
 
-@pytest.mark.parametrize("accelerator", [accel_cell(accel, world_size=1)
-                                         for accel in ACCELERATORS])
-@pytest.mark.parametrize("cell", LAYER_CELLS, ids=[c["id"] for c in LAYER_CELLS])
+@pytest.mark.parametrize("accelerator, cell", [
+    accel_cell(accel, cell, id=cell["id"]) for accel in ACCELERATORS for cell in LAYER_CELLS])
 def test_layer_matches_reference(accelerator: str, cell: dict[str, Any], metrics):
     """MOE-LAYER-1: the MoE layer MUST compute the reference's output, l_aux and kept routes."""
     result = layer_results(accelerator)[cell["id"]]

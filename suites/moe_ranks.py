@@ -356,13 +356,21 @@ def train_ep(ep_size: int, stage: int, steps: int, micro_batch: int, clip: float
 # MOE-CKPT-1
 # ---------------------------------------------------------------------------------------------
 
-def _state(engine: Any) -> dict[str, torch.Tensor]:
+def _state(engine: Any) -> dict[str, Any]:
+    """What the checkpoint must carry, by name: every weight (the fp32 master where ZeRO keeps
+    one), this rank's SGD momentum buffers (ZeRO's flat partitions, by group), and the step
+    counter."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    out = {}
+    out: dict[str, Any] = {"engine/global_steps": engine.global_steps}
     for n, p in engine.module.named_parameters():
         full = safe_get_full_fp32_param(p)
         out[n] = cpu_fp32(p.data if full is None else full).clone()
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    for g, group in enumerate(inner.param_groups):
+        for i, p in enumerate(group["params"]):
+            buf = inner.state.get(p, {}).get("momentum_buffer")
+            out[f"momentum/{g}.{i}"] = None if buf is None else cpu_fp32(buf).clone()
     return out
 
 

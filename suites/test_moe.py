@@ -20,8 +20,9 @@ bit for bit, and the all_to_all an MoE layer sends is measured with the collecti
   clips with MUST be the norm of every gradient with each expert counted exactly once (computed
   from the gradients the engine holds), on every rank, at every step.
 - MOE-CKPT-1 (``test_checkpoint_round_trip``): an MoE checkpoint with ``ep_size`` = world size
-  MUST write one expert file per expert, MUST load back every weight bit for bit, and training
-  resumed from it MUST continue exactly as the uninterrupted run (losses and final weights).
+  MUST write one expert file per expert, MUST load back every weight, SGD momentum buffer and
+  the step counter bit for bit, and training resumed from it MUST continue exactly as the
+  uninterrupted run (losses, final weights and momentum).
 - MOE-A2A-1 (``test_all_to_all_busbw``, GPU): all_to_all at the sizes an MoE layer sends MUST
   return the exact result; its bus bandwidth (nccl-tests' factor (n-1)/n, GB/s = 1e9 bytes/s,
   3 rounds) is recorded with the collectives and held to the profile's ``[[nccl.floors]]``
@@ -274,6 +275,9 @@ def checkpoint_problems(results: list[dict[str, Any]], ep_size: int, accelerator
         if res["load_error"]:
             problems.append(f"rank {r}: the load failed: {res['load_error']}")
             continue
+        if not any(k.startswith("momentum/") and v is not None for k, v in res["saved"].items()):
+            problems.append(f"rank {r}: the saved engine holds no momentum buffer: the check "
+                            f"could not see a load that drops the optimizer state")
         for label, a, b in (("loaded weights", res["loaded"], res["saved"]),
                             ("weights after the resumed steps", res["resumed_final"],
                              res["straight_final"])):

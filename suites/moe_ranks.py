@@ -445,10 +445,12 @@ def checkpoint_round_trip(ep_size: int, stage: int, steps: int, more: int, micro
 # MOE-A2A-1
 # ---------------------------------------------------------------------------------------------
 
-def all_to_all_busbw(sizes: list[int], rounds: int, warmup: int) -> list[dict[str, Any]]:
+def all_to_all_busbw(points: list[tuple[int, int]], rounds: int, warmup: int
+                     ) -> list[dict[str, Any]]:
     """Rank entry point: all_to_all_single of fp32 buffers of each size in bytes (the buffer an
-    MoE layer sends: every rank's [experts, capacity, hidden] block), checked once on known data,
-    then timed ``rounds`` times after ``warmup`` calls. Times are each round's slowest rank. The
+    MoE layer sends: every rank's [experts, capacity, hidden] block) for each (bytes, calls per
+    round) point, checked once on known data, then timed ``rounds`` rounds of back-to-back calls
+    after ``warmup`` calls. A round's seconds per call are its slowest rank's. The
     suite measures on GPUs; the project's tests run it on the CPU accelerator."""
     import time
 
@@ -458,7 +460,7 @@ def all_to_all_busbw(sizes: list[int], rounds: int, warmup: int) -> list[dict[st
     n = world()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     out = []
-    for size in sizes:
+    for size, iters in points:
         count = size // 4 // n * n
         chunk = count // n
 
@@ -479,9 +481,10 @@ def all_to_all_busbw(sizes: list[int], rounds: int, warmup: int) -> list[dict[st
             sync()
             tdist.barrier()
             t0 = time.perf_counter()
-            tdist.all_to_all_single(recv, send)
+            for _ in range(iters):
+                tdist.all_to_all_single(recv, send)
             sync()
-            elapsed = torch.tensor([time.perf_counter() - t0], device=dev)
+            elapsed = torch.tensor([(time.perf_counter() - t0) / iters], device=dev)
             tdist.all_reduce(elapsed, op=tdist.ReduceOp.MAX)
             times.append(float(elapsed))
         out.append({"bytes": count * 4, "seconds": times, "exact": exact})

@@ -74,7 +74,7 @@ def test_all_to_all_check_sees_its_data():
     """MOE-A2A-1's rank code on 2 CPU ranks (gloo): every size comes back exact, each timed
     3 times; the suite runs it on GPUs only."""
     points = run_ranks(moe_ranks.all_to_all_busbw, 2, timeout_s=120, accelerator="cpu",
-                       args=([4096, 1 << 20], 3, 1))[0]
+                       args=([(4096, 3), (1 << 20, 2)], 3, 1))[0]
     assert [p["bytes"] for p in points] == [4096, 1 << 20]
     assert all(p["exact"] and len(p["seconds"]) == 3 and min(p["seconds"]) > 0
                for p in points), points

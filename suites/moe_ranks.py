@@ -18,7 +18,7 @@ Fault injection for the project's red tests, off by default:
 - ``double_count_expert=True`` (expert parallelism): the engine's global gradient norm counts
   the first expert's gradient twice (its squared norm is added once more before clipping).
 - ``drop_expert_file=True`` (checkpoint): one expert file of the saved checkpoint is removed
-  before the load.
+  before the load; ``skip_optimizer_state=True``: the load leaves the optimizer state out.
 """
 
 from __future__ import annotations
@@ -380,7 +380,8 @@ def expert_files(ckpt_dir: str) -> list[str]:
 
 
 def checkpoint_round_trip(ep_size: int, stage: int, steps: int, more: int, micro_batch: int,
-                          ckpt_dir: str, drop_expert_file: bool = False) -> dict[str, Any]:
+                          ckpt_dir: str, drop_expert_file: bool = False,
+                          skip_optimizer_state: bool = False) -> dict[str, Any]:
     """Rank entry point: train ``steps``, save, train ``more`` (the uninterrupted run), then a
     fresh engine loads the checkpoint and trains the same ``more`` steps."""
     seed_everything(0)
@@ -423,7 +424,8 @@ def checkpoint_round_trip(ep_size: int, stage: int, steps: int, more: int, micro
                 p.add_(0.5)
         error = None
         try:
-            fresh.load_checkpoint(ckpt_dir, tag="moe")
+            fresh.load_checkpoint(ckpt_dir, tag="moe",
+                                  load_optimizer_states=not skip_optimizer_state)
         except Exception as e:  # the load refused a damaged checkpoint: say so, compare nothing
             error = f"{type(e).__name__}: {e}"
         if any(gather(error)):  # every rank stops, none waits in a collective for another

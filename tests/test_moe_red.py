@@ -8,7 +8,7 @@ injected on the DeepSpeed side only:
 - MOE-EP-1 / MOE-EP-2: the norm the engine clips with counts expert 0's gradient twice on
   ZeRO-2 (``double_count_expert``);
 - MOE-CKPT-1: one expert file of the saved checkpoint is removed before the load
-  (``drop_expert_file``).
+  (``drop_expert_file``), or the load leaves the optimizer state out (``skip_optimizer_state``).
 
 Each judgement MUST then fail and name what went wrong. Nothing is mocked.
 """
@@ -68,6 +68,15 @@ def test_dropped_expert_file_fails_the_checkpoint_check(tmp_path):
     assert checkpoint_problems(run("control", False), 2, "cpu") == []
     text = "\n".join(checkpoint_problems(run("dropped", True), 2, "cpu"))
     assert re.search(r"rank 1: the load failed: \w+", text), text
+
+
+def test_optimizer_state_left_out_of_the_load_fails(tmp_path):
+    results = run_ranks(moe_ranks.checkpoint_round_trip, 2, timeout_s=180, accelerator="cpu",
+                        args=(2, 1, CKPT_STEPS, CKPT_MORE, MICRO_BATCH, str(tmp_path)),
+                        kwargs={"skip_optimizer_state": True})
+    text = "\n".join(checkpoint_problems(results, 2, "cpu"))
+    assert "ep_size=2 loaded weights" in text and "momentum/" in text, text
+    assert "resumed losses" in text, text
 
 
 def test_all_to_all_check_sees_its_data():

@@ -19,8 +19,8 @@ ISSUES: tuple[KnownIssue, ...] = (
         seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, gloo, 2 ranks: 4 experts, "
              "gradient_clipping 0.3 biting at step 0; ep_size = 2 and ep_size = 1 have equal "
              "step-0 gradients, then the losses part at step 1 (4.5e-4 abs by step 4) and the "
-             "parameters end up to 5.2e-4 apart after 5 steps; ZeRO 1-2 (the optimizer's own "
-             "norm) match to 1.5e-8. Open fix: "
+             "parameters end up to 5.2e-4 apart after 5 steps; the same cell with clipping off, "
+             "and ZeRO 1-2 (the optimizer's own norm) with it on, match to 1.5e-8. Open fix: "
              "https://github.com/deepspeedai/DeepSpeed/pull/8478",
     ),
 )

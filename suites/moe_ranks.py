@@ -15,8 +15,9 @@ DeepSpeed's: loops over tokens and experts, no capacity buffers, no einsum.
 
 Fault injection for the project's red tests, off by default:
 - ``misroute=True`` (layer): the DeepSpeed gate sends token 0's first choice to the next expert.
-- ``double_count_expert=True`` (expert parallelism): the engine's global gradient norm counts
-  the first expert's gradient twice (its squared norm is added once more before clipping).
+- ``double_count_expert=True`` (expert parallelism, ZeRO 1-2): the optimizer's global gradient
+  norm counts the first expert's gradient twice (its squared norm added once more before
+  clipping).
 - ``drop_expert_file=True`` (checkpoint): one expert file of the saved checkpoint is removed
   before the load; ``skip_optimizer_state=True``: the load leaves the optimizer state out.
 """
@@ -264,49 +265,27 @@ def _engine(ep_size: int, stage: int, clip: float, lr: float, micro_batch: int,
 
 
 def _double_count_first_expert(engine: Any) -> None:
-    """Fault injection: the global norm the engine clips with counts expert 0's gradient
-    twice (ZeRO 1-2: the optimizer's norm; stage 0: the engine's clip)."""
+    """Fault injection: the global norm the ZeRO 1-2 optimizer clips with counts expert 0's
+    gradient twice (its squared norm added once more on the rank that holds it)."""
     from deepspeed.utils import safe_get_full_grad
 
+    opt = engine.optimizer
+    if not hasattr(opt, "scaled_global_norm"):
+        raise ValueError("double_count_expert needs ZeRO stage 1 or 2 (the optimizer's norm)")
     first = [p for n, p in engine.module.named_parameters()
              if n.startswith("moe.deepspeed_moe.experts.deepspeed_experts.0.")]
+    original = opt.scaled_global_norm
 
     def extra() -> float:
         if rank() % _ep_size(engine) != 0:
             return 0.0
         return sum(float(safe_get_full_grad(p).float().pow(2).sum()) for p in first)
 
-    opt = engine.optimizer
-    if hasattr(opt, "scaled_global_norm"):
-        original = opt.scaled_global_norm
+    def scaled_global_norm(norm_type: int = 2):
+        norm = original(norm_type)
+        return torch.sqrt(norm.float() ** 2 + extra()).to(norm.dtype)
 
-        def scaled_global_norm(norm_type: int = 2):
-            norm = original(norm_type)
-            return torch.sqrt(norm.float() ** 2 + extra()).to(norm.dtype)
-
-        opt.scaled_global_norm = scaled_global_norm
-    else:
-        import deepspeed.runtime.engine as ds_engine
-
-        original_clip = ds_engine.clip_grad_norm_
-
-        def clip(parameters, max_norm, norm_type=2, mpu=None):
-            parameters = list(parameters)
-            for p in first:
-                if rank() % _ep_size(engine) == 0:
-                    parameters.append(_GradHolder(p.grad))
-            return original_clip(parameters, max_norm, norm_type, mpu)
-
-        ds_engine.clip_grad_norm_ = clip
-
-
-class _GradHolder:
-    """A parameter-like view of a gradient: clip_grad_norm_ reads ``.grad`` and ``.device``;
-    clipping it scales the real gradient a second time too, the fault's side effect."""
-
-    def __init__(self, grad: torch.Tensor) -> None:
-        self.grad = grad.clone()
-        self.device = grad.device
+    opt.scaled_global_norm = scaled_global_norm
 
 
 def _ep_size(engine: Any) -> int:

@@ -149,8 +149,7 @@ def _layer_cell(cell: dict[str, Any], misroute: bool) -> dict[str, Any]:
         _, capacity, _, indices, _, _, _ = gate(x.to(dev).float(), None, True, False)
     torch.manual_seed(cell["seed"] + 1)
     priority = torch.rand(TOKENS, EXPERTS, device=dev).cpu()
-    experts = [cpu_expert for cpu_expert in
-               (_cpu_copy(e) for e in layer.deepspeed_moe.experts.deepspeed_experts)]
+    experts = [_cpu_copy(e) for e in layer.deepspeed_moe.experts.deepspeed_experts]
     with torch.no_grad():
         ref = reference_moe(
             x, cpu_fp32(gate.wg.weight), experts, k=cell["k"],
@@ -184,15 +183,16 @@ def layer_cells(cells: list[dict[str, Any]], misroute: bool = False) -> list[dic
 # ---------------------------------------------------------------------------------------------
 
 class MoEModel(nn.Module):
-    """Linear -> MoE (top-1, Random Token Selection, a capacity that drops) -> Linear."""
+    """Linear -> MoE (top-k, a capacity that drops; top-1 with Random Token Selection, top-2
+    with the second expert sampled, DeepSpeed's defaults) -> Linear."""
 
-    def __init__(self, ep_size: int) -> None:
+    def __init__(self, ep_size: int, k: int = 1) -> None:
         from deepspeed.moe.layer import MoE
 
         super().__init__()
         self.inp = nn.Linear(HIDDEN, HIDDEN)
         self.moe = MoE(hidden_size=HIDDEN, expert=make_expert(), num_experts=EXPERTS,
-                       ep_size=ep_size, k=1, capacity_factor=1.0, min_capacity=1,
+                       ep_size=ep_size, k=k, capacity_factor=1.0, min_capacity=1,
                        drop_tokens=True, use_rts=True)
         self.out = nn.Linear(HIDDEN, 1)
 
@@ -248,11 +248,11 @@ def batches(steps: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tens
 
 
 def _engine(ep_size: int, stage: int, clip: float, lr: float, micro_batch: int,
-            momentum: float = 0.0):
+            momentum: float = 0.0, k: int = 1):
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    model = MoEModel(ep_size)
+    model = MoEModel(ep_size, k)
     ep_rank = rank() % ep_size
     _load_initial(model, ep_size, ep_rank)
     groups = split_params_into_different_moe_groups_for_optimizer(
@@ -293,14 +293,14 @@ def _ep_size(engine: Any) -> int:
 
 
 def train_ep(ep_size: int, stage: int, steps: int, micro_batch: int, clip: float, lr: float,
-             double_count_expert: bool = False) -> dict[str, Any]:
+             double_count_expert: bool = False, k: int = 1) -> dict[str, Any]:
     """Rank entry point: ``steps`` SGD steps of the MoE model with ``ep_size``; this rank's
     losses, its gradients and final weights under their ep_size = 1 names (its own experts
     only), and the norm the engine clipped with."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_grad
 
     seed_everything(0)
-    engine, ep_rank = _engine(ep_size, stage, clip, lr, micro_batch)
+    engine, ep_rank = _engine(ep_size, stage, clip, lr, micro_batch, k=k)
     local = EXPERTS // ep_size
     if double_count_expert:
         _double_count_first_expert(engine)
@@ -309,7 +309,8 @@ def train_ep(ep_size: int, stage: int, steps: int, micro_batch: int, clip: float
     losses, grads, norms = [], [], []
     try:
         for step, (x, y) in enumerate(batches(steps, micro_batch)):
-            torch.manual_seed(1000 * step + rank())  # Random Token Selection's draw
+            # The gate's random draws (Random Token Selection, top-2's second expert).
+            torch.manual_seed(1000 * step + rank())
             pred, l_aux = engine(x.to(dev))
             loss = F.mse_loss(pred.float(), y.to(dev)) + 0.01 * l_aux
             engine.backward(loss)

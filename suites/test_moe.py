@@ -11,11 +11,11 @@ bit for bit, and the all_to_all an MoE layer sends is measured with the collecti
   expert's Gumbel sampling off (``top2_2nd_expert_sampling=False``), so both choices are the
   gate's.
 - MOE-EP-1 (``test_expert_parallel_trains_like_ep1``): a model with an MoE layer (4 experts,
-  top-1, a capacity that drops tokens) with ``ep_size`` = world size MUST train like the same
-  model with ``ep_size`` = 1 from the same weights and data, under ZeRO 0-2, with the parameter
-  groups of ``split_params_into_different_moe_groups_for_optimizer`` and gradient clipping that
-  bites: every rank's losses, the expert and non-expert gradients of every step and the final
-  parameters (each expert read from the rank that holds it).
+  top-1, and top-2 on ZeRO 2, a capacity that drops tokens) with ``ep_size`` = world size MUST
+  train like the same model with ``ep_size`` = 1 from the same weights and data, under ZeRO
+  0-2, with the parameter groups of ``split_params_into_different_moe_groups_for_optimizer`` and
+  gradient clipping that bites: every rank's losses, the expert and non-expert gradients of
+  every step and the final parameters (each expert read from the rank that holds it).
 - MOE-EP-2 (``test_clip_norm_counts_every_expert_once``): the global gradient norm the engine
   clips with MUST be the norm of every gradient with each expert counted exactly once (computed
   from the gradients the engine holds), on every rank, at every step.
@@ -37,7 +37,7 @@ Upstream: https://www.deepspeed.ai/tutorials/mixture-of-experts/ ,
 https://deepspeed.readthedocs.io/en/latest/moe.html
 
 Stable ids: MOE-LAYER-1, MOE-EP-1, MOE-EP-2, MOE-CKPT-1, MOE-A2A-1; case ids (``cpu-top2-drop-
-cf0.5-residual``, ``cpu-z2``) name their cell and do not change.
+cf0.5-residual``, ``cpu-z2-top2``) name their cell and do not change.
 """
 
 from __future__ import annotations
@@ -147,24 +147,26 @@ def test_layer_matches_reference(accelerator: str, cell: dict[str, Any], metrics
 # ------------------------------------------------------------------ MOE-EP-1 / MOE-EP-2
 
 def _ep_cells() -> list:
-    return [accel_cell(accel, stage, id=f"z{stage}", world_size=WORLD_SIZE,
-                       marks=[requires(two_ranks=TWO_RANKS)],
-                       slow=accel == "cuda" and stage != 2)
-            for accel in ACCELERATORS for stage in (0, 1, 2)]
+    """Top-1 on ZeRO 0-2 and top-2 on ZeRO 2; on GPUs top-1 ZeRO 2 in the acceptance tier."""
+    return [accel_cell(accel, stage, k, id=f"z{stage}" + ("-top2" if k == 2 else ""),
+                       world_size=WORLD_SIZE, marks=[requires(two_ranks=TWO_RANKS)],
+                       slow=accel == "cuda" and (stage, k) != (2, 1))
+            for accel in ACCELERATORS for stage, k in ((0, 1), (1, 1), (2, 1), (2, 2))]
 
 
 EP_CELLS = _ep_cells()
-_EP_RUNS: dict[tuple[str, int], dict[int, list[dict[str, Any]]]] = {}
+_EP_RUNS: dict[tuple[str, int, int], dict[int, list[dict[str, Any]]]] = {}
 
 
-def ep_runs(accelerator: str, stage: int, double_count_expert: bool = False
+def ep_runs(accelerator: str, stage: int, k: int = 1, double_count_expert: bool = False
             ) -> dict[int, list[dict[str, Any]]]:
     """{ep_size: per-rank results} for ep_size 1 and the world size, each run once."""
-    key = (accelerator, stage)
+    key = (accelerator, stage, k)
     if double_count_expert or key not in _EP_RUNS:
         runs = {ep: run_ranks(moe_ranks.train_ep, WORLD_SIZE, timeout_s=TIMEOUT_S,
                               args=(ep, stage, EP_STEPS, MICRO_BATCH, CLIP, LR),
-                              kwargs={"double_count_expert": double_count_expert and ep > 1},
+                              kwargs={"double_count_expert": double_count_expert and ep > 1,
+                                      "k": k},
                               accelerator=accelerator)
                 for ep in (1, WORLD_SIZE)}
         if double_count_expert:
@@ -232,22 +234,22 @@ def norm_problems(runs: dict[int, list[dict[str, Any]]], label: str) -> list[str
     return problems
 
 
-@pytest.mark.parametrize("accelerator, stage", EP_CELLS)
-def test_expert_parallel_trains_like_ep1(accelerator: str, stage: int, metrics):
+@pytest.mark.parametrize("accelerator, stage, k", EP_CELLS)
+def test_expert_parallel_trains_like_ep1(accelerator: str, stage: int, k: int, metrics):
     """MOE-EP-1: ep_size = world size MUST train like ep_size = 1 (ZeRO 0-2, clipping on)."""
-    runs = ep_runs(accelerator, stage)
+    runs = ep_runs(accelerator, stage, k)
     for quantity in ("loss", "grad", "param"):  # what an upgrade moves, inside the bound too
         worst = max(cmp.worst(quantity)[0] for cmp in ep_comparisons(runs, "", accelerator))
         metrics.record(f"moe.ep_{quantity}_max_abs_diff", worst, unit="1", better="lower",
-                       stage=stage)
+                       stage=stage, k=k)
     problems = ep_problems(runs, f"z{stage}", accelerator)
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("accelerator, stage", [c for c in EP_CELLS if c.values[1] > 0])
-def test_clip_norm_counts_every_expert_once(accelerator: str, stage: int):
+@pytest.mark.parametrize("accelerator, stage, k", [c for c in EP_CELLS if c.values[1] > 0])
+def test_clip_norm_counts_every_expert_once(accelerator: str, stage: int, k: int):
     """MOE-EP-2: the clipping norm MUST count every expert's gradient exactly once."""
-    problems = norm_problems(ep_runs(accelerator, stage), f"z{stage}")
+    problems = norm_problems(ep_runs(accelerator, stage, k), f"z{stage}")
     assert not problems, "\n".join(problems)
 
 

@@ -19,6 +19,7 @@ from dsconform.checks import (
     collectives,
     monitor_log,
     schedules,
+    sdc,
 )
 from dsconform.checks import onebit as onebit_reference
 from dsconform.checks.dsconfig import (
@@ -96,6 +97,7 @@ from dsconform.ops.checks import (
 from dsconform.ops.dsreport import parse_ds_report, run_ds_report
 from dsconform.plugin.batch import RankCall, batched, cell_results
 from dsconform.plugin.runstate import RunState, run_state
+from dsconform.profile import known_answers
 from dsconform.profile.catalogue import peak_tflops as gpu_peak_tflops
 from dsconform.profile.schema import NcclFloor, NvmePath, Profile
 from dsconform.profile.select import Rendezvous, rendezvous_info
@@ -129,5 +131,5 @@ __all__ = [
     "MLP", "TORCH_DTYPES", "ZERO_OFFLOADS", "ZeroCase", "cpu_fp32", "rank_batches",
     "record_zero_comparison", "train_zero_and_ddp", "zero_check_name", "clip_problems",
     "schedules", "gpu_peak_tflops", "monitor_log", "MONITOR_JOB", "BATCH_KEYS",
-    "batch_rule",
+    "batch_rule", "sdc", "known_answers",
 ]

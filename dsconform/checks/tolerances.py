@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsconform.checks import tolerances_moe
+from dsconform.checks import sdc_bounds, tolerances_moe
 
 ACCELERATORS = ("cpu", "cuda")
 # What a profile's [tolerances."check.dtype.optimizer"] table may set.
@@ -536,7 +536,7 @@ _MONITOR_LOSS = Tol(1e-6, 0.0,
 for _dtype in ("fp32", "fp16"):
     TABLE[("monitor_loss", _dtype, "sgd")] = {"cpu": _MONITOR_LOSS, "cuda": _MONITOR_LOSS}
 
-for _key, (_rtol, _atol, _why) in tolerances_moe.ENTRIES.items():
+for _key, (_rtol, _atol, _why) in (tolerances_moe.ENTRIES | sdc_bounds.ENTRIES).items():
     TABLE[_key] = dict.fromkeys(ACCELERATORS, Tol(_rtol, _atol, _why))
 
 

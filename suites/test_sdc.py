@@ -1,0 +1,212 @@
+"""Silent data corruption: every GPU MUST compute the known answer, bit for bit, on every
+repetition and as its peers do, and its memory MUST hold what was written to it.
+
+A GPU that computes wrong values without crashing is found only by comparing values: most
+corruptions are plausible numbers, not NaN or Inf (docs/sdc.md says what these checks can and
+cannot find, with sources). Every GPU runs the same deterministic kernels at once on inputs drawn
+on the CPU from fixed seeds (suites/sdc_ranks.py): GEMMs in bf16, fp16, fp32 and TF32 (bf16 and
+TF32 where the GPU has them) at a size that loads every SM, a row reduction, an elementwise
+chain of transcendentals, and one SGD step of a 256-1024-256 MLP; TF32 and reduced-precision
+reductions off except for the TF32 GEMM, deterministic algorithms on.
+
+- SDC-REPEAT-1 (``test_repetitions``): each GPU MUST give the same bits on every repetition.
+- SDC-PEER-1 (``test_peers``): every GPU of one model MUST give the same bits as its peers;
+  where a strict majority agrees the GPUs outside it are named, else every GPU of the model.
+  Needs two GPUs of a model (a one-GPU node has SDC-CAT-1).
+- SDC-CAT-1 (``test_catalogue``): each GPU's hashes MUST be those recorded in
+  ``dsconform/profile/known_answers.toml`` for its model and this torch, CUDA and cuBLAS; where
+  none is recorded it skips saying so, and every run records what it observed (fact
+  ``sdc.observed``) for ``python -m dsconform.profile.known_answers``.
+- SDC-REF-1 (``test_reference``): each kernel MUST agree with a CPU float64 evaluation of the
+  same inputs within its dtype's bound (``dsconform/checks/tolerances.py`` "sdc_reference",
+  sampled rows); the worst error is recorded.
+- SDC-HBM-1 (``test_hbm_patterns``, nightly): walking ones, address-in-address and random
+  patterns written over ``HBM_FRACTION`` of each GPU's free memory MUST read back as written.
+
+The acceptance tier runs the short pass (GEMMs of 4096, 3 repetitions); the nightly tier the
+full pass (8192, 10 repetitions) and the HBM test. Every failure names the GPU (nvidia-smi
+index, PCI bus id, board serial where NVML gives one), the kernel or pattern, and the
+repetition, element count or offset. The judgement: ``dsconform/checks/sdc.py``.
+
+Stable ids: SDC-REPEAT-1, SDC-PEER-1, SDC-CAT-1, SDC-REF-1, SDC-HBM-1; each case id (``short``,
+``full``) names its pass and does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from dsconform.suite import (
+    GIB,
+    gpu_health,
+    known_answers,
+    requires,
+    run_ranks,
+    sdc,
+    tolerance,
+    worker_gpus,
+)
+from suites import sdc_ranks
+
+CAPABILITY = "sdc"
+TIMEOUT_S = 300
+#: Bump when a kernel, its inputs or its settings change: recorded hashes then stop matching.
+INPUTS_VERSION = 1
+KINDS = ("gemm.bf16", "gemm.fp16", "gemm.fp32", "gemm.tf32", "reduce.fp32", "elementwise.fp32",
+         "train.fp32")
+HBM_FRACTION = 0.9          # of the free memory, less HBM_RESERVE for the pattern's temporaries
+HBM_RESERVE = 4 * GIB
+HBM_MIN_FRACTION = 0.8      # a GPU that tested less of its free memory fails
+
+
+@dataclass(frozen=True)
+class Pass:
+    size: int
+    reps: int
+
+
+#: 4096: 512 output tiles of 128x256 on a 132-SM H200, a few ms per GEMM; 3 repetitions keep
+#: the acceptance pass near 2 s. The nightly pass doubles the size and runs 10.
+PASSES = {"short": Pass(4096, 3), "full": Pass(8192, 10)}
+PASS_PARAMS = [pytest.param("short", id="short"),
+               pytest.param("full", id="full", marks=pytest.mark.slow)]
+
+
+def reference_tols(profile_tolerances: Any = None) -> dict[str, Any]:
+    """Each kind's bound against the CPU float64 reference, from the tolerance table."""
+    out = {}
+    for kind in KINDS:
+        family, dtype = kind.split(".")
+        out[kind] = tolerance("sdc_reference", dtype, family, profile_tolerances,
+                              accelerator="cuda")
+    return out
+
+
+def run_pass(name: str, accelerator: str, world_size: int, tols: dict[str, Any],
+             tamper: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    p = PASSES[name]
+    return run_ranks(sdc_ranks.known_answers, world_size, timeout_s=TIMEOUT_S,
+                     args=(list(KINDS), p.size, p.reps,
+                           {k: (t.rtol, t.atol) for k, t in tols.items()}),
+                     kwargs={"tamper": tamper}, accelerator=accelerator)
+
+
+def by_name(tols: dict[str, Any], size: int) -> dict[str, Any]:
+    """The bounds keyed by the names the ranks report kernels under."""
+    return {sdc_ranks.kernel_name(k, size): t for k, t in tols.items()}
+
+
+_RUNS: dict[str, tuple[list[dict[str, Any]], list[Any]]] = {}
+
+
+def pass_results(name: str, node, profile, facts) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The pass's results on every GPU at once and who each rank ran on, run once per session
+    (every check of the pass reads the same run); the first test to run it records what each
+    GPU observed (fact ``sdc.observed``)."""
+    if name not in _RUNS:
+        results = run_pass(name, "cuda", len(worker_gpus()), reference_tols(profile.tolerances))
+        ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
+        facts.record(f"{known_answers.FACT}.{name}", [
+            {**known_answers.observed(r["name"], r["versions"], INPUTS_VERSION,
+                                      {k: v["hash"] for k, v in r["kernels"].items()}),
+             "gpu": sdc.gpu_label(i, r["serial"])} for r, i in zip(results, ids)])
+        _RUNS[name] = (results, ids)
+    return _RUNS[name]
+
+
+def catalogue_check(results: list[dict[str, Any]], ids: list[Any],
+                    answers: Any = None) -> tuple[list[str], list[str]]:
+    """SDC-CAT-1 over every GPU: (problems, why a GPU could not be compared)."""
+    problems, skipped = [], []
+    for res, ident in zip(results, ids):
+        label = sdc.gpu_label(ident, res["serial"])
+        entry = known_answers.observed(res["name"], res["versions"], INPUTS_VERSION,
+                                       {k: v["hash"] for k, v in res["kernels"].items()})
+        recorded, why = known_answers.lookup(entry, answers)
+        if recorded is None:
+            skipped.append(f"{label}: {why}")
+            continue
+        found, unrecorded = sdc.catalogue_problems(entry["hashes"], recorded, label)
+        problems += found
+        if unrecorded:
+            skipped.append(f"{label}: the entry records no hash for {', '.join(unrecorded)}")
+    return problems, skipped
+
+
+@pytest.mark.gpu
+@requires(min_gpus=1)
+@pytest.mark.parametrize("pass_name", PASS_PARAMS)
+def test_repetitions(pass_name: str, node, profile, facts):
+    """SDC-REPEAT-1: each GPU MUST give the same bits on every repetition of every kernel."""
+    results, ids = pass_results(pass_name, node, profile, facts)
+    problems = sdc.repetition_problems(results, ids)
+    assert not problems, "a GPU computed different bits from the same inputs:\n  " + \
+        "\n  ".join(problems)
+
+
+@pytest.mark.gpu
+@requires(min_gpus=1)
+@pytest.mark.parametrize("pass_name", PASS_PARAMS)
+def test_peers(pass_name: str, node, profile, facts):
+    """SDC-PEER-1: every GPU of one model MUST give the same bits as its peers."""
+    results, ids = pass_results(pass_name, node, profile, facts)
+    models = [r["name"] for r in results]
+    if all(models.count(m) < 2 for m in models):
+        pytest.skip(f"no two GPUs of one model ({', '.join(models)}): no peers to compare; "
+                    f"SDC-CAT-1 compares with the recorded known answers")
+    problems = sdc.peer_problems(results, ids)
+    assert not problems, "GPUs of one model computed different bits:\n  " + \
+        "\n  ".join(problems)
+
+
+@pytest.mark.gpu
+@requires(min_gpus=1)
+@pytest.mark.parametrize("pass_name", PASS_PARAMS)
+def test_catalogue(pass_name: str, node, profile, facts):
+    """SDC-CAT-1: each GPU's hashes MUST be the known answers recorded for its model, torch,
+    CUDA and cuBLAS."""
+    results, ids = pass_results(pass_name, node, profile, facts)
+    problems, skipped = catalogue_check(results, ids)
+    assert not problems, "a GPU's result is not the recorded known answer:\n  " + \
+        "\n  ".join(problems)
+    if skipped:
+        pytest.skip("no recorded known answer to compare with: " + "; ".join(skipped))
+
+
+@pytest.mark.gpu
+@requires(min_gpus=1)
+@pytest.mark.parametrize("pass_name", PASS_PARAMS)
+def test_reference(pass_name: str, node, profile, facts, metrics):
+    """SDC-REF-1: each kernel MUST agree with a CPU float64 reference within its dtype's
+    bound."""
+    results, ids = pass_results(pass_name, node, profile, facts)
+    tols = by_name(reference_tols(profile.tolerances), PASSES[pass_name].size)
+    for res, ident in zip(results, ids):
+        for kernel, k in res["kernels"].items():
+            metrics.record("sdc.reference.error", k["reference"]["error"], unit="1",
+                           better="lower", bound=tols[kernel].atol, kernel=kernel,
+                           who=ident.label, **ident.params())
+    problems = sdc.reference_problems(results, ids, tols)
+    assert not problems, "a GPU's result is off the CPU float64 reference:\n  " + \
+        "\n  ".join(problems)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@requires(min_gpus=1)
+def test_hbm_patterns(node, metrics):
+    """SDC-HBM-1: every pattern written over most of each GPU's free memory MUST read back as
+    written."""
+    results = run_ranks(sdc_ranks.hbm_patterns, len(worker_gpus()), timeout_s=TIMEOUT_S,
+                        args=(HBM_FRACTION, HBM_RESERVE, sdc_ranks.PATTERNS),
+                        accelerator="cuda")
+    ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
+    for res, ident in zip(results, ids):
+        metrics.record("sdc.hbm.tested_bytes", res["tested_bytes"], unit="B", better="higher",
+                       who=ident.label, **ident.params())
+    problems = sdc.hbm_problems(results, ids, HBM_MIN_FRACTION)
+    assert not problems, "a GPU's memory did not hold what was written:\n  " + \
+        "\n  ".join(problems)

@@ -210,13 +210,16 @@ def _flip(out: torch.Tensor, index: int, bit: int) -> torch.Tensor:
 
 def _worst(sampled: torch.Tensor, ref: torch.Tensor, scale: float, tol: tuple[float, float]
            ) -> dict[str, Any]:
-    """The sampled element farthest outside ``atol * scale + rtol * |ref|`` (NaN first)."""
+    """The sampled element farthest outside ``atol * scale + rtol * |ref|`` (NaN first), and
+    the largest share of that bound any sampled element used (``used``: 1 is at the bound)."""
     rtol, atol = tol
     diff = (sampled.double().cpu() - ref).abs()
-    excess = torch.nan_to_num(diff - (atol * scale + rtol * ref.abs()), nan=math.inf)
+    bound = atol * scale + rtol * ref.abs()
+    excess = torch.nan_to_num(diff - bound, nan=math.inf)
+    used = torch.nan_to_num(torch.where(diff == 0, 0.0, diff / bound), nan=math.inf)
     i = int(excess.argmax())
     return {"index": i, "value": float(sampled.view(-1)[i]), "reference": float(ref[i]),
-            "scale": scale, "error": float(diff.max()) / scale if scale else math.inf}
+            "scale": scale, "used": float(used.max())}
 
 
 def _supported(kind: str, dev: torch.device) -> bool:

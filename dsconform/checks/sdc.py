@@ -13,7 +13,8 @@ What a rank reports for the known-answer pass (suites/sdc_ranks.py ``known_answe
          "elements": 16777216, "reps": 3,
          "rep_differ": {"2": 1},   # repetition -> elements whose bits differ from repetition 0
          "peer_differ": 0,         # elements whose bits differ from rank 0's result (None: 1 GPU)
-         "reference": {"index": 12, "value": 1.5, "reference": 1.49, "scale": 64.0}}}}
+         "reference": {"index": 12, "value": 1.5, "reference": 1.49, "scale": 64.0,
+                       "used": 0.2}}}}
 
 ``reference`` is the sampled element farthest outside the kernel's bound against a CPU float64
 evaluation of the same inputs (checks/tolerances.py "sdc_reference"): it passes when

@@ -9,10 +9,11 @@ by the GPU's accumulation and its output's rounding. A bound is ``atol * scale +
 elementwise chain, the largest element of the reference update for the training step.
 
 These bounds are derived from the formats, not yet measured on GPUs: replace each ``why`` with
-the worst value an H200 node measured (the suite records it as ``sdc.reference.error``). What
-they MUST tell apart: a flipped exponent or sign bit moves an element by at least its own size
-(over a standard deviation of the output, far outside every atol); a flipped low mantissa bit
-stays inside, and is found by the hashes only (SDC-REPEAT-1, SDC-PEER-1, SDC-CAT-1).
+the worst value an H200 node measured (the suite records the share of its bound each kernel
+used as ``sdc.reference.bound_used``). What they MUST tell apart: a flipped exponent or sign
+bit moves an element by at least its own size (over a standard deviation of the output, far
+outside every atol); a flipped low mantissa bit stays inside, and is found by the hashes only
+(SDC-REPEAT-1, SDC-PEER-1, SDC-CAT-1).
 """
 
 from __future__ import annotations

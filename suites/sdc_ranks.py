@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import math
 import os
@@ -308,6 +309,12 @@ def _pattern(name: str, idx: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown pattern {name!r}")
 
 
+def _expected(name: str, local: torch.Tensor, same: torch.Tensor | None, start: int,
+              end: int) -> torch.Tensor:
+    """The words ``start:end`` of pattern ``name`` (``same``: the chunk every chunk repeats)."""
+    return same[:end - start] if same is not None else _pattern(name, local[:end - start] + start)
+
+
 PATTERNS = ([f"walking-ones-{b}" for b in range(32)]
             + ["address-plain", "address-inverted", "random-1", "random-2"])
 
@@ -336,24 +343,29 @@ def hbm_patterns(fraction: float, reserve_bytes: int, patterns: list[str],
     found = []
     dist.barrier()
     for name in patterns:
+        # Walking ones repeat every 32 words: a chunk's pattern is the same at every chunk.
+        same = _pattern(name, local) if name.startswith("walking-ones") and chunk % 32 == 0 \
+            else None
+        want = functools.partial(_expected, name, local, same)
         for start in range(0, words, chunk):
             end = min(start + chunk, words)
-            buf[start:end] = _pattern(name, local[:end - start] + start)
+            buf[start:end] = want(start, end)
         if tamper and (tamper["rank"], tamper["pattern"]) == (rank(), name):
             buf[tamper["word"]] ^= 1  # the real write, then one word wrong
         counts = []
         for start in range(0, words, chunk):
             end = min(start + chunk, words)
-            counts.append((buf[start:end] != _pattern(name, local[:end - start] + start)).sum())
+            counts.append((buf[start:end] != want(start, end)).sum())
         total = torch.stack(counts).cpu() if counts else torch.zeros(0, dtype=torch.int64)
         first: list[dict[str, int]] = []
         for c in torch.nonzero(total).flatten().tolist():
             start = c * chunk
             end = min(start + chunk, words)
-            want = _pattern(name, local[:end - start] + start)
-            for i in torch.nonzero(buf[start:end] != want).flatten()[:shown - len(first)].tolist():
+            expected = want(start, end)
+            wrong = torch.nonzero(buf[start:end] != expected).flatten()
+            for i in wrong[:shown - len(first)].tolist():
                 first.append({"offset": 4 * (start + i), "address": base + 4 * (start + i),
-                              "expected": int(want[i]), "found": int(buf[start + i])})
+                              "expected": int(expected[i]), "found": int(buf[start + i])})
             if len(first) >= shown:
                 break
         found.append({"name": name, "words": words, "errors": int(total.sum()),

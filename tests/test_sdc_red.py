@@ -107,7 +107,7 @@ def test_a_flipped_exponent_bit_fails_the_reference():
     [line] = sdc.reference_problems(results, ids, by_name())
     assert line.startswith("GPU 0 (PCI 0000:1b:00.0, rank 0), serial 1654922001234: "
                            "gemm.fp32.64: element 5 is "), line
-    assert "the CPU float64 reference" in line and "rtol=1e-06 atol=1e-05" in line
+    assert "the CPU float64 reference" in line and "rtol=0 atol=0.0001" in line
 
 
 def _recorded(results: list[dict]) -> dict:

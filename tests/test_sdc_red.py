@@ -181,3 +181,30 @@ def test_a_gpu_that_tested_too_little_of_its_memory_fails():
     [line] = sdc.hbm_problems(results, ids, 0.8)
     assert line.startswith("GPU 0 (PCI 0000:1b:00.0, rank 0), serial 1654922001234: tested "
                            "1048576 bytes, under 80% of the 10485760 bytes free"), line
+
+
+def test_a_run_records_what_each_gpu_observed_in_a_recordable_form(monkeypatch):
+    """The fact the suite records (sdc.observed.PASS) becomes the catalogue entry that then
+    holds the same GPU to what it computed."""
+    from dsconform.results.records import FactsRecorder
+
+    results, _ = as_gpus(run())
+    monkeypatch.setattr(test_sdc, "run_pass", lambda *a, **k: results)
+    monkeypatch.setattr(test_sdc, "worker_gpus", lambda: [0, 1])
+    monkeypatch.setattr(test_sdc, "_RUNS", {})
+    recorded = []
+    facts = FactsRecorder("t::t", "sdc", recorded.append)
+
+    class Node:
+        class hardware:
+            bus_ids = BUS
+
+    class Profile:
+        tolerances: dict = {}
+    got, ids = test_sdc.pass_results("short", Node(), Profile(), facts)
+    [fact] = recorded
+    assert fact.name == "sdc.observed.short" and fact.value[1]["gpu"].startswith("GPU 1 (PCI")
+    [entry] = known_answers.entries_from_results({"dsconform": {"facts": [
+        {"name": fact.name, "value": fact.value}]}})
+    answers = {Key(*(entry[f] for f in known_answers.KEY_FIELDS)): entry["hashes"]}
+    assert catalogue_check(got, ids, answers) == ([], [])

@@ -240,11 +240,14 @@ def known_answers(kinds: list[str], size: int, reps: int, tols: dict[str, tuple[
     me = collective_calls.identity()
     a, b = _inputs(size)
     out: dict[str, Any] = {}
-    skipped = []
+    # Every rank runs the kernels every rank supports (each one's result is broadcast).
+    ok = torch.tensor([int(_supported(k, dev)) for k in kinds], dtype=torch.int32, device=dev)
+    if world() > 1:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    skipped = [k for k, flag in zip(kinds, ok.tolist()) if not flag]
     with pinned_math():
         for kind in kinds:
-            if not _supported(kind, dev):
-                skipped.append(kind)
+            if kind in skipped:
                 continue
             name = kernel_name(kind, size)
             run, sample, ref, scale = _kernel(kind, a, b, dev)

@@ -51,5 +51,6 @@ SDC_BOUNDS: dict[tuple[str, str], tuple[float, float, str]] = {
                         f"against float64's in units of the largest change: worst 2.0e-5 "
                         f"({_H200_OTHER}); 10x headroom"),
 }
+
 #: The tolerance table's entries: ("sdc_reference", dtype, kernel) -> (rtol, atol, why).
 ENTRIES = {("sdc_reference", *k): v for k, v in SDC_BOUNDS.items()}

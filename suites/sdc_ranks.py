@@ -312,6 +312,14 @@ def _pattern(name: str, idx: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unknown pattern {name!r}")
 
 
+def _repeating(name: str, local: torch.Tensor) -> torch.Tensor | None:
+    """The one chunk a pattern repeats at every chunk of ``len(local)`` words, else None:
+    walking ones repeat every 32 words."""
+    if name.startswith("walking-ones") and len(local) % 32 == 0:
+        return _pattern(name, local)
+    return None
+
+
 def _expected(name: str, local: torch.Tensor, same: torch.Tensor | None, start: int,
               end: int) -> torch.Tensor:
     """The words ``start:end`` of pattern ``name`` (``same``: the chunk every chunk repeats)."""
@@ -346,10 +354,7 @@ def hbm_patterns(fraction: float, reserve_bytes: int, patterns: list[str],
     found = []
     dist.barrier()
     for name in patterns:
-        # Walking ones repeat every 32 words: a chunk's pattern is the same at every chunk.
-        same = _pattern(name, local) if name.startswith("walking-ones") and chunk % 32 == 0 \
-            else None
-        want = functools.partial(_expected, name, local, same)
+        want = functools.partial(_expected, name, local, _repeating(name, local))
         for start in range(0, words, chunk):
             end = min(start + chunk, words)
             buf[start:end] = want(start, end)

@@ -125,3 +125,17 @@ def test_random_patterns_are_fixed_by_their_seed():
     assert bool((_pattern("random-1") == _pattern("random-1")).all())
     assert float((_pattern("random-1") == _pattern("random-2")).float().mean()) < 0.01
     assert len(set(_pattern("random-1").tolist())) > 4000
+
+
+def test_a_walking_ones_chunk_is_the_pattern_at_every_chunk():
+    """The HBM test writes one precomputed chunk of walking ones everywhere: it MUST be the
+    pattern each chunk's own addresses give."""
+    local = torch.arange(1 << 10, dtype=torch.int64)
+    for name in ("walking-ones-0", "walking-ones-13"):
+        same = sdc_ranks._repeating(name, local)
+        assert same is not None
+        for start in (0, 1 << 10, 5 << 20):
+            got = sdc_ranks._expected(name, local, same, start, start + 1000)
+            assert bool((got == _pattern(name, start, 1000)).all()), (name, start)
+    assert sdc_ranks._repeating("random-1", local) is None
+    assert sdc_ranks._repeating("walking-ones-0", local[:1000]) is None  # not a multiple of 32

@@ -252,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     from dsconform.results.render import timeline  # the radar's timeline and verdict
     from dsconform.tools import radar  # the upgrade radar: one run per DeepSpeed release
     radar.add_cli(sub, timeline.report)
+    from dsconform.profile import known_answers  # the SDC suite's recorded answers
+    known_answers.add_cli(sub)
     return ap
 
 

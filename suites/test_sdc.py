@@ -16,7 +16,7 @@ reductions off except for the TF32 GEMM, deterministic algorithms on.
 - SDC-CAT-1 (``test_catalogue``): each GPU's hashes MUST be those recorded in
   ``dsconform/profile/known_answers.toml`` for its model and this torch, CUDA and cuBLAS; where
   none is recorded it skips saying so, and every run records what it observed (fact
-  ``sdc.observed``) for ``python -m dsconform.profile.known_answers``.
+  ``sdc.observed``) for ``dsconform known-answers``.
 - SDC-REF-1 (``test_reference``): each kernel MUST agree with a CPU float64 evaluation of the
   same inputs within its dtype's bound (``dsconform/checks/tolerances.py`` "sdc_reference",
   sampled rows); the share of its bound each kernel used is recorded

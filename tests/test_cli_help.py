@@ -23,7 +23,7 @@ def _commands() -> dict[str, str]:
 
 def test_the_parser_has_the_ten_commands():
     assert set(_commands()) == {"detect", "validate", "report", "compare", "aggregate", "health",
-                                "nvme-tune", "bundle", "build-ops", "radar"}
+                                "nvme-tune", "bundle", "build-ops", "radar", "known-answers"}
 
 
 def test_help_names_every_command_and_no_partial_list_of_them(capsys):

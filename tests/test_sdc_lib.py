@@ -10,6 +10,7 @@ import tomllib
 import pytest
 import torch
 
+from dsconform import cli
 from dsconform.checks.tolerances import TABLE
 from dsconform.profile import catalogue, known_answers
 from dsconform.profile.known_answers import Key, KnownAnswersError
@@ -75,19 +76,19 @@ def test_a_run_s_observed_hashes_become_an_entry(tmp_path, monkeypatch, capsys):
     target.write_text("")
     monkeypatch.setattr(known_answers, "ANSWERS_FILE", target)
     results = _results(tmp_path, gpus)
-    assert known_answers.main([str(results)]) == 0
+    assert cli.main(["known-answers", str(results)]) == 0
     printed = capsys.readouterr().out
     assert _parse(printed.replace("FILL IN: node and results folder", "x")) == {
         Key("h200", "2.11.0+cu130", "13.0", "13.1.0", 1): ENTRY["hashes"]}
     assert target.read_text() == ""  # printed only
-    assert known_answers.main([str(results), "--write"]) == 2  # --write needs --source
-    assert known_answers.main([str(results), "--write", "--source", "1xH200, run X"]) == 0
+    assert cli.main(["known-answers", str(results), "--write"]) == 2  # --write needs --source
+    assert cli.main(["known-answers", str(results), "--write", "--source", "1xH200, run X"]) == 0
     assert len(known_answers.load(target)) == 1
 
 
 def test_gpus_that_disagree_are_not_recordable(tmp_path, capsys):
     other = {**ENTRY, "hashes": {**ENTRY["hashes"], "gemm.bf16.4096": "ef" * 32}}
-    assert known_answers.main([str(_results(tmp_path, [ENTRY, other]))]) == 2
+    assert cli.main(["known-answers", str(_results(tmp_path, [ENTRY, other]))]) == 2
     assert "gemm.bf16.4096: the run's GPUs disagree" in capsys.readouterr().err
 
 

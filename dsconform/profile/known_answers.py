@@ -188,17 +188,20 @@ def render(entry: Mapping[str, Any], source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    from dsconform.results.format import ResultsFormatError, load_benchmarks
-
-    ap = argparse.ArgumentParser(prog="python -m dsconform.profile.known_answers",
-                                 description="print (or add) the known-answer entries a run "
-                                             "observed")
+def add_cli(sub: Any) -> None:
+    """``dsconform known-answers``: print (or add) the entries a run observed."""
+    ap = sub.add_parser("known-answers", help="print (or add to the catalogue) the SDC "
+                                              "known answers a GPU run observed")
     ap.add_argument("results", help="a run's --results directory or its benchmarks.json")
     ap.add_argument("--source", default="", help="which node and results folder (required "
                                                  "with --write)")
     ap.add_argument("--write", action="store_true", help=f"append to {ANSWERS_FILE}")
-    args = ap.parse_args(argv)
+    ap.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    from dsconform.results.format import ResultsFormatError, load_benchmarks
+
     try:
         entries = entries_from_results(load_benchmarks(args.results))
     except (ResultsFormatError, KnownAnswersError) as e:
@@ -219,7 +222,3 @@ def main(argv: list[str] | None = None) -> int:
         load(ANSWERS_FILE)  # what was appended must load
     sys.stdout.write(text)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -441,7 +441,7 @@ def clear_build_locks() -> None:
     ext = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not ext:
         return
-    from dsconform.ops.buildlock import StaleBuildLock, clear_stale
+    from dsconform.base.buildlock import StaleBuildLock, clear_stale
     try:
         for line in clear_stale(ext):
             output.record(output.current_label(), "dsconform.harness", line)

@@ -133,7 +133,7 @@ def load_op(name: str) -> OpLoad:
     with out.capture():
         try:
             # A lock left by a killed build would make this build wait forever.
-            from dsconform.ops.buildlock import clear_stale
+            from dsconform.base.buildlock import clear_stale
             for line in clear_stale(ext_dir):
                 print(line)
             builder = _create_builder(name)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsconform.gate import versions
+from dsconform.base import versions
 
 
 def _profiles_dir() -> Path:
@@ -125,7 +125,7 @@ class Profile:
     checkpoint_floors: tuple[CheckpointFloor, ...] = ()
     ops: tuple[str, ...] = ()
     deepspeed_min_version: str | None = None
-    onebit: tuple[str, ...] = ()  # 1-bit optimizers that must train (dsconform/gate/removed.py)
+    onebit: tuple[str, ...] = ()  # 1-bit optimizers that must train (dsconform/base/removed.py)
     min_shm_gib: float | None = None
     min_cpu_cores: int | None = None
     min_host_memory_gib: float | None = None
@@ -162,7 +162,7 @@ def _non_negative(v: Any) -> str | None:
 
 
 def _version_field(v: str) -> str | None:
-    """A profile field holding a version: parsed the one way (dsconform.gate.versions)."""
+    """A profile field holding a version: parsed the one way (dsconform.base.versions)."""
     ok = _VERSION_RE.match(v) and versions.parse(v) is not None
     return None if ok else "must look like 2.21 or 2.21.5"
 
@@ -357,7 +357,7 @@ def validate_data(data: Mapping[str, Any], src: str = "<profile>") -> list[str]:
 
 def _check_onebit(names: list[Any], src: str) -> list[str]:
     """deepspeed.onebit: 1-bit optimizers by their DeepSpeed config type, each once."""
-    from dsconform.gate.removed import ONEBIT_OPTIMIZERS
+    from dsconform.base.removed import ONEBIT_OPTIMIZERS
     problems = []
     for i, name in enumerate(names):
         if name not in ONEBIT_OPTIMIZERS:

@@ -19,8 +19,8 @@ from typing import Any
 
 from dsconform.base import compat
 from dsconform.base.removed import ONEBIT_TYPES
+from dsconform.checks.aio import AioSettings
 from dsconform.checks.schedules import SCHEDULES, Schedule
-from dsconform.storage.nvme import AioSettings
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
@@ -84,7 +84,7 @@ class DsSettings:
     cuda_aware: bool = False
     # ZeRO-Infinity: where offload_optimizer/offload_param put their tensors. "nvme" needs
     # nvme_path (a directory the caller owns: DeepSpeed writes zero_stage_3/... under it) and
-    # writes an "aio" section (dsconform.storage.nvme.AioSettings; None: DeepSpeed's defaults,
+    # writes an "aio" section (dsconform.checks.aio.AioSettings; None: DeepSpeed's defaults,
     # written
     # out). nvme_buffer_elements: elements per parameter swap buffer (5 buffers), at least the
     # largest parameter partition; DeepSpeed's default 1e8 allocates 5 x 1e8 elements per rank.

@@ -20,6 +20,11 @@ from typing import Any
 
 from dsconform.base import versions
 
+# The collectives and their floors are the checks' (dsconform/checks/collectives.py); the names
+# are this module's too.
+from dsconform.checks.collectives import COLLECTIVES as COLLECTIVES
+from dsconform.checks.collectives import NcclFloor as NcclFloor
+
 
 def _profiles_dir() -> Path:
     """The checkout's hardware_profiles/ (where profiles are edited), else the copy a wheel
@@ -31,7 +36,6 @@ def _profiles_dir() -> Path:
 
 PROFILES_DIR = _profiles_dir()
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 # A profile's NVMe path may name the run's --scratch directory instead of a fixed mount.
 SCRATCH_TOKEN = "@scratch"
 _VERSION_RE = re.compile(r"^\d+(\.\d+){0,2}$")
@@ -45,15 +49,6 @@ class ProfileError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(problems))
-
-
-@dataclass(frozen=True)
-class NcclFloor:
-    collective: str
-    bytes: int
-    busbw_gbps: float
-    world_size: int | None = None  # None: all GPUs the profile promises
-    source: str = ""
 
 
 @dataclass(frozen=True)

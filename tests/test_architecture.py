@@ -89,11 +89,11 @@ def test_the_library_never_imports_suites_fixtures_or_tests():
 #: every pair of subpackages this states which may import the other (docs/architecture.md).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "settings", "units"),  # the foundations: DSCONFORM_* settings, units
-    ("base",),                          # versions, DeepSpeed compat, removals, build locks
+    ("base",),                          # versions, pairwise tiers, compat, removals, locks
     ("node", "results", "harness"),     # the node's facts; results files; the rank contract
     ("checks",),                        # tolerances, comparisons, DeepSpeed configs
     ("profile",),                       # what a node is held to
-    ("gate",),                          # requires(), tiers, known issues
+    ("gate",),                          # requires(), known issues
     ("ops",),                           # building, loading and checking DeepSpeed's ops
     ("storage",),                       # NVMe paths, DeepNVMe I/O and tuning
     ("plugin", "tools"),                # the pytest hooks; the bundle and the radar

@@ -1,3 +1,3 @@
-"""What every layer needs: version order, DeepSpeed's API differences between releases,
-features removed upstream, the extensions cache's stale build locks. Imports nothing of
-dsconform but the foundations."""
+"""What every layer needs: version order, the pairwise covering array of a matrix's tiers,
+DeepSpeed's API differences between releases, features removed upstream, the extensions cache's
+stale build locks. Imports nothing of dsconform but the foundations."""

@@ -89,7 +89,7 @@ def test_the_library_never_imports_suites_fixtures_or_tests():
 #: every pair of subpackages this states which may import the other (docs/architecture.md).
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__", "settings", "units"),  # the foundations: DSCONFORM_* settings, units
-    ("base",),                          # versions, pairwise tiers, compat, removals, locks
+    ("base",),                          # versions, pairwise, compat, removals, fds, cpu
     ("node", "results", "harness"),     # the node's facts; results files; the rank contract
     ("checks",),                        # tolerances, comparisons, DeepSpeed configs
     ("profile",),                       # what a node is held to

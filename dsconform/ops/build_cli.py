@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsconform.harness.output import FdCapture
+from dsconform.base.fdcapture import FdCapture
 
 
 def _accelerator_and_ops() -> tuple[str, dict[str, Any]]:

@@ -277,7 +277,7 @@ class ParallelBuilds:
         self = cls(order=order, cores=max(1, cores or available_cores()), cached=cached, **kw)
         self.pending = list(order)
         if self.pending and share_cpu_info:  # each build's CPU question answered from here
-            from dsconform.harness import cpu_info
+            from dsconform.base import cpu_info
             cpu_info.share()
         self.t0 = time.monotonic()  # after it: started_at counts from the first build
         if self.pending:

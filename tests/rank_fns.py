@@ -178,9 +178,9 @@ def pid_calls_warmed() -> tuple[int, int, bool]:
 
 def warmed_up() -> bool:
     """Whether this rank built dsconform's warm-up engine before its first call."""
-    from dsconform.harness import rank as dist_rank
+    from dsconform.harness import rank as rank_module
 
-    return dist_rank._warmed_up
+    return rank_module._warmed_up
 
 
 def fresh_state() -> tuple[bool, bool]:

@@ -334,7 +334,7 @@ class Pool:
             conn, proc = self.conns[index], self.procs[index]
             try:
                 if conn.poll():
-                    # Plain pickle bytes (dist_rank._reply): no tensor arrives as a shared fd.
+                    # Plain pickle bytes (harness.rank._reply): no tensor arrives as a shared fd.
                     replies[index] = pickle.loads(conn.recv_bytes())
                     pending.discard(index)
                     continue

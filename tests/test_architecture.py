@@ -214,3 +214,14 @@ def test_the_entry_point_imports_neither_torch_nor_deepspeed():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    """pyproject.toml lists the packages a wheel carries: a subpackage missing there imports from
+    a checkout and fails from a wheel install (the air-gapped bundle)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    packages = {_module_name(p) for p in _library_files() if p.name == "__init__.py"}
+    assert not packages - listed, f"add {sorted(packages - listed)} to pyproject.toml's packages"

@@ -12,6 +12,9 @@ Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` 
 
 from __future__ import annotations
 
+from dsconform.base import compat, versions
+from dsconform.base.pairwise import pairwise, uncovered_pairs
+from dsconform.base.removed import ONEBIT_OPTIMIZERS
 from dsconform.checks import (
     batch_rule,
     checkpoint_state,
@@ -60,11 +63,8 @@ from dsconform.checks.zero_vs_ddp import (
     train_zero_and_ddp,
     zero_check_name,
 )
-from dsconform.gate import compat, versions
 from dsconform.gate.known_issues import KNOWN_ISSUES, KnownIssue, KnownIssueFailure
-from dsconform.gate.removed import ONEBIT_OPTIMIZERS
 from dsconform.gate.requires import ACCELERATORS, accel_cell, accel_params, requires
-from dsconform.gate.tiers import pairwise, uncovered_pairs
 from dsconform.harness.api import (
     InsufficientGPUs,
     RankError,

@@ -21,7 +21,8 @@ Upstream: https://www.deepspeed.ai/tutorials/zero/ ,
 https://www.deepspeed.ai/tutorials/zero-offload/ , https://www.deepspeed.ai/docs/config-json/ ,
 https://deepspeed.readthedocs.io/en/latest/zero3.html#debugging (the safe_get_full_* APIs).
 
-Stable ids: ZERO-EQ-1 (matrix), ZERO-EQ-2 (partition padding property), ZERO-DEF-1 (defaults);
+Stable ids: ZERO-EQ-1 (matrix), ZERO-EQ-2 (partition padding property), ZERO-DEF-1 (defaults),
+ZERO-CLIP-1 (gradient clipping);
 each case id (``z3-off_opt-bf16-adam-gas4-ws2``) names its cell and does not change.
 """
 

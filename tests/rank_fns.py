@@ -178,9 +178,9 @@ def pid_calls_warmed() -> tuple[int, int, bool]:
 
 def warmed_up() -> bool:
     """Whether this rank built dsconform's warm-up engine before its first call."""
-    from dsconform.harness import rank as dist_rank
+    from dsconform.harness import rank as rank_module
 
-    return dist_rank._warmed_up
+    return rank_module._warmed_up
 
 
 def fresh_state() -> tuple[bool, bool]:
@@ -265,12 +265,12 @@ def process_facts() -> dict:
 
 def cpu_questions() -> dict:
     """How a rank answers DeepSpeed's CPU questions: whether py-cpuinfo's function is the
-    shared answer (dsconform.harness.cpu_info), whether the rank already holds an answer (a
+    shared answer (dsconform.base.cpu_info), whether the rank already holds an answer (a
     fork of the server that asked), and what two of DeepSpeed's builders read from it."""
     import cpuinfo
     from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
 
-    from dsconform.harness import cpu_info
+    from dsconform.base import cpu_info
 
     held = cpu_info._STATE["answer"] is not None or bool(os.environ.get(cpu_info.ENV))
     return {"shared": cpuinfo.get_cpu_info is cpu_info.remembered, "held": held,

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from dsconform.ops import buildlock
-from dsconform.ops.buildlock import StaleBuildLock, clear_stale, scan
+from dsconform.base import buildlock
+from dsconform.base.buildlock import StaleBuildLock, clear_stale, scan
 
 
 def _plant(ext, op="fused_adam", age_s=120.0):

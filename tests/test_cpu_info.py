@@ -1,4 +1,4 @@
-"""py-cpuinfo asked once per process tree (dsconform.harness.cpu_info): DeepSpeed's builders and
+"""py-cpuinfo asked once per process tree (dsconform.base.cpu_info): DeepSpeed's builders and
 CPU Adam read the first answer, a copy each time; processes started later take it from the
 environment; a failed query is answered as py-cpuinfo answers it ({}), once."""
 
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from dsconform.base import cpu_info
 from dsconform.harness import api as dist
-from dsconform.harness import cpu_info
 
 try:
     from tests import rank_fns
@@ -114,7 +114,7 @@ def test_the_query_works_with_every_py_cpuinfo(wheel, tmp_path):
         archive.extractall(tmp_path)
     version = wheel.name.split("-")[1]
     code = ("import cpuinfo, json\n"
-            "from dsconform.harness import cpu_info\n"
+            "from dsconform.base import cpu_info\n"
             "cpu_info.install(); cpu_info.start_asking()\n"
             "cpu_info._STATE['original'] = None\n"  # only the started query may answer
             "a = cpuinfo.get_cpu_info()\n"
@@ -132,7 +132,7 @@ def test_the_query_works_with_every_py_cpuinfo(wheel, tmp_path):
 def test_a_started_query_gives_the_first_answer():
     """start_asking runs py-cpuinfo's own query command; its answer is the real one."""
     code = ("import cpuinfo, time\n"
-            "from dsconform.harness import cpu_info\n"
+            "from dsconform.base import cpu_info\n"
             "cpu_info.install(); cpu_info.start_asking()\n"
             "cpu_info._STATE['original'] = None\n"  # only the started query may answer
             "a = cpuinfo.get_cpu_info(); t = time.monotonic(); b = cpuinfo.get_cpu_info()\n"

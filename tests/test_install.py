@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from dsconform.gate import versions
+from dsconform.base import versions
 from tests.test_dist import REPO
 
 PYPROJECT = tomllib.loads(Path(REPO, "pyproject.toml").read_text())["project"]

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from dsconform.base.pairwise import uncovered_pairs
 from dsconform.checks.dsconfig import ds_config
 from dsconform.checks.lossscale import ScalerModel, ScalerSettings, read_scaler
-from dsconform.gate.tiers import uncovered_pairs
 from suites.loss_scaling_ranks import INJECTIONS, SCALERS, ScalingCase
 from suites.test_loss_scaling import (
     ACCEPTANCE_AXES,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from dsconform.base.pairwise import uncovered_pairs
 from dsconform.checks.dsconfig import ds_config
-from dsconform.gate.tiers import uncovered_pairs
 from dsconform.profile.schema import ProfileError, from_data
 from dsconform.storage import nvme
 from dsconform.storage import tune as nvme_tune

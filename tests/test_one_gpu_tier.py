@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dsconform.gate.tiers import uncovered_pairs
+from dsconform.base.pairwise import uncovered_pairs
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from dsconform.base import removed, versions
 from dsconform.checks.dsconfig import ds_config
-from dsconform.gate import removed, versions
 from dsconform.gate import requires as gating
 from dsconform.profile.schema import PROFILES_DIR, Profile, from_data, validate_data
 from tests.test_detect import fake_node

@@ -1,5 +1,5 @@
 """What differs between the DeepSpeed releases the suite supports: an API a release lacks skips
-its check naming the release that added it (dsconform/gate/compat.py); the package installs
+its check naming the release that added it (dsconform/base/compat.py); the package installs
 beside any release from 0.16 on; the registry's torch incompatibilities cover their cases only
 beside the torch they were seen with."""
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from dsconform.base import compat
 from dsconform.checks import dsconfig
-from dsconform.gate import compat, known_issues
+from dsconform.gate import known_issues
 from dsconform.gate.known_issues import KnownIssue, check_registry, issues_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,8 +7,8 @@ import itertools
 
 import pytest
 
+from dsconform.base.pairwise import pairwise, uncovered_pairs
 from dsconform.gate.known_issues import KNOWN_ISSUES
-from dsconform.gate.tiers import pairwise, uncovered_pairs
 
 AXES = {"a": [0, 1, 2, 3], "b": ["x", "y", "z"], "c": [True, False], "d": [1, 2]}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsconform.gate import versions
+from dsconform.base import versions
 from dsconform.gate.requires import evaluate
 from dsconform.profile.schema import from_data
 from tests.test_detect import fake_node

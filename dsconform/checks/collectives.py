@@ -26,7 +26,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from dsconform.profile.schema import COLLECTIVES, NcclFloor
 from dsconform.units import GIB
 
 __all__ = [
@@ -34,6 +33,19 @@ __all__ = [
     "exact_case", "exactness_message", "find_mismatch", "iterations", "mismatches_from_ranks",
     "span", "sweep_sizes", "sweep_top", "wrong_output_message",
 ]
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+
+
+@dataclass(frozen=True)
+class NcclFloor:
+    """A profile's bus-bandwidth floor for one collective at one size (``[nccl] floors``)."""
+    collective: str
+    bytes: int
+    busbw_gbps: float
+    world_size: int | None = None  # None: all GPUs the profile promises
+    source: str = ""
+
 
 MIB = 1 << 20
 DTYPES = ("fp32", "bf16", "fp16")

@@ -17,9 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dsconform.base import compat
+from dsconform.base.removed import ONEBIT_TYPES
+from dsconform.checks.aio import AioSettings
 from dsconform.checks.schedules import SCHEDULES, Schedule
-from dsconform.gate import compat
-from dsconform.storage.nvme import AioSettings
 
 STAGES = (0, 1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
@@ -31,9 +32,7 @@ OPTIMIZERS = ("sgd", "adam", "fused_adam", "cpu_adam")
 OPTIMIZER_OPS = {"sgd": None, "adam": None, "fused_adam": "fused_adam", "cpu_adam": "cpu_adam"}
 # DeepSpeed's 1-bit optimizers, by the config "type" DeepSpeed knows them as. GPU-only (their NCCL
 # backend compresses with cupy), never with ZeRO, and removed in DeepSpeed 0.19.7 (PR #8490;
-# dsconform/gate/removed.py). They need no op of their own.
-ONEBIT_TYPES = {"onebit_adam": "OneBitAdam", "zero_one_adam": "ZeroOneAdam",
-                "onebit_lamb": "OneBitLamb"}
+# dsconform/base/removed.py). They need no op of their own.
 ONEBIT_COMM_BACKENDS = ("nccl", "mpi", "hccl", "compressed")
 OPTIMIZER_OPS.update({name: None for name in ONEBIT_TYPES})
 
@@ -85,7 +84,7 @@ class DsSettings:
     cuda_aware: bool = False
     # ZeRO-Infinity: where offload_optimizer/offload_param put their tensors. "nvme" needs
     # nvme_path (a directory the caller owns: DeepSpeed writes zero_stage_3/... under it) and
-    # writes an "aio" section (dsconform.storage.nvme.AioSettings; None: DeepSpeed's defaults,
+    # writes an "aio" section (dsconform.checks.aio.AioSettings; None: DeepSpeed's defaults,
     # written
     # out). nvme_buffer_elements: elements per parameter swap buffer (5 buffers), at least the
     # largest parameter partition; DeepSpeed's default 1e8 allocates 5 x 1e8 elements per rank.

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dsconform.gate import compat
+from dsconform.base import compat
 
 #: DeepSpeed's raise and lower factor of the dynamic scale (not configurable; see above).
 SCALE_FACTOR = 2.0

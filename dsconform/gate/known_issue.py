@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dsconform.gate import versions
+from dsconform.base import versions
 
 UPSTREAM, TORCH = "upstream", "torch"
 KINDS = (UPSTREAM, TORCH)

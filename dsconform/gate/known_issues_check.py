@@ -1,22 +1,21 @@
 """The known-issues registry's rules (the registry: dsconform/gate/known_issues.py):
-``check_registry`` names every defect of an entry, one line each (the project's tests hold it
-empty); ``expected_failure`` says what a covered case's exception becomes.
+``check_registry`` names every defect of a registry's entries, one line each (the project's
+tests hold the shipped registry's empty); ``expected_failure`` says what a covered case's
+exception becomes.
 """
 
 from __future__ import annotations
 
 import re
 
-from dsconform.gate import versions
+from dsconform.base import versions
+from dsconform.gate.known_issue import KINDS, TORCH, KnownIssueFailure
 
 _ID_RE = re.compile(r"^[A-Z0-9][A-Z0-9-]+$")
 
 
-def check_registry(issues: tuple | None = None) -> list[str]:
-    """Every defect of the registry (default: the shipped one), one line each (empty: sound)."""
-    from dsconform.gate.known_issues import KINDS, KNOWN_ISSUES, TORCH
-
-    issues = KNOWN_ISSUES if issues is None else issues
+def check_registry(issues: tuple) -> list[str]:
+    """Every defect of the registry ``issues``, one line each (empty: sound)."""
     problems, ids = [], set()
     for ki in issues:
         if not _ID_RE.match(ki.id):
@@ -93,8 +92,6 @@ def expected_failure(issues: list, exc: BaseException) -> BaseException:
 
                 out: BaseException = pytest.xfail.Exception(f"{ki.reason}: {exc}")
             else:
-                from dsconform.gate.known_issues import KnownIssueFailure
-
                 out = KnownIssueFailure(f"{ki.id}: {exc}")
             out.issue_id = ki.id  # type: ignore[attr-defined]  # which issue it was
             return out

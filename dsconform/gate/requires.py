@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from dsconform.gate import removed, versions
+from dsconform.base import removed, versions
 from dsconform.node.detect import NodeFacts
 from dsconform.profile.schema import Profile
 
@@ -35,7 +35,7 @@ def requires(**conditions: Any) -> pytest.MarkDecorator:
 
     min_gpus=int, bf16=True, fp16=True, op="name" or ["a", "b"], nvme=True, nccl="2.21",
     deepspeed=">=0.19,<0.19.7", multinode=True, onebit="OneBitAdam" or [...] (a 1-bit optimizer
-    DeepSpeed removed in 0.19.7: dsconform/gate/removed.py), two_ranks="why" (what makes the
+    DeepSpeed removed in 0.19.7: dsconform/base/removed.py), two_ranks="why" (what makes the
     check need two ranks by nature: its skip for too few GPUs says so).
     """
     unknown = set(conditions) - set(CONDITIONS)

@@ -181,7 +181,7 @@ def start_lanes(world_sizes: list[int], accelerator: str = "cuda",
 
 class _Spawner:
     """Starts lane pools for lane threads from the thread that runs the batch. Ranks die with
-    the *thread* that started them (PR_SET_PDEATHSIG, dist_rank._exit_when_orphaned): a pool a
+    the *thread* that started them (PR_SET_PDEATHSIG, harness.rank._exit_when_orphaned): a pool a
     lane thread started itself would be killed when that thread ends, and its idle ranks with it.
     The batch's thread calls serve() while it waits for the lanes."""
 

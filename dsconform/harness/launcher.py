@@ -63,7 +63,7 @@ def _destroy_external_groups() -> None:
 
 def _init_external(accelerator: str | None, timeout_s: float) -> None:
     global _outcome_group
-    import dsconform.harness.rank as dist_rank
+    import dsconform.harness.rank as rank_module
 
     _, _, local_rank = _external_env()
     import torch
@@ -92,8 +92,8 @@ def _init_external(accelerator: str | None, timeout_s: float) -> None:
     # Idempotent; also adopts a process group the launcher's script initialised itself.
     deepspeed.init_distributed(dist_backend="nccl" if accel == "cuda" else "gloo",
                                timeout=timedelta(seconds=timeout_s), verbose=False)
-    if dist_rank._accelerator is None:
-        dist_rank._accelerator = accel
+    if rank_module._accelerator is None:
+        rank_module._accelerator = accel
     if _outcome_group is None:
         # Outcomes travel on their own gloo group: a rank that raised early must not pair its
         # outcome exchange with a collective its peers are still blocked in.

@@ -334,7 +334,7 @@ class Pool:
             conn, proc = self.conns[index], self.procs[index]
             try:
                 if conn.poll():
-                    # Plain pickle bytes (dist_rank._reply): no tensor arrives as a shared fd.
+                    # Plain pickle bytes (harness.rank._reply): no tensor arrives as a shared fd.
                     replies[index] = pickle.loads(conn.recv_bytes())
                     pending.discard(index)
                     continue
@@ -441,7 +441,7 @@ def clear_build_locks() -> None:
     ext = os.environ.get("TORCH_EXTENSIONS_DIR")
     if not ext:
         return
-    from dsconform.ops.buildlock import StaleBuildLock, clear_stale
+    from dsconform.base.buildlock import StaleBuildLock, clear_stale
     try:
         for line in clear_stale(ext):
             output.record(output.current_label(), "dsconform.harness", line)

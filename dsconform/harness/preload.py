@@ -19,13 +19,13 @@ import time
 # server (4.8-6.9 s instead of 3.4-4.0 s on 1xH200).
 sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
 
-from dsconform.harness import cpu_info  # noqa: E402
+from dsconform.base import cpu_info  # noqa: E402
 
 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 #: Marks the server's environment; a rank takes its parent's instead (rank._take_environment).
 os.environ["DSC_FORK_SERVER_PID"] = str(os.getpid())
 
-# py-cpuinfo's query (a second, dsconform.harness.cpu_info) runs beside the imports; every
+# py-cpuinfo's query (a second, dsconform.base.cpu_info) runs beside the imports; every
 # rank forked from here then has its answer.
 cpu_info.install()
 cpu_info.start_asking()

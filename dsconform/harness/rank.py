@@ -376,7 +376,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         from deepspeed.accelerator import get_accelerator
 
         chosen = get_accelerator().device_name()
-        from dsconform.harness import cpu_info
+        from dsconform.base import cpu_info
         cpu_info.install()  # DeepSpeed's CPU queries answered once (forked: by the server)
         marks.append(("import deepspeed", time.time()))
         if chosen != accelerator:

@@ -37,7 +37,7 @@ SPARE_MIN_CORES = 8
 
 
 #: Whether standby ranks build and destroy a tiny engine before they report ready
-#: (dist_rank.warm_up); DSCONFORM_RANK_WARMUP=0 turns it off.
+#: (harness.rank.warm_up); DSCONFORM_RANK_WARMUP=0 turns it off.
 RANK_WARMUP = settings.get("DSCONFORM_RANK_WARMUP")
 
 
@@ -97,7 +97,7 @@ def start_spare(world_size: int, accelerator: str, gpus: tuple[str, ...], *,
         return
     try:
         clear_build_locks()
-        # Standby ranks for pooled calls also build a first engine (dist_rank.warm_up): nobody
+        # Standby ranks for pooled calls also build a first engine (harness.rank.warm_up): nobody
         # waits for them.
         # Those for fresh-process calls only import what a first engine would (rank.prime).
         SPARES[key] = Pool(world_size, accelerator, gpus, POOL_PG_TIMEOUT_S, warm=key[3],

@@ -17,8 +17,8 @@ on this GPU". Any other error reading a counter means the GPU could not be check
 the gate: a counter that was not read is never a pass.
 
 NVML is reached through an object with pynvml's functions and constants, passed in (``open_nvml``
-yields it with the GPUs' handles), so tests hand in a fake. Snapshots are plain dataclasses:
-``dataclasses.asdict`` is their JSON.
+yields it with the GPUs' handles), so tests hand in a fake. Snapshots are plain dataclasses
+(dsconform/node/readings.py): ``dataclasses.asdict`` is their JSON.
 """
 
 from __future__ import annotations
@@ -31,66 +31,16 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from dsconform.node.detect import nvml_devices, probe_gpu_hardware
 from dsconform.node.gpu_health import canonical_bus_id, nvml_bus_id
+from dsconform.node.readings import GpuSnapshot, KernelXid, NvLink, RemappedRows, XidEvent
 from dsconform.node.severity import Report, Thresholds, judge
 
 # nvmlReturn_t codes (nvml.h)
 _NOT_SUPPORTED = {3, 13}  # NOT_SUPPORTED; FUNCTION_NOT_FOUND (a driver older than the call)
 _TIMEOUT, _GPU_IS_LOST, _RESET_REQUIRED = 10, 15, 16
-
-
-@dataclass
-class RemappedRows:
-    corrected: int
-    uncorrected: int
-    pending: bool
-    failed: bool
-
-
-@dataclass
-class NvLink:
-    link: int
-    active: bool
-    replay: int | None = None
-    recovery: int | None = None
-    crc_flit: int | None = None
-    crc_data: int | None = None
-
-
-@dataclass
-class GpuSnapshot:
-    """What NVML showed of one GPU at ``read_at`` (seconds since the epoch). None: not read
-    (``not_supported`` or ``unreadable`` says why)."""
-    index: int
-    bus_id: str | None = None
-    name: str | None = None
-    read_at: float = 0.0
-    persistence: bool | None = None
-    ecc_enabled: bool | None = None
-    uncorrected_volatile: int | None = None
-    uncorrected_aggregate: int | None = None
-    corrected_volatile: int | None = None
-    corrected_aggregate: int | None = None
-    remapped_rows: RemappedRows | None = None
-    retired_pages_pending: bool | None = None
-    pcie_replays: int | None = None
-    pcie_width: int | None = None
-    pcie_max_width: int | None = None
-    nvlinks: list[NvLink] = field(default_factory=list)
-    recovery_action: int | None = None
-    compute_processes: int | None = None
-    not_supported: list[str] = field(default_factory=list)
-    unreadable: dict[str, str] = field(default_factory=dict)
-    lost: str | None = None  # NVML_ERROR_GPU_IS_LOST
-    reset_required: bool = False  # NVML_ERROR_RESET_REQUIRED
-
-    @property
-    def label(self) -> str:
-        return f"GPU {self.index} (PCI {self.bus_id or 'unknown'})"
 
 
 class _Reader:
@@ -201,15 +151,6 @@ def read_gpus(nvml: Any, handles: Sequence[Any]) -> list[GpuSnapshot]:
 
 # ------------------------------------------------------------------ XIDs
 
-@dataclass(frozen=True)
-class XidEvent:
-    """An XID critical-error event from the NVML event set. NVML gives it no time: ``seen_at``
-    is when the gate read it (it happened between the set's registration and then)."""
-    bus_id: str | None
-    xid: int
-    seen_at: float
-
-
 class XidWatch:
     """An NVML event set for XID critical errors, from ``start`` to ``collect``. It holds an
     nvmlInit reference of its own, so the set and its handles outlive the reads around it."""
@@ -270,21 +211,6 @@ class XidWatch:
             self._open = False
             with contextlib.suppress(Exception):
                 self.nvml.nvmlShutdown()
-
-
-@dataclass(frozen=True)
-class KernelXid:
-    """One ``NVRM: Xid`` (GPU) or ``SXid`` (NVSwitch) line of the kernel log."""
-    kind: str  # "Xid" or "SXid"
-    code: int
-    bus_id: str | None  # sysfs form; the NVSwitch's for an SXid
-    seconds: float | None  # since boot, as dmesg stamps it
-    at: float | None  # seconds since the epoch
-    text: str
-
-    @property
-    def fatal(self) -> bool:
-        return self.kind == "SXid" and bool(re.search(r"(?<!non-)\bfatal\b", self.text, re.I))
 
 
 _XID_LINE = re.compile(r"(?:^\[\s*(?P<ts>\d+\.\d+)\]\s*)?.*?\b(?P<kind>S?Xid)\s+\((?:PCI:)?"

@@ -26,10 +26,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the readings judged here (dsconform/node/health.py imports this module)
-    from dsconform.node.health import GpuSnapshot, KernelXid, XidEvent
+from dsconform.node.readings import GpuSnapshot, KernelXid, XidEvent
 
 
 class Action(StrEnum):

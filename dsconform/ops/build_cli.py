@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsconform.harness.output import FdCapture
+from dsconform.base.fdcapture import FdCapture
 
 
 def _accelerator_and_ops() -> tuple[str, dict[str, Any]]:
@@ -162,7 +162,7 @@ def _compile_run_packages(said: list[str]) -> None:
 
 
 def cmd_build_ops(args: argparse.Namespace) -> int:
-    from dsconform.ops.buildlock import StaleBuildLock, clear_stale
+    from dsconform.base.buildlock import StaleBuildLock, clear_stale
     from dsconform.ops.cache import enable_bytecode_cache, ensure_extensions_dir
     from dsconform.ops.prebuild import ParallelBuilds, available_cores
 

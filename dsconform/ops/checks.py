@@ -118,7 +118,7 @@ class IsolatedOpCheck:
               scratch_dir: str | os.PathLike[str] | None = None) -> IsolatedOpCheck:
         import subprocess
 
-        from dsconform.harness import cpu_info
+        from dsconform.base import cpu_info
 
         cpu_info.share()  # the child's op load asks py-cpuinfo: answered from here
         cmd = [sys.executable, "-c", _CHILD, name, device, os.fspath(scratch_dir or "")]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dsconform.gate import compat
+from dsconform.base import compat
 from dsconform.ops.load import require_op
 from dsconform.units import GB
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsconform.harness.output import FdCapture
+from dsconform.base.fdcapture import FdCapture
 from dsconform.node.detect import shm_bytes
 from dsconform.ops.cache import ensure_extensions_dir
 from dsconform.ops.diagnose import Diagnosis, diagnose, format_failure
@@ -124,7 +124,7 @@ def _so_path(ext_dir: Path, name: str) -> Path:
 
 def load_op(name: str) -> OpLoad:
     """Build (if needed) and load DeepSpeed op `name`; compiler output and failures are recorded."""
-    from dsconform.harness import cpu_info
+    from dsconform.base import cpu_info
     cpu_info.install()  # the builder's CPU flags: py-cpuinfo asked once per process tree
     ext_dir = ensure_extensions_dir()
     existed = _so_path(ext_dir, name).exists()
@@ -133,7 +133,7 @@ def load_op(name: str) -> OpLoad:
     with out.capture():
         try:
             # A lock left by a killed build would make this build wait forever.
-            from dsconform.ops.buildlock import clear_stale
+            from dsconform.base.buildlock import clear_stale
             for line in clear_stale(ext_dir):
                 print(line)
             builder = _create_builder(name)

@@ -14,7 +14,7 @@ leaves, and all of it once it is done. Ops already in the extensions cache are n
 Tests go on meanwhile: those that need no op run; the op tests wait for their op's build and
 only load and check it; a build that failed is reported by its op's test, with the diagnosis,
 from this build's result (no second attempt). Ranks that need an op wait for the build in
-torch's own lock, which the build process holds open while it works (dsconform.ops.buildlock).
+torch's own lock, which the build process holds open while it works (dsconform.base.buildlock).
 ``dsconform build-ops`` (dsconform.ops.build_cli) runs the same builds ahead of a run.
 """
 
@@ -277,7 +277,7 @@ class ParallelBuilds:
         self = cls(order=order, cores=max(1, cores or available_cores()), cached=cached, **kw)
         self.pending = list(order)
         if self.pending and share_cpu_info:  # each build's CPU question answered from here
-            from dsconform.harness import cpu_info
+            from dsconform.base import cpu_info
             cpu_info.share()
         self.t0 = time.monotonic()  # after it: started_at counts from the first build
         if self.pending:
@@ -541,7 +541,7 @@ class ParallelBuilds:
 
     def close(self) -> None:
         """Stop builds still running and start no more (the run ended or was interrupted). A
-        killed build leaves its lock behind; the next run removes it (dsconform.ops.buildlock)."""
+        killed build leaves its lock behind; the next run removes it (dsconform.base.buildlock)."""
         with self.lock:
             self.closed = True
             builds = list(self.builds.values())

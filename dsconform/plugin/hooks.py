@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 
 from dsconform import __version__, settings
-from dsconform.gate import known_issues, versions
+from dsconform.base import cpu_info, versions
+from dsconform.gate import known_issues
 from dsconform.gate import requires as gating
-from dsconform.harness import cpu_info, timeline, zygote
 from dsconform.harness import output as rank_output
+from dsconform.harness import timeline, zygote
 from dsconform.node import nccl_env
 from dsconform.plugin import early, refusal
 from dsconform.plugin.console import Console
@@ -159,7 +160,7 @@ def _use_stable_extension_cache() -> list[str]:
         from dsconform.ops.cache import ensure_extensions_dir
     except ImportError:
         return []
-    from dsconform.ops.buildlock import clear_stale
+    from dsconform.base.buildlock import clear_stale
     return clear_stale(ensure_extensions_dir())
 
 

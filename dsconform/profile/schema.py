@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsconform.gate import versions
+from dsconform.base import versions
+
+# The collectives and their floors are the checks' (dsconform/checks/collectives.py); the names
+# are this module's too.
+from dsconform.checks.collectives import COLLECTIVES as COLLECTIVES
+from dsconform.checks.collectives import NcclFloor as NcclFloor
 
 
 def _profiles_dir() -> Path:
@@ -31,7 +36,6 @@ def _profiles_dir() -> Path:
 
 PROFILES_DIR = _profiles_dir()
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 # A profile's NVMe path may name the run's --scratch directory instead of a fixed mount.
 SCRATCH_TOKEN = "@scratch"
 _VERSION_RE = re.compile(r"^\d+(\.\d+){0,2}$")
@@ -45,15 +49,6 @@ class ProfileError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(problems))
-
-
-@dataclass(frozen=True)
-class NcclFloor:
-    collective: str
-    bytes: int
-    busbw_gbps: float
-    world_size: int | None = None  # None: all GPUs the profile promises
-    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -125,7 +120,7 @@ class Profile:
     checkpoint_floors: tuple[CheckpointFloor, ...] = ()
     ops: tuple[str, ...] = ()
     deepspeed_min_version: str | None = None
-    onebit: tuple[str, ...] = ()  # 1-bit optimizers that must train (dsconform/gate/removed.py)
+    onebit: tuple[str, ...] = ()  # 1-bit optimizers that must train (dsconform/base/removed.py)
     min_shm_gib: float | None = None
     min_cpu_cores: int | None = None
     min_host_memory_gib: float | None = None
@@ -162,7 +157,7 @@ def _non_negative(v: Any) -> str | None:
 
 
 def _version_field(v: str) -> str | None:
-    """A profile field holding a version: parsed the one way (dsconform.gate.versions)."""
+    """A profile field holding a version: parsed the one way (dsconform.base.versions)."""
     ok = _VERSION_RE.match(v) and versions.parse(v) is not None
     return None if ok else "must look like 2.21 or 2.21.5"
 
@@ -357,7 +352,7 @@ def validate_data(data: Mapping[str, Any], src: str = "<profile>") -> list[str]:
 
 def _check_onebit(names: list[Any], src: str) -> list[str]:
     """deepspeed.onebit: 1-bit optimizers by their DeepSpeed config type, each once."""
-    from dsconform.gate.removed import ONEBIT_OPTIMIZERS
+    from dsconform.base.removed import ONEBIT_OPTIMIZERS
     problems = []
     for i, name in enumerate(names):
         if name not in ONEBIT_OPTIMIZERS:

@@ -34,7 +34,7 @@ PASSED, FAILED, KNOWN, SKIPPED, NOT_RUN = "passed", "failed", "known", "skipped"
 STATES = (PASSED, FAILED, KNOWN, SKIPPED)
 _STATE = {"passed": PASSED, "failed": FAILED, "error": FAILED, "xpassed": FAILED,
           "xfailed": KNOWN, "skipped": SKIPPED}
-#: A skip that says a feature was removed upstream (dsconform/gate/removed.py words it so).
+#: A skip that says a feature was removed upstream (dsconform/base/removed.py words it so).
 REMOVED = re.compile(r"removed in DeepSpeed (\S+)")
 
 # Change kinds, in the order a reader wants them.

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsconform.gate import compat
+from dsconform.base import compat
 from dsconform.storage.nvme import (
     SECTOR,
     AioSettings,
@@ -52,7 +52,7 @@ def open_handle(settings: AioSettings, kind: str = "aio") -> Any:
     """A DeepSpeed aio_handle (op async_io) or gds_handle (op gds) built with ``settings``.
 
     Raises dsconform.ops.load.OpUnavailable when the op does not build or load; skips on a
-    release whose handle is missing or can hang (dsconform/gate/compat.py)."""
+    release whose handle is missing or can hang (dsconform/base/compat.py)."""
     from dsconform.ops.load import require_op
     if kind == "aio":
         compat.require(compat.AIO_WAIT)
@@ -280,7 +280,7 @@ def outstanding(handle: Any, directory: Path, *, sizes: Sequence[int], memory: s
                 seed: int) -> dict[str, Any]:
     """Issue one asynchronous write per size (alternating async_pwrite and pwrite(async=True)),
     then ONE wait() that must report all of them; check every file; then the same for reads.
-    A release whose handle never returns from that wait() skips (dsconform/gate/compat.py)."""
+    A release whose handle never returns from that wait() skips (dsconform/base/compat.py)."""
     import torch
     compat.require(compat.AIO_HANDLE)
     paths = [unique_file(directory, f"many{i}") for i in range(len(sizes))]

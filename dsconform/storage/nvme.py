@@ -15,8 +15,9 @@ they move a byte lives here, without torch or DeepSpeed imports:
   file every round, drops the file's pages (posix_fadvise DONTNEED) and checks with mincore(2) that
   none of its pages is in the page cache before timing a read. On tmpfs every page stays resident
   (measured: 4096 of 4096 after an O_DIRECT write), on ext4 none does (0 of 4096).
-- ``AioSettings``: the handle's five parameters and the DeepSpeed ``aio`` config block with the
-  keys and types the runtime reads (deepspeed/runtime/swap_tensor/aio_config.py).
+- ``AioSettings`` (dsconform/checks/aio.py): the handle's five parameters and the DeepSpeed
+  ``aio`` config block with the keys and types the runtime reads
+  (deepspeed/runtime/swap_tensor/aio_config.py).
   ``aio_block_problems`` names what ds_nvme_tune gets wrong: it emits ``num_threads`` and the
   strings "true"/"false"; the runtime reads ``intra_op_parallelism`` and takes any non-empty
   string, "false" included, as true.
@@ -33,10 +34,19 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# The aio block, a DeepSpeed config section, is the checks' (dsconform/checks/aio.py): its names
+# are this module's too.
+from dsconform.checks.aio import DS_NVME_TUNE_KEYS as DS_NVME_TUNE_KEYS
+from dsconform.checks.aio import RUNTIME_AIO_TYPES as RUNTIME_AIO_TYPES
+from dsconform.checks.aio import AioSettings as AioSettings
+from dsconform.checks.aio import aio_block_problems as aio_block_problems
+from dsconform.checks.aio import runtime_aio_config as runtime_aio_config
+from dsconform.checks.aio import runtime_aio_defaults as runtime_aio_defaults
 
 MIB = 1 << 20
 # DeepSpeed's O_DIRECT_ALIGNMENT (csrc/aio/py_lib/deepspeed_py_io_handle.cpp): a handle's
@@ -309,92 +319,6 @@ def drop_page_cache(path: str | os.PathLike[str]) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-# ---------------------------------------------------------------------------- aio settings
-
-# The keys deepspeed/runtime/swap_tensor/aio_config.py reads, with the types it needs.
-# get_scalar_param does no type check: "false" (a non-empty string) is true there.
-RUNTIME_AIO_TYPES: dict[str, type] = {
-    "block_size": int, "queue_depth": int, "intra_op_parallelism": int,
-    "single_submit": bool, "overlap_events": bool, "use_gds": bool,
-}
-# What ds_nvme_tune (deepspeed/nvme/perf_generate_param.py) writes instead.
-DS_NVME_TUNE_KEYS = {"num_threads": "intra_op_parallelism"}
-
-
-@dataclass(frozen=True)
-class AioSettings:
-    """An aio_handle/gds_handle's parameters; the defaults are DeepSpeed's runtime defaults
-    (deepspeed/runtime/swap_tensor/constants.py)."""
-    block_size: int = 1 << 20
-    queue_depth: int = 8
-    intra_op_parallelism: int = 1
-    single_submit: bool = False
-    overlap_events: bool = True
-    use_gds: bool = False
-
-    def __post_init__(self) -> None:
-        problems = aio_block_problems(self.block())
-        if problems:
-            raise ValueError("AioSettings: " + "; ".join(problems))
-
-    def handle_args(self) -> tuple[int, int, bool, bool, int]:
-        """aio_handle / gds_handle(block_size, queue_depth, single_submit, overlap_events,
-        intra_op_parallelism)."""
-        return (self.block_size, self.queue_depth, self.single_submit, self.overlap_events,
-                self.intra_op_parallelism)
-
-    def block(self) -> dict[str, Any]:
-        """The ``aio`` section of a DeepSpeed config."""
-        return asdict(self)
-
-    def label(self) -> str:
-        return (f"block_size={self.block_size} queue_depth={self.queue_depth} "
-                f"intra_op_parallelism={self.intra_op_parallelism} "
-                f"single_submit={str(self.single_submit).lower()} "
-                f"overlap_events={str(self.overlap_events).lower()}")
-
-
-def aio_block_problems(block: Mapping[str, Any], where: str = "aio") -> list[str]:
-    """Every way ``block`` differs from what DeepSpeed's runtime reads: unknown keys (naming the
-    key ds_nvme_tune uses instead), wrong types (a string "false" is true to the runtime), values
-    out of range. Empty: the runtime reads exactly these values."""
-    problems = []
-    for key in block:
-        if key in DS_NVME_TUNE_KEYS:
-            problems.append(f"{where}.{key}: DeepSpeed's runtime does not read it (ds_nvme_tune "
-                            f"writes it); use {DS_NVME_TUNE_KEYS[key]!r}")
-        elif key not in RUNTIME_AIO_TYPES:
-            problems.append(f"{where}.{key}: unknown key (the runtime reads "
-                            f"{', '.join(RUNTIME_AIO_TYPES)})")
-    for key, typ in RUNTIME_AIO_TYPES.items():
-        if key not in block:
-            continue  # the runtime's default applies
-        value = block[key]
-        if typ is bool and not isinstance(value, bool):
-            hint = (" (a non-empty string is true to the runtime, \"false\" included)"
-                    if isinstance(value, str) else "")
-            problems.append(f"{where}.{key}: expected true or false, found {value!r}{hint}")
-        elif typ is int and (isinstance(value, bool) or not isinstance(value, int)):
-            problems.append(f"{where}.{key}: expected an integer, found {value!r}")
-        elif typ is int and value < 1:
-            problems.append(f"{where}.{key}: must be >= 1, found {value!r}")
-    return problems
-
-
-def runtime_aio_config(block: Mapping[str, Any]) -> dict[str, Any]:
-    """What DeepSpeed's runtime makes of a config's ``aio`` section (imports DeepSpeed)."""
-    from deepspeed.runtime.swap_tensor.aio_config import get_aio_config
-    return dict(get_aio_config({"aio": dict(block)}))
-
-
-def runtime_aio_defaults() -> dict[str, Any]:
-    """DeepSpeed's own aio keys and defaults, read from its constants (imports DeepSpeed)."""
-    from deepspeed.runtime.swap_tensor import constants as c
-    return {getattr(c, name): getattr(c, f"{name}_DEFAULT")
-            for name in ("AIO_BLOCK_SIZE", "AIO_QUEUE_DEPTH", "AIO_INTRA_OP_PARALLELISM",
-                         "AIO_SINGLE_SUBMIT", "AIO_OVERLAP_EVENTS", "AIO_USE_GDS")}
 
 
 def io_units(settings: AioSettings, facts: PathFacts) -> tuple[int, int]:

@@ -9,7 +9,7 @@ write GB/s, ds_nvme_tune's own criterion (perf_generate_param.py).
 
 Two differences from ds_nvme_tune:
 - The sweep is time-bounded. The grid is ordered so that every pair of parameter values is tried
-  first (dsconform.gate.tiers.pairwise), then the rest; a trial starts only if the one before it
+  first (dsconform.base.pairwise.pairwise), then the rest; a trial starts only if the one before it
   would
   still fit in the budget (the first always runs).
 - The result is the ``aio`` block the runtime reads (dsconform.storage.nvme.AioSettings.block):
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsconform.gate.tiers import pairwise
+from dsconform.base.pairwise import pairwise
 from dsconform.storage.nvme import (
     AioSettings,
     PathFacts,

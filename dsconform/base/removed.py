@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dsconform.checks.dsconfig import ONEBIT_TYPES
-from dsconform.gate import versions
+from dsconform.base import versions
 
 
 @dataclass(frozen=True)
@@ -31,6 +30,10 @@ class Removal:
 
 
 PR_8490 = "https://github.com/deepspeedai/DeepSpeed/pull/8490"
+#: A DeepSpeed config's 1-bit optimizer "type" (lower case, as dsconform.checks.dsconfig takes it)
+#: and its class name.
+ONEBIT_TYPES = {"onebit_adam": "OneBitAdam", "zero_one_adam": "ZeroOneAdam",
+                "onebit_lamb": "OneBitLamb"}
 #: DeepSpeed's 1-bit optimizers by their config "type" (what a profile's deepspeed.onebit lists).
 ONEBIT_OPTIMIZERS: tuple[str, ...] = tuple(ONEBIT_TYPES.values())
 REMOVALS: dict[str, Removal] = {

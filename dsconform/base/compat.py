@@ -25,7 +25,7 @@ import importlib.metadata
 from dataclasses import dataclass
 from typing import Any
 
-from dsconform.gate import versions
+from dsconform.base import versions
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,9 @@ def _params(grads: list[torch.Tensor], dev: torch.device, shard: tuple[int, int]
     params = []
     for g in grads:
         if shard is not None:
-            g = g.chunk(shard[1], dim=0)[shard[0]] if g.shape[0] >= shard[1] else \
-                (g if shard[0] == 0 else g[:0])
+            if g.shape[0] < shard[1] and shard[0] != 0:
+                continue  # too short to slice: rank 0 holds all of it
+            g = g.chunk(shard[1], dim=0)[shard[0]] if g.shape[0] >= shard[1] else g
         p = torch.nn.Parameter(torch.zeros_like(g, device=dev))
         p.grad = g.to(dev).clone()
         if shard is not None:
@@ -96,7 +97,8 @@ def norms(norm_type: float, seed: int, sharded: bool = False,
     helpers: dict[str, float] = {}
     clipped: dict[str, torch.Tensor] = {}
     ps = _params(grads, dev, shard)
-    helpers["get_grad_norm"] = float(ds_utils.get_grad_norm(ps, norm_type=ds_type, mpu=mpu))
+    helpers["get_flattened_grad_norm"] = float(ds_utils.get_flattened_grad_norm(
+        ps, norm_type=ds_type, mpu=mpu))
     helpers["get_global_norm_of_tensors"] = float(ds_utils.get_global_norm_of_tensors(
         [p.grad for p in ps], norm_type=ds_type, mpu=mpu))
     helpers["clip_grad_norm_"] = float(ds_utils.clip_grad_norm_(ps, max_norm, norm_type=ds_type,

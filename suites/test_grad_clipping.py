@@ -1,5 +1,5 @@
 """Gradient clipping helpers: DeepSpeed's gradient-norm and clipping utilities
-(``deepspeed.runtime.utils``: ``clip_grad_norm_``, ``get_grad_norm``,
+(``deepspeed.runtime.utils``: ``clip_grad_norm_``, ``get_flattened_grad_norm``,
 ``get_global_norm_of_tensors``; for the 2-norm also ``get_global_norm`` and
 ``clip_tensors_by_global_norm``) MUST compute the norm ``torch.nn.utils.clip_grad_norm_``
 computes, for norm types 1, 2 and inf, and clip to what it clips, on one rank, on replicated
@@ -13,9 +13,10 @@ Gradients span six decades with one element far above the rest, sizes 1, 53, 13 
 - CLIP-NORM-1 (``test_norm_matches_torch``): on one rank and on two replicated ranks, every
   helper's norm MUST equal torch's, and the clipped gradients torch's clipped gradients.
 - CLIP-NORM-2 (``test_norm_across_ranks``): with each rank holding a slice of every gradient
-  and a model-parallel unit spanning the ranks, ``clip_grad_norm_``, ``get_grad_norm`` and
-  ``get_global_norm_of_tensors`` MUST give torch's norm of the whole gradients on every rank,
-  and ``clip_grad_norm_`` MUST clip every slice by torch's coefficient.
+  and a model-parallel unit spanning the ranks, ``clip_grad_norm_``,
+  ``get_flattened_grad_norm`` and ``get_global_norm_of_tensors`` MUST give torch's norm of the
+  whole gradients on every rank, and ``clip_grad_norm_`` MUST clip every slice by torch's
+  coefficient.
 
 Upstream: https://www.deepspeed.ai/docs/config-json/#gradient-clipping ,
 https://pytorch.org/docs/stable/generated/torch.nn.utils.clip_grad_norm_.html

@@ -30,4 +30,23 @@ ISSUES: tuple[KnownIssue, ...] = (
              "their optim_fragment stays empty for good (the parameters themselves train "
              "right: worst abs 1.2e-7 against torch)",
     ),
+    KnownIssue(
+        id="DS-Z12-TORCH-ADAGRAD-BACKWARD",
+        title="ZeRO 1/2 with the optimizer on the device and \"type\": \"Adagrad\" (torch "
+              "Adagrad) and several parameter groups: the first backward raises IndexError in "
+              "_get_flat_partition_unpadded",
+        deepspeed="==0.19.8",
+        # No upstream report found; torch Adagrad joined ZeRO's supported optimizers here.
+        link="https://github.com/deepspeedai/DeepSpeed/pull/3401",
+        cases=(
+            "test_optimizers.py::test_optimizer_follows_its_rule[*-adagrad-z1-none-*]",
+            "test_optimizers.py::test_optimizer_follows_its_rule[*-adagrad-z2-none-*]",
+        ),
+        failure=r"raised IndexError: list index out of range",
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, 2 ranks, 2026-12-04: ZeRO-1 fp32 and "
+             "ZeRO-2 bf16, three parameter groups, in backward's reduction epilogue "
+             "(stage_1_and_2.py _get_flat_partition_unpadded: "
+             "self.optimizer.param_groups[i]['params'][0]); torch Adagrad at stage 0 "
+             "trains right",
+    ),
 )

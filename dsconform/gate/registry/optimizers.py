@@ -21,8 +21,9 @@ ISSUES: tuple[KnownIssue, ...] = (
             "test_optimizers.py::test_resume_keeps_the_trajectory[*-z1-*]",
             "test_optimizers.py::test_resume_keeps_the_trajectory[*-z2-*]",
         ),
-        failure=r"safe_get_full_optimizer_state\('[\w.]+', '\w+'\) cannot be read: the state "
-                r"is not linked",
+        # Only where nothing else failed: a parameter off its reference is never this issue.
+        failure=r"^(?!.*compared quantities out of tolerance).*safe_get_full_optimizer_state"
+                r"\('[\w.]+', '\w+'\) cannot be read: the state is not linked",
         seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, 2 ranks, 2026-12-04: ZeRO-2 with "
              "DeepSpeedCPUAdam and ZeRO-1 with a client RAdam, three parameter groups: "
              "DeepSpeedZeroOptimizer._optimizer_step(0) calls _lazy_init_hp_params_optimizer_"

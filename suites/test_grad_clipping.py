@@ -38,7 +38,7 @@ from dsconform.suite import (
     tensor_difference,
     tolerance,
 )
-from suites.clipping_ranks import norms
+from suites.grad_clipping_ranks import norms
 
 CAPABILITY = "clipping"
 TIMEOUT_S = 120

@@ -91,10 +91,15 @@ def _axes(case: OptCase) -> dict:
             "dtype": case.dtype, "grad_accum": case.grad_accum}
 
 
+# LAMB's written-out rule has not yet been run against FusedLamb (a CUDA kernel): its cells stay
+# in the nightly tier until a GPU run has measured them.
+NIGHTLY_ONLY = ("lamb",)
+
+
 def gpu_tier(cases: list[OptCase]) -> list[OptCase]:
     """The acceptance tier on GPUs: every pair of (kind, stage, offload, dtype, accumulation)
     values at least once, at two ranks (a pairwise covering array over the valid cells)."""
-    two = [c for c in cases if c.world_size == 2]
+    two = [c for c in cases if c.world_size == 2 and c.kind not in NIGHTLY_ONLY]
     by_axes = {tuple(_axes(c).items()): c for c in two}
     axes: dict = {}
     for c in two:
@@ -181,18 +186,19 @@ def test_optimizer_follows_its_rule(accelerator: str, case: OptCase, profile, re
     judge(cell_results(request), case, accelerator, profile).assert_ok()
 
 
-# One cell per accelerator: DeepSpeed's own Adam with the optimizer partitioned (ZeRO-2) on the
-# device, and Lion offloaded to the host, where the optimizer state travels through the host.
-RESUME_CELLS = [OptCase("adamw", 2, "none", "fp32", 1, 2, resume_at=3),
+# DeepSpeed's own Adam on ZeRO-3 (FusedAdam on GPUs; the CPU accelerator builds fused_adam for
+# it, nightly there), Lion offloaded to the host (its state through the host) and a client
+# optimizer under the bf16 wrapper of stage 0. ZeRO 1/2 cannot read back their optimizer state on
+# 0.19.8 (DS-Z12-OPT-STATE-LATER-GROUPS), so the resumed cells train on stages 0 and 3.
+RESUME_CELLS = [OptCase("adamw", 3, "none", "fp32", 1, 2, resume_at=3),
                 OptCase("lion", 3, "opt", "fp32", 1, 2, resume_at=3),
-                OptCase("client", 1, "none", "bf16", 1, 2, resume_at=3)]
+                OptCase("client", 0, "none", "bf16", 4, 2, resume_at=3)]
+RESUME_TIER = {"cpu": ("lion", "client"), "cuda": ("adamw", "lion")}
 
 
 def _resume_params() -> list:
     return [accel_cell(accel, case, id=case.id, world_size=case.world_size,
-                       marks=_needs(case),
-                       slow=(accel == "cpu") != (case.kind in ("lion",)) and accel == "cpu"
-                       or accel == "cuda" and case.kind == "client")
+                       marks=_needs(case), slow=case.kind not in RESUME_TIER[accel])
             for accel in ACCELERATORS for case in RESUME_CELLS if runs_on(case, accel)]
 
 

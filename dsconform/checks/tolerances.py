@@ -93,7 +93,6 @@ class Tol:
         extra += "" if self.tensor_gain is None else f" tensor gain=1+/-{self.tensor_gain:g}"
         return f"rtol={self.rtol:g} atol={self.atol:g}{extra}"
 
-
 # Measurements behind the table (MLP 13-53-53-7 with GELU, MSE loss, 20 steps of micro-batch 4,
 # SGD lr 0.05 momentum 0.9 / Adam lr 1e-3, different data per rank, gradient_clipping pinned to 0,
 # bf16/fp16 against DDP under torch.autocast). "needs atol X" is the smallest atol that passes
@@ -153,7 +152,6 @@ _FP16_ADAM_CUDA = Tol(1e-3, 5e-3,
                       f"7.2e-5, abs gradient 1.37e-4, parameter 1.86e-3 (accumulation 4) "
                       f"({_H200_MEASURED}); 2.7x headroom. Stage 0: see zero.fp16.sgd")
 
-
 # The ops suite: one op against its reference, parameters N(0,1) (|p| < 4.5), 5 steps, element
 # counts 53 and 4103 (SIMD tails). Max rel differences are large only at elements near zero,
 # which is what atol is for. With N(0,1) gradients: cpu_adam 7.2e-7 on the CPU machine (AVX-512)
@@ -181,7 +179,6 @@ _OP_TOLERANCES = {
                     f"2e-3"),
 }
 
-
 # fp16 on CPUs: DeepSpeed refuses fp16 engines on a CPU without oneDNN fp16 (AVX512-FP16/AMX),
 # and the cells skip there. A CPU CI machine with AVX512-FP16 (2026-12-01) ran all
 # 84 fp16 cells of ZeRO 1-3 (every offload and optimizer, accumulation 1 and 4, 1 and 2 ranks)
@@ -202,7 +199,6 @@ def _fp16_cpu(fp16_cuda: Tol, kind: str) -> Tol:
                f"entry: {fp16_cuda.why}", update=fp16_cuda.update, gain=fp16_cuda.gain,
                tensor_gain=fp16_cuda.tensor_gain)
 
-
 # The whole-run update (Tol.update, Tol.gain) of bf16 and fp16, the same cells as above: every
 # cell of ZeRO 1-3 (every offload, SGD, torch Adam, FusedAdam, CPU Adam, accumulation 1 and 4)
 # and stage-0 SGD; on the CPU machine with 1 and 2 ranks (bf16), on 1xH200 with 1 rank (bf16 and
@@ -222,7 +218,6 @@ _UPDATE_FP16_CUDA = (0.02, 0.01,
                      f"machine, whose CPU this time had AVX512-FP16), worst gain 1 - 6e-5 "
                      f"({_UPDATE_MEASURED}); 2.9x and 160x headroom. An lr 5% off moves the "
                      f"gain by 4-5%: outside")
-
 
 # The gain per parameter tensor (Tol.tensor_gain), the same cells on the CPU machine (1 and 2
 # ranks, 2026-12-01, an ad hoc script over the suite's rank code): bf16 worst |gain - 1| 1.8e-2
@@ -246,7 +241,6 @@ def _with_update(tol: Tol, bounds: tuple[float, float, str], dtype: str) -> Tol:
     return Tol(tol.rtol, tol.atol, f"{tol.why}. {why}. {tensor_why}", update=update, gain=gain,
                tensor_gain=tensor_gain)
 
-
 # (check, dtype, optimizer) -> {accelerator: Tol}
 TABLE: dict[tuple[str, str, str], dict[str, Tol]] = {}
 for _check in ("zero", "zero_accum"):
@@ -265,7 +259,6 @@ for _check in ("zero", "zero_accum"):
         TABLE[(_check, "fp16", _opt)] = {"cpu": _fp16_cpu(_fp16_cuda,
                                                           "sgd" if _opt == "sgd" else "adam"),
                                          "cuda": _fp16_cuda}
-
 
 # Gradient clipping under ZeRO (ZERO-CLIP-1): the clip coefficient max_norm / norm multiplies
 # every gradient, and DeepSpeed sums the squares per partition, then across ranks, where DDP's
@@ -296,7 +289,6 @@ for _opt in ("sgd", "cpu_adam"):
 for _op, _tol in _OP_TOLERANCES.items():
     TABLE[("op", "fp32", _op)] = {"cpu": _tol, "cuda": _tol}
 
-
 # The checkpoint suite (suites/test_checkpoint.py). "checkpoint": the state an engine saved
 # against the state another engine loaded (weights, fp32 masters, optimizer and scheduler
 # state, counters, loss scaler), and the two engines' next steps. "resume": N steps, save, a
@@ -323,7 +315,6 @@ for _opt in ("sgd", "adam", "cpu_adam"):
         _cuda = _EXACT if (_dt, _opt) == ("fp32", "sgd") else _RESUME_CUDA
         TABLE[("resume", _dt, _opt)] = {"cpu": _RESUME_CPU, "cuda": _cuda}
 
-
 # ZeRO-Infinity (suites/test_deepnvme.py): MLP 13-1024-1024-7 (DeepSpeed swaps only tensors of
 # >= 1 MiB; 53 would swap nothing), 8 steps, 2 ranks, otherwise as "zero". The swap itself is
 # bit-transparent: the fp32 CPU Adam case offloaded to cpu and to nvme differs from DDP by exactly
@@ -342,7 +333,6 @@ for _opt in ("sgd", "cpu_adam"):
     _fp32 = _ZINF_EXACT if _opt == "sgd" else _ZINF_FP32_DS_ADAM
     TABLE[("zero_infinity", "fp32", _opt)] = {"cpu": _fp32, "cuda": _fp32}
     TABLE[("zero_infinity", "bf16", _opt)] = dict(TABLE[("zero", "bf16", _opt)])
-
 
 # The loss-scaling suite's convergence runs (suites/loss_scaling_ranks.py train_curve): a 16-64-
 # 64-4 GELU MLP learns a teacher network (loss 0.21 -> 0.034), 200 steps of SGD lr 0.05 momentum
@@ -368,7 +358,6 @@ _CONV_BF16 = Tol(0.01, 1e-4,
                  f"+3e-4 (results/reference/h200-x2/ds-0.19.8)")
 TABLE[("convergence", "fp16", "sgd")] = {"cpu": _CONV_FP16, "cuda": _CONV_FP16}
 TABLE[("convergence", "bf16", "sgd")] = {"cpu": _CONV_BF16, "cuda": _CONV_BF16}
-
 
 # The loss-scaling suite's applied steps (LOSS-SCALE-7, suites/test_loss_scaling.py
 # check_step_sizes): the fp16 engine's gathered fp32 masters, step by step and over the whole
@@ -396,7 +385,6 @@ _STEP_ADAM = Tol(0.0, 0.0,
                  update=0.1, gain=0.01)
 TABLE[("loss_scaling", "fp16", "sgd")] = {"cpu": _STEP_SGD, "cuda": _STEP_SGD}
 TABLE[("loss_scaling", "fp16", "fused_adam")] = {"cpu": _STEP_ADAM, "cuda": _STEP_ADAM}
-
 
 # The onebit suite: DeepSpeed <= 0.19.6 on 2 GPUs only (its 1-bit backend needs cupy), so each
 # entry's "cpu" value is its "cuda" value and no test reads it. The 2xH200 reference runs of
@@ -493,7 +481,6 @@ for (_dtype, _opt), _tol in _ONEBIT_RESUME.items():
 for (_dtype, _opt), _tol in _ONEBIT_REPLICAS.items():
     TABLE[("onebit_replicas", _dtype, _opt)] = {"cpu": _tol, "cuda": _tol}
 
-
 # The scheduler suite (suites/test_schedules.py): DeepSpeed's WarmupLR, WarmupDecayLR,
 # WarmupCosineLR and OneCycle against dsconform/checks/schedules.py, which evaluates the same
 # double-precision formulas in its own order (OneCycle's phase 1 + b/T - floor(...) loses up to
@@ -535,6 +522,23 @@ _MONITOR_LOSS = Tol(1e-6, 0.0,
                     "one step late differs by far more (the suite's loss moves > 1% a step)")
 for _dtype in ("fp32", "fp16"):
     TABLE[("monitor_loss", _dtype, "sgd")] = {"cpu": _MONITOR_LOSS, "cuda": _MONITOR_LOSS}
+# The optimizer suite (OPT-*): DeepSpeed's optimizer against its reference stepped with the same
+# gradient on fp32 copies (fp32 masters in bf16 too); clip_norm: DeepSpeed's norm helpers against
+# torch.nn.utils.clip_grad_norm_ on the same gradients (the clipping suite).
+_OPT_CPU = "CPU machine, 2 cores, DeepSpeed 0.19.8, torch 2.13 CPU, gloo, 2026-12-04"
+_OPT = Tol(1e-5, 1e-6, f"the update rule evaluated in another order (DeepSpeed's SIMD/fused "
+                       f"kernels against torch's loop or the written-out rules in float64): "
+                       f"worst abs 1.2e-7 over 6 steps (DeepSpeedCPUAdam), 0 for torch's own "
+                       f"optimizers ({_OPT_CPU}); a beta1 2% off or a group's weight decay "
+                       f"dropped is off by more than 1e-4")
+_CLIP = Tol(1e-5, 0.0, f"norms summed in another order (per tensor, then over tensors and "
+                       f"ranks): worst relative 3.3e-6 over norm types 1, 2, inf on 1 and 2 "
+                       f"ranks, sliced or not ({_OPT_CPU}); 3x headroom; a wrong norm type is "
+                       f"off by a factor")
+for _kind in ("adam", "adamw", "adagrad", "lion", "lamb", "client"):
+    for _dtype in ("fp32", "bf16"):
+        TABLE[("optimizer", _dtype, _kind)] = {"cpu": _OPT, "cuda": _OPT}
+TABLE[("clip_norm", "fp32", "sgd")] = {"cpu": _CLIP, "cuda": _CLIP}
 
 for _key, (_rtol, _atol, _why) in (tolerances_moe.ENTRIES | sdc_bounds.ENTRIES).items():
     TABLE[_key] = dict.fromkeys(ACCELERATORS, Tol(_rtol, _atol, _why))

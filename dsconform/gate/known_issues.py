@@ -42,7 +42,15 @@ from dsconform.gate.known_issue import (
     KnownIssueFailure,
     installed_torch,
 )
-from dsconform.gate.registry import checkpoint, deepnvme, moe, observability, onebit, training
+from dsconform.gate.registry import (
+    checkpoint,
+    deepnvme,
+    moe,
+    observability,
+    onebit,
+    optimizers,
+    training,
+)
 
 # The entry's type lives in dsconform/gate/known_issue.py; its names are the registry's too.
 __all__ = ["KINDS", "KNOWN_ISSUES", "TORCH", "UPSTREAM", "KnownIssue", "KnownIssueFailure",
@@ -51,7 +59,7 @@ __all__ = ["KINDS", "KNOWN_ISSUES", "TORCH", "UPSTREAM", "KnownIssue", "KnownIss
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     training.ISSUES + checkpoint.ISSUES + deepnvme.ISSUES + onebit.ISSUES
-    + observability.ISSUES + moe.ISSUES
+    + observability.ISSUES + moe.ISSUES + optimizers.ISSUES
 )
 
 def case_name(path_name: str, test_name: str) -> str:

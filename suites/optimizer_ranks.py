@@ -1,0 +1,457 @@
+"""The cells of suites/test_optimizers.py, the references of its optimizers, and the code that
+runs inside their ranks.
+
+A cell trains a small MLP whose parameters sit in three groups of different lr and weight decay,
+with the optimizer DeepSpeed builds from the config's ``"optimizer"`` section (or a client torch
+optimizer), and steps a reference beside it with the very gradient DeepSpeed's optimizer
+received (``safe_get_full_grad`` at the accumulation boundary).
+So the check holds the optimizer's update rule alone: ZeRO's gradients against DDP's are
+ZERO-EQ-1's business. After every step the engine's full fp32 parameters are read
+(``safe_get_full_fp32_param``; the model's weights where no master exists), and after the last
+the optimizer state (``safe_get_full_optimizer_state``).
+
+The references (``Reference``): where torch has the optimizer (Adam, AdamW, Adagrad, the client
+optimizer), torch's own, stepped on fp32 copies of the parameters; where torch has none (Lion,
+LAMB), the published update rule written out below in plain tensor arithmetic, in float64 so
+the reference adds no rounding of its own worth comparing.
+
+Ranks are pooled and reused: every call re-seeds, and destroys its engine before returning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# ---------------------------------------------------------------- the references
+# The config "type" of each kind, and the hyperparameters every group shares. A group's own lr
+# and weight_decay come from the model's parameter groups (optimizer_ranks.GROUPS).
+BETAS = (0.9, 0.99)
+EPS = 1e-8
+
+
+def lion_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, *, lr: float,
+              betas: tuple[float, float], weight_decay: float) -> None:
+    """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2),
+    in place: c = b1 m + (1 - b1) g; p <- p (1 - lr wd) - lr sign(c); m <- b2 m + (1 - b2) g.
+    The weight decay is decoupled (AdamW's way), applied before the signed step."""
+    b1, b2 = betas
+    c = b1 * m + (1 - b1) * g
+    p.mul_(1 - lr * weight_decay).add_(torch.sign(c), alpha=-lr)
+    m.mul_(b2).add_(g, alpha=1 - b2)
+
+
+def lamb_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, *,
+              lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+              max_coeff: float, min_coeff: float) -> None:
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2) as
+    DeepSpeed's FusedLamb documents it (bias correction on, eps outside the root, the trust ratio
+    ||p|| / ||u|| clamped to [min_coeff, max_coeff], 1 where either norm is 0), in place:
+    m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; u = m^ / (sqrt(v^) + eps) + wd p;
+    p <- p - lr r u."""
+    b1, b2 = betas
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    m_hat = m / (1 - b1 ** step)
+    v_hat = v / (1 - b2 ** step)
+    u = m_hat / (v_hat.sqrt() + eps) + weight_decay * p
+    w_norm, u_norm = float(p.norm()), float(u.norm())
+    ratio = 1.0 if w_norm == 0 or u_norm == 0 else min(max(w_norm / u_norm, min_coeff),
+                                                         max_coeff)
+    p.add_(u, alpha=-lr * ratio)
+
+
+class Reference:
+    """One optimizer's reference over named fp32 parameters in parameter groups.
+
+    ``groups``: [{"names": [...], "lr": ..., "weight_decay": ...}]; ``initial``: name -> tensor.
+    ``kind`` picks the rule: "adam" (torch Adam, L2 decay), "adamw" (torch AdamW), "adagrad"
+    (torch Adagrad), "client" (torch RAdam, the client optimizer's own class), "lion" and
+    "lamb" (written out above).
+    """
+
+    WRITTEN_OUT = ("lion", "lamb")
+
+    def __init__(self, kind: str, groups: Sequence[Mapping[str, Any]],
+                 initial: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]):
+        self.kind = kind
+        self.hyper = dict(hyper)
+        dtype = torch.float64 if kind in self.WRITTEN_OUT else torch.float32
+        self.params = {n: t.detach().to("cpu", dtype).clone() for n, t in initial.items()}
+        self.groups = [dict(g) for g in groups]
+        self.steps = 0
+        self.state: dict[str, dict[str, torch.Tensor]] = {
+            n: {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
+            for n, t in self.params.items()}
+        self.torch_opt = None
+        if kind not in self.WRITTEN_OUT:
+            for p in self.params.values():
+                p.requires_grad_(True)
+            torch_groups = [{"params": [self.params[n] for n in g["names"]], "lr": g["lr"],
+                             "weight_decay": g["weight_decay"]} for g in groups]
+            self.torch_opt = torch_optimizer(kind, torch_groups, self.hyper)
+
+    def step(self, grads: Mapping[str, torch.Tensor]) -> None:
+        self.steps += 1
+        if self.torch_opt is not None:
+            for n, p in self.params.items():
+                p.grad = grads[n].detach().to("cpu", torch.float32).clone()
+            self.torch_opt.step()
+            return
+        for g in self.groups:
+            for n in g["names"]:
+                p, s = self.params[n], self.state[n]
+                grad = grads[n].detach().to("cpu", torch.float64)
+                with torch.no_grad():
+                    if self.kind == "lion":
+                        lion_step(p, grad, s["exp_avg"], lr=g["lr"], betas=self.hyper["betas"],
+                                  weight_decay=g["weight_decay"])
+                    else:
+                        lamb_step(p, grad, s["exp_avg"], s["exp_avg_sq"], self.steps,
+                                  lr=g["lr"], betas=self.hyper["betas"], eps=self.hyper["eps"],
+                                  weight_decay=g["weight_decay"],
+                                  max_coeff=self.hyper["max_coeff"],
+                                  min_coeff=self.hyper["min_coeff"])
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().to(torch.float32).clone() for n, p in self.params.items()}
+
+    def optimizer_state(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        """"<param>/<key>" -> the reference's state tensor, for each state key DeepSpeed's
+        optimizer of this kind keeps (torch's own names where torch is the reference)."""
+        out = {}
+        for n, p in self.params.items():
+            for k in keys:
+                if self.torch_opt is not None:
+                    value = self.torch_opt.state[p][TORCH_STATE_KEYS.get((self.kind, k), k)]
+                else:
+                    value = self.state[n][k]
+                out[f"{n}/{k}"] = value.detach().to(torch.float32).clone()
+        return out
+
+
+# A DeepSpeed state name whose torch counterpart is named otherwise: DeepSpeedCPUAdagrad keeps
+# torch Adagrad's "sum" as "exp_avg_sq".
+TORCH_STATE_KEYS = {("adagrad", "exp_avg_sq"): "sum"}
+
+
+def torch_optimizer(kind: str, groups: list[dict[str, Any]],
+                    hyper: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """The torch optimizer of a kind, built on ``groups`` with the suite's hyperparameters:
+    the reference of DeepSpeed's Adam (L2) / AdamW / Adagrad, and the client optimizer itself.
+    foreach=False: torch's single-tensor loop, the plainest evaluation of its rule."""
+    if kind == "adam":
+        return torch.optim.Adam(groups, betas=hyper["betas"], eps=hyper["eps"], foreach=False)
+    if kind == "adamw":
+        return torch.optim.AdamW(groups, betas=hyper["betas"], eps=hyper["eps"], foreach=False)
+    if kind == "adagrad":
+        return torch.optim.Adagrad(groups, eps=hyper["eps"], lr_decay=0.0,
+                                   initial_accumulator_value=0.0, foreach=False)
+    if kind == "client":
+        return torch.optim.RAdam(groups, betas=hyper["betas"], eps=hyper["eps"], foreach=False)
+    raise ValueError(f"no torch optimizer for kind {kind!r}")
+
+
+# ---------------------------------------------------------------- the cells
+# Every optimizer kind the suite holds, its config section, and the DeepSpeed class it must
+# build where the optimizer stays on the device and where ZeRO-Offload moves it to the host.
+# None: DeepSpeed does not build that kind there (no host Lamb; FusedLion needs a GPU).
+KINDS: dict[str, dict[str, Any]] = {
+    "adam": {"type": "Adam", "params": {"adam_w_mode": False},
+             "device": "FusedAdam", "offload": "DeepSpeedCPUAdam",
+             "ops": ("fused_adam", "cpu_adam"), "state": ("exp_avg", "exp_avg_sq")},
+    "adamw": {"type": "AdamW", "params": {},
+              "device": "FusedAdam", "offload": "DeepSpeedCPUAdam",
+              "ops": ("fused_adam", "cpu_adam"), "state": ("exp_avg", "exp_avg_sq")},
+    "adagrad": {"type": "Adagrad", "params": {},
+                "device": "Adagrad", "offload": "DeepSpeedCPUAdagrad",
+                "ops": (None, "cpu_adagrad"), "state": ("exp_avg_sq",)},
+    "lion": {"type": "Lion", "params": {},
+             "device": "FusedLion", "offload": "DeepSpeedCPULion",
+             "ops": ("fused_lion", "cpu_lion"), "state": ("exp_avg",)},
+    "lamb": {"type": "Lamb", "params": {"max_coeff": 10.0, "min_coeff": 0.01},
+             "device": "FusedLamb", "offload": None,
+             "ops": ("fused_lamb", None), "state": ("exp_avg", "exp_avg_sq")},
+    "client": {"type": None, "params": {},
+               "device": "RAdam", "offload": "RAdam",
+               "ops": (None, None), "state": ("exp_avg", "exp_avg_sq")},
+}
+# Kinds whose device-side class exists only as a CUDA kernel (no CPU-accelerator builder).
+CUDA_ONLY_ON_DEVICE = ("lion", "lamb")
+# Adagrad's state keeps torch's name on the device ("sum"), DeepSpeed's on the host.
+DEVICE_STATE = {"adagrad": ("sum",)}
+
+# The parameter groups: (parameter names, lr factor, weight decay). Every group decays
+# differently and steps at its own lr; a dropped group setting changes that group's trajectory.
+GROUPS = ((("fc1.weight",), 1.0, 0.1), (("fc2.weight",), 0.5, 0.0),
+          (("fc1.bias", "fc2.bias"), 2.0, 0.01))
+LR = {"adam": 1e-2, "adamw": 1e-2, "adagrad": 5e-2, "lion": 1e-3, "lamb": 1e-2,
+      "client": 1e-2}
+OFFLOADS = {0: ("none",), 1: ("none", "opt"), 2: ("none", "opt"), 3: ("none", "opt", "param+opt")}
+IN, HIDDEN, OUT = 13, 53, 7  # odd widths: ZeRO pads every partition on two ranks
+
+
+@dataclass(frozen=True)
+class OptCase:
+    kind: str
+    stage: int
+    offload: str = "none"
+    dtype: str = "fp32"
+    grad_accum: int = 1
+    world_size: int = 2
+    steps: int = 6
+    micro_batch: int = 4
+    seed: int = 7
+    # Resume: save after this many steps, load into a fresh engine, train the rest (0: none).
+    resume_at: int = 0
+
+    @property
+    def id(self) -> str:
+        resume = f"-resume{self.resume_at}" if self.resume_at else ""
+        return (f"{self.kind}-z{self.stage}-{self.offload}-{self.dtype}-gas{self.grad_accum}"
+                f"-ws{self.world_size}{resume}")
+
+    @property
+    def offloaded(self) -> bool:
+        return self.offload != "none"
+
+    def op(self) -> str | None:
+        return KINDS[self.kind]["ops"][self.offloaded]
+
+    def expected_class(self) -> str:
+        return KINDS[self.kind]["offload" if self.offloaded else "device"]
+
+    def state_keys(self) -> tuple[str, ...]:
+        if not self.offloaded and self.kind in DEVICE_STATE:
+            return DEVICE_STATE[self.kind]
+        return KINDS[self.kind]["state"]
+
+    def with_(self, **changes: Any) -> OptCase:
+        return replace(self, **changes)
+
+
+def valid(kind: str, stage: int, offload: str) -> bool:
+    """Where DeepSpeed builds this kind: offload only on ZeRO 1-3 (parameters on 3 only), and
+    only for kinds with a host implementation."""
+    if offload not in OFFLOADS[stage]:
+        return False
+    return KINDS[kind]["offload" if offload != "none" else "device"] is not None
+
+
+def matrix(world_sizes: tuple[int, ...] = (1, 2)) -> list[OptCase]:
+    """Every valid (kind, stage, offload, dtype, grad_accum, world_size) cell."""
+    return [OptCase(kind, stage, off, dtype, gas, ws)
+            for kind in KINDS for stage, offs in OFFLOADS.items() for off in offs
+            if valid(kind, stage, off)
+            for dtype in ("fp32", "bf16") for gas in (1, 4) for ws in world_sizes]
+
+
+def config(case: OptCase, hyper: dict[str, Any]) -> dict[str, Any]:
+    """The cell's DeepSpeed config: ds_config's pinned semantics, with the optimizer section the
+    cell names (a client optimizer: none)."""
+    from dsconform.suite import ds_config
+
+    cfg = ds_config(stage=case.stage, dtype=case.dtype, optimizer="sgd", lr=LR[case.kind],
+                    grad_accum=case.grad_accum, world_size=case.world_size,
+                    micro_batch=case.micro_batch, offload_optimizer=case.offloaded,
+                    offload_param=case.offload == "param+opt")
+    section = KINDS[case.kind]
+    if section["type"] is None:
+        del cfg["optimizer"]
+    else:
+        params = {"lr": LR[case.kind], "weight_decay": 0.0, **section["params"]}
+        if case.kind != "adagrad":
+            params["betas"] = list(hyper["betas"])
+        if case.kind not in ("lion",):
+            params["eps"] = hyper["eps"]
+        cfg["optimizer"] = {"type": section["type"], "params": params}
+    # Adagrad, Lion and a client optimizer are not on ZeRO's list of tested optimizers; a torch
+    # optimizer offloaded is refused unless DeepSpeed may keep it as it is.
+    cfg["zero_allow_untested_optimizer"] = True
+    if case.kind == "client":
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    return cfg
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(IN, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def param_groups(model: nn.Module, kind: str, *, tamper: str | None = None) -> list[dict]:
+    named = dict(model.named_parameters())
+    groups = [{"params": [named[n] for n in names], "lr": LR[kind] * factor,
+               "weight_decay": wd} for names, factor, wd in GROUPS]
+    if tamper == "drop_group_weight_decay":
+        # What a lost group setting looks like: the first group falls back to the default 0.
+        del groups[0]["weight_decay"]
+    return groups
+
+
+def reference_groups(kind: str) -> list[dict[str, Any]]:
+    return [{"names": list(names), "lr": LR[kind] * factor, "weight_decay": wd}
+            for names, factor, wd in GROUPS]
+
+
+def hyperparameters(case: OptCase) -> dict[str, Any]:
+    return {"betas": BETAS, "eps": EPS, **KINDS[case.kind]["params"]}
+
+
+def _batches(case: OptCase, step: int, rank: int, dev: torch.device) -> list:
+    """The micro-batches of one optimizer step on one rank: its own data, from the cell's seed."""
+    g = torch.Generator().manual_seed(case.seed * 100003 + step * 101 + rank)
+    out = []
+    for _ in range(case.grad_accum):
+        x = torch.randn(case.micro_batch, IN, generator=g)
+        y = torch.randn(case.micro_batch, OUT, generator=g)
+        out.append((x.to(dev), y.to(dev)))
+    return out
+
+
+def _full_params(engine: Any, named: list) -> dict[str, torch.Tensor]:
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from dsconform.suite import cpu_fp32
+
+    out = {}
+    for n, p in named:
+        full = safe_get_full_fp32_param(p)
+        if full is None:  # no fp32 master behind this parameter (stage 0 fp32): the weight is
+            with deepspeed.zero.GatheredParameters([p]):
+                full = p.data
+        out[n] = cpu_fp32(full)
+    return out
+
+
+def _full_state(engine: Any, named: list, keys: tuple[str, ...]) -> tuple[dict, list[str]]:
+    """Every parameter's optimizer state, gathered, and what could not be read (an accessor
+    that raises is a finding about DeepSpeed, reported by name, not a crash of the cell)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    from dsconform.suite import cpu_fp32
+
+    out, errors = {}, []
+    for n, p in named:
+        for k in keys:
+            # A collective: every rank must call it or none. Where some rank's fragment of the
+            # parameter lacks the state, the call raises there and hangs the others.
+            missing = _ranks_missing_state(p, k)
+            if missing:
+                errors.append(f"safe_get_full_optimizer_state({n!r}, {k!r}) cannot be read: "
+                              f"the state is not linked to the parameter's fp32 fragment on "
+                              f"rank(s) {missing}")
+                continue
+            value = safe_get_full_optimizer_state(p, k)
+            if value is None:  # stage 0 fp32: the optimizer holds the model's own parameters
+                value = engine.optimizer.state[p].get(k)
+            if value is None:
+                errors.append(f"no optimizer state {k!r} for {n!r}")
+                continue
+            out[f"{n}/{k}"] = cpu_fp32(value)
+    return out, errors
+
+
+def _ranks_missing_state(p: Any, key: str) -> list[int]:
+    """The ranks whose fragment of ``p`` (ZeRO 1/2, bf16 wrapper) carries no optimizer state
+    ``key``, agreed on every rank."""
+    import torch.distributed as dist
+
+    mapping = getattr(p, "_hp_mapping", None)
+    lacks = mapping is not None and key not in (mapping.optim_fragment or {})
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, lacks)
+    return [r for r, f in enumerate(flags) if f]
+
+
+def _engine(case: OptCase, model: nn.Module, tamper: str | None) -> Any:
+    import deepspeed
+
+    hyper = hyperparameters(case)
+    groups = param_groups(model, case.kind, tamper=tamper)
+    client = None
+    if case.kind == "client":
+        client = torch_optimizer("client", groups, hyper)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
+                                           optimizer=client, config=config(case, hyper))
+    if tamper == "perturb_update_rule":
+        # A perturbed update rule: the first moment's decay DeepSpeed's optimizer applies.
+        for group in engine.basic_optimizer.param_groups:
+            if "betas" in group:
+                group["betas"] = (group["betas"][0] * 0.98, group["betas"][1])
+            else:  # Adagrad: no betas; its eps is its only constant
+                group["eps"] = group["eps"] * 1e6
+    return engine
+
+
+def _train(engine: Any, case: OptCase, ref: Reference, first: int, last: int,
+           dev: torch.device) -> tuple[list, list]:
+    from deepspeed.utils import safe_get_full_grad
+
+    from dsconform.suite import TORCH_DTYPES, cpu_fp32, rank
+
+    named = list(engine.module.named_parameters())
+    dtype = TORCH_DTYPES[case.dtype]
+    per_step, ref_steps = [], []
+    for step in range(first, last):
+        grads = None
+        for x, y in _batches(case, step, rank(), dev):
+            loss = F.mse_loss(engine(x.to(dtype)).float(), y)
+            engine.backward(loss)
+            if engine.is_gradient_accumulation_boundary():
+                # Collective on stage 3: every rank gathers every gradient, in the same order.
+                grads = {n: cpu_fp32(safe_get_full_grad(p)) for n, p in named}
+            engine.step()
+        ref.step(grads)
+        per_step.append(_full_params(engine, named))
+        ref_steps.append(ref.parameters())
+    return per_step, ref_steps
+
+
+def train_optimizer(case: OptCase, tamper: str | None = None,
+                    save_dir: str | None = None) -> dict[str, Any]:
+    """Rank entry point: train the cell's engine and its reference side by side.
+
+    Returns {"rank", "class": the optimizer class DeepSpeed built, "params": [engine params per
+    step], "reference": [reference params per step], "state" / "reference_state": the optimizer
+    state after the last step}. With ``case.resume_at``, the engine is saved after that step
+    (under ``save_dir``), a fresh engine loads it and trains on; the reference never stops."""
+    from dsconform.suite import device, rank, seed_everything
+
+    seed_everything(case.seed)
+    dev = device()
+    model = MLP().to(dev)
+    engine = _engine(case, model, tamper)
+    try:
+        named = list(engine.module.named_parameters())
+        built = type(engine.basic_optimizer).__name__
+        ref = Reference(case.kind, reference_groups(case.kind), _full_params(engine, named),
+                        hyperparameters(case))
+        split = case.resume_at or case.steps
+        params, reference = _train(engine, case, ref, 0, split, dev)
+        if case.resume_at:
+            engine.save_checkpoint(save_dir, tag="resume")
+            engine.destroy()
+            seed_everything(case.seed + 1)  # a fresh engine, other initial weights
+            engine = _engine(case, MLP().to(dev), tamper)
+            engine.load_checkpoint(save_dir, tag="resume")
+            named = list(engine.module.named_parameters())
+            more, more_ref = _train(engine, case, ref, split, case.steps, dev)
+            params, reference = params + more, reference + more_ref
+        state, state_errors = _full_state(engine, named, case.state_keys())
+        return {"rank": rank(), "class": built, "params": params,
+                "reference": reference, "state": state, "state_errors": state_errors,
+                "reference_state": ref.optimizer_state(case.state_keys())}
+    finally:
+        engine.destroy()
+        del engine

@@ -1,0 +1,222 @@
+"""Optimizers: every optimizer DeepSpeed builds from the config's ``"optimizer"`` section, and a
+client torch optimizer, MUST apply its published update rule to the gradient it is given, with
+each parameter group's own lr and weight decay, under every ZeRO stage and offload placement.
+
+The kinds, the class DeepSpeed MUST build for each (on the device / with ZeRO-Offload) and the
+reference each is held to (suites/optimizer_ranks.py):
+
+- ``adam`` (``"type": "Adam"``, ``adam_w_mode`` false: weight decay as an L2 term of the
+  gradient): FusedAdam / DeepSpeedCPUAdam, against torch ``Adam``;
+- ``adamw`` (``"type": "AdamW"``): FusedAdam / DeepSpeedCPUAdam, against torch ``AdamW``;
+- ``adagrad``: torch Adagrad / DeepSpeedCPUAdagrad, against torch ``Adagrad``;
+- ``lion``: FusedLion (GPUs only) / DeepSpeedCPULion, against Lion written out (Chen et al.
+  2023, Algorithm 2);
+- ``lamb``: FusedLamb (GPUs only; no host LAMB, so no offload), against LAMB written out (You et
+  al. 2020) with FusedLamb's trust-ratio clamp;
+- ``client``: a torch ``RAdam`` handed to ``deepspeed.initialize(optimizer=...)``, against
+  torch ``RAdam`` itself.
+
+Each cell trains a small MLP whose parameters sit in three groups (lr x1 / x0.5 / x2, weight
+decay 0.1 / 0 / 0.01) for 6 steps, ZeRO 0-3, with the optimizer offloaded (1-3) and the
+parameters too (3), fp32 and bf16, 1 and 4 micro-batches per step, 1 and 2 ranks. The reference
+steps fp32 copies of the engine's initial fp32 parameters with the gradient DeepSpeed's optimizer
+received (``safe_get_full_grad`` at the accumulation boundary), so the comparison holds the
+update rule alone: ZeRO's gradients against DDP's are ZERO-EQ-1's.
+
+- OPT-RULE-1 (``test_optimizer_follows_its_rule``): DeepSpeed MUST build the documented class
+  for the kind and placement, and after EVERY step every parameter (``safe_get_full_fp32_param``)
+  MUST equal the reference's within ``dsconform/checks/tolerances.py`` "optimizer"; after the
+  last step every optimizer state tensor (``safe_get_full_optimizer_state``: Adam's moments,
+  Adagrad's sum, Lion's momentum) MUST equal the reference's.
+- OPT-RESUME-1 (``test_resume_keeps_the_trajectory``): a checkpoint saved after step 3 and loaded
+  into a fresh engine (other initial weights) MUST continue on the reference's trajectory, step
+  for step, and end with its optimizer state.
+
+Upstream: https://www.deepspeed.ai/docs/config-json/#optimizer-parameters ,
+https://deepspeed.readthedocs.io/en/latest/optimizers.html ,
+https://deepspeed.readthedocs.io/en/latest/zero3.html#debugging (the safe_get_full_* APIs).
+
+Stable ids: OPT-RULE-1, OPT-RESUME-1; each case id (``adamw-z2-opt-bf16-gas4-ws2``) names its
+cell and does not change.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dsconform.suite import (
+    ACCELERATORS,
+    Comparison,
+    RankCall,
+    accel_cell,
+    batched,
+    cell_results,
+    compare_states,
+    pairwise,
+    requires,
+    run_ranks,
+    tolerance,
+)
+from suites.optimizer_ranks import CUDA_ONLY_ON_DEVICE, OptCase, matrix, train_optimizer
+
+CAPABILITY = "optimizers"
+# Per call. A DeepSpeed optimizer op JIT-builds inside the first call that uses it (about 45 s
+# on 2 cores, docs/findings.md#op-builds); a built one takes seconds.
+TIMEOUT_S = 600
+
+
+def runs_on(case: OptCase, accelerator: str) -> bool:
+    """FusedLion and FusedLamb are CUDA kernels only: the CPU accelerator builds neither."""
+    return accelerator == "cuda" or case.offloaded or case.kind not in CUDA_ONLY_ON_DEVICE
+
+
+# The CPU tier: every kind the CPU accelerator builds, every stage and placement at least once,
+# bf16 and 4 micro-batches at least once each, on 2 ranks; only ops the CI profile promises
+# (cpu_adam) or that need none, plus one CPU Lion cell (its reference is the written-out rule,
+# which nothing else exercises on CPU). The rest is nightly (slow).
+CPU_TIER = {
+    ("adamw", 2, "opt", "fp32", 1), ("adam", 3, "param+opt", "bf16", 4),
+    ("adam", 1, "opt", "bf16", 1), ("adagrad", 0, "none", "fp32", 4),
+    ("adagrad", 2, "none", "bf16", 1), ("client", 3, "none", "fp32", 4),
+    ("client", 1, "opt", "bf16", 1), ("lion", 2, "opt", "fp32", 1),
+}
+
+
+def _key(case: OptCase) -> tuple:
+    return (case.kind, case.stage, case.offload, case.dtype, case.grad_accum)
+
+
+def _axes(case: OptCase) -> dict:
+    return {"kind": case.kind, "stage": case.stage, "offload": case.offload,
+            "dtype": case.dtype, "grad_accum": case.grad_accum}
+
+
+# LAMB's written-out rule has not yet been run against FusedLamb (a CUDA kernel): its cells stay
+# in the nightly tier until a GPU run has measured them.
+NIGHTLY_ONLY = ("lamb",)
+
+
+def stage0_bf16(case: OptCase) -> bool:
+    """Stage 0's bf16 wrapper: on 0.19.8 its parameters leave the reference at step 0 (Adagrad
+    by 0.16, RAdam by 3.4e-4; the likely cause, not yet confirmed, is the fp16/bf16 wrapper's
+    step at initialisation, DS-5104) and a client optimizer's state is not readable there.
+    Nightly until that is classified; the acceptance tier covers every other pair."""
+    return case.stage == 0 and case.dtype == "bf16"
+
+
+def gpu_tier(cases: list[OptCase]) -> list[OptCase]:
+    """The acceptance tier on GPUs: every pair of (kind, stage, offload, dtype, accumulation)
+    values at least once, at two ranks (a pairwise covering array over the valid cells)."""
+    two = [c for c in cases if c.world_size == 2 and c.kind not in NIGHTLY_ONLY
+           and not stage0_bf16(c)]
+    by_axes = {tuple(_axes(c).items()): c for c in two}
+    axes: dict = {}
+    for c in two:
+        for k, v in _axes(c).items():
+            axes.setdefault(k, [])
+            if v not in axes[k]:
+                axes[k].append(v)
+    chosen = pairwise(axes, valid=lambda cell: tuple(cell.items()) in by_axes)
+    return [by_axes[tuple(cell.items())] for cell in chosen]
+
+
+def _needs(case: OptCase) -> list:
+    marks = [requires(bf16=True)] if case.dtype == "bf16" else []
+    if case.op():
+        marks.append(requires(op=case.op()))
+    return marks
+
+
+def _params() -> list:
+    params = []
+    cases = matrix(world_sizes=(1, 2))
+    tier = {_key(c) for c in gpu_tier(cases)}
+    for accel in ACCELERATORS:
+        for case in cases:
+            if not runs_on(case, accel):
+                continue
+            if accel == "cpu":
+                in_tier, role = case.world_size == 2 and _key(case) in CPU_TIER, None
+            else:
+                # On a node with one GPU, the one-rank twin of every acceptance cell runs
+                # instead: the update rule needs no second rank.
+                in_tier = _key(case) in tier and case.world_size == 2
+                role = ("covered" if in_tier else "tier" if _key(case) in tier
+                        and case.world_size == 1 else None)
+            params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
+                                     marks=_needs(case), slow=not in_tier, one_gpu=role))
+    return params
+
+
+def _plan(params: dict, workdir, run) -> RankCall:
+    case = params["case"]
+    return RankCall(train_optimizer, case.world_size, TIMEOUT_S, args=(case,),
+                    accelerator=params["accelerator"])
+
+
+def _cost(params: dict) -> float:
+    """A cell's seconds in a batch on a GPU node: about a second, more with accumulation and
+    with the optimizer on the host."""
+    case = params["case"]
+    return 0.6 + 0.4 * (case.grad_accum > 1) + 0.4 * case.offloaded
+
+
+def judge(results: list[dict], case: OptCase, accelerator: str, profile=None) -> Comparison:
+    """OPT-RULE-1 / OPT-RESUME-1's judgement of every rank's trace: the class built, the
+    parameters after every step and the optimizer state after the last, against the
+    reference, under the table's "optimizer" tolerance."""
+    tol = tolerance("optimizer", case.dtype, case.kind,
+                    getattr(profile, "tolerances", None), accelerator=accelerator)
+    cmp = Comparison(tol=tol, label=f"{accelerator}-{case.id}")
+    for result in results:
+        where = f"rank {result['rank']}"
+        if result["class"] != case.expected_class():
+            cmp.problems.append(f"{where}: DeepSpeed built {result['class']}, the documented "
+                                f"optimizer for {case.kind} here is {case.expected_class()}")
+        if len(result["params"]) != case.steps or len(result["reference"]) != case.steps:
+            cmp.problems.append(f"{where}: {len(result['params'])} steps traced, "
+                                f"{case.steps} expected")
+        for step, (got, want) in enumerate(zip(result["params"], result["reference"])):
+            cmp.extend(compare_states(got, want, tol, where=where, step=step))
+        cmp.problems += [f"{where}: {e}" for e in result["state_errors"]]
+        want_state = {k: v for k, v in result["reference_state"].items()
+                      if k in result["state"]}
+        if want_state:
+            cmp.extend(compare_states(result["state"], want_state, tol,
+                                      where=f"{where}, optimizer state", step=case.steps - 1))
+    return cmp
+
+
+@pytest.mark.parametrize("accelerator, case", _params())
+@batched(_plan, cost=_cost)  # the cells run at once where lanes are on (dsconform.plugin.batch)
+def test_optimizer_follows_its_rule(accelerator: str, case: OptCase, profile, request):
+    """OPT-RULE-1: every step of DeepSpeed's optimizer MUST follow its reference's update rule,
+    per parameter group, and end with its optimizer state."""
+    judge(cell_results(request), case, accelerator, profile).assert_ok()
+
+
+# DeepSpeed's own Adam on ZeRO-3 (FusedAdam on GPUs; the CPU accelerator builds fused_adam for
+# it, nightly there), Lion offloaded to the host (its state through the host) and a client
+# optimizer in bf16 on ZeRO-3. ZeRO 1/2 cannot read back their optimizer state on
+# 0.19.8 (DS-Z12-OPT-STATE-LATER-GROUPS), so the resumed cells train on stage 3.
+RESUME_CELLS = [OptCase("adamw", 3, "none", "fp32", 1, 2, resume_at=3),
+                OptCase("lion", 3, "opt", "fp32", 1, 2, resume_at=3),
+                OptCase("client", 3, "none", "bf16", 4, 2, resume_at=3)]
+RESUME_TIER = {"cpu": ("lion", "client"), "cuda": ("adamw", "lion")}
+
+
+def _resume_params() -> list:
+    return [accel_cell(accel, case, id=case.id, world_size=case.world_size,
+                       marks=_needs(case), slow=case.kind not in RESUME_TIER[accel])
+            for accel in ACCELERATORS for case in RESUME_CELLS if runs_on(case, accel)]
+
+
+@pytest.mark.parametrize("accelerator, case", _resume_params())
+def test_resume_keeps_the_trajectory(accelerator: str, case: OptCase, profile, scratch):
+    """OPT-RESUME-1: an optimizer resumed from a checkpoint MUST continue on its reference's
+    trajectory, step for step."""
+    results = run_ranks(train_optimizer, case.world_size, timeout_s=TIMEOUT_S,
+                        args=(case,), kwargs={"save_dir": str(scratch / "ckpt")},
+                        accelerator=accelerator)
+    judge(results, case, accelerator, profile).assert_ok()
+

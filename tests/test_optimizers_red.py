@@ -1,0 +1,61 @@
+"""OPT-RULE-1 and CLIP-NORM-1/2 MUST go red when the thing they check is wrong. Real DeepSpeed
+on 2 CPU ranks, nothing mocked; the faults are injected into the DeepSpeed side only, through
+the rank functions' ``tamper`` argument:
+
+- ``perturb_update_rule``: the first moment's decay (Adam's beta1) DeepSpeed's optimizer applies
+  is 2% off;
+- ``drop_group_weight_decay``: the first parameter group reaches DeepSpeed without its own
+  weight decay (0.1), so the config's 0 applies;
+- ``wrong_norm_type``: DeepSpeed's norm helpers are handed the 2-norm whatever was asked.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dsconform.harness.api import run_ranks
+from suites.optimizer_ranks import OptCase, train_optimizer
+from suites.test_grad_clipping import check
+from suites.test_optimizers import judge
+
+# ZeRO-3 with the parameters and optimizer offloaded: DeepSpeedCPUAdam, the op the CI profile
+# promises; a cell of the CPU tier that passes untampered.
+CASE = OptCase("adam", 3, "param+opt", "fp32", 1, 2)
+
+
+def _judge(tamper: str | None):
+    results = run_ranks(train_optimizer, CASE.world_size, timeout_s=300, args=(CASE,),
+                        kwargs={"tamper": tamper}, accelerator="cpu")
+    return judge(results, CASE, "cpu")
+
+
+def test_control_passes():
+    cmp = _judge(None)
+    assert cmp.ok, cmp.report()
+
+
+@pytest.mark.parametrize("tamper", ["perturb_update_rule", "drop_group_weight_decay"])
+def test_tampered_optimizer_fails_at_once(tamper: str):
+    cmp = _judge(tamper)
+    assert not cmp.ok
+    first = cmp.first_divergence
+    # Adam's bias correction hides beta1 at step 0 (m_hat = g), so beta1 shows at step 1
+    assert first is not None and first.step <= 1, cmp.report()
+    # far outside the bound, not at its edge
+    assert first.max_abs > 10 * (cmp.tol.atol + cmp.tol.rtol), cmp.report()
+    if tamper == "drop_group_weight_decay":  # only the first group's parameter moved otherwise
+        assert {d.name for d in cmp.failures} == {"fc1.weight", "fc1.weight/exp_avg",
+                                                  "fc1.weight/exp_avg_sq"}, cmp.report()
+
+
+@pytest.mark.parametrize("norm", ["1", "inf"])
+@pytest.mark.parametrize("world_size, sharded", [(1, False), (2, True)])
+def test_wrong_norm_type_fails(norm: str, world_size: int, sharded: bool):
+    problems = check("cpu", norm, world_size, sharded, tamper="wrong_norm_type")
+    assert problems, f"{norm}-norm computed as the 2-norm passed"
+    assert any("clip_grad_norm_ gave norm" in p for p in problems), problems
+
+
+def test_two_norm_is_the_control():
+    """The tamper changes nothing where the 2-norm was asked: the check stays green."""
+    assert not check("cpu", "2", 2, True, tamper="wrong_norm_type")

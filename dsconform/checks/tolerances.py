@@ -59,7 +59,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsconform.checks import sdc_bounds, tolerances_moe
+from dsconform.checks import sdc_bounds, tolerances_moe, tolerances_optimizers
 
 ACCELERATORS = ("cpu", "cuda")
 # What a profile's [tolerances."check.dtype.optimizer"] table may set.
@@ -522,25 +522,9 @@ _MONITOR_LOSS = Tol(1e-6, 0.0,
                     "one step late differs by far more (the suite's loss moves > 1% a step)")
 for _dtype in ("fp32", "fp16"):
     TABLE[("monitor_loss", _dtype, "sgd")] = {"cpu": _MONITOR_LOSS, "cuda": _MONITOR_LOSS}
-# The optimizer suite (OPT-*): DeepSpeed's optimizer against its reference stepped with the same
-# gradient on fp32 copies (fp32 masters in bf16 too); clip_norm: DeepSpeed's norm helpers against
-# torch.nn.utils.clip_grad_norm_ on the same gradients (the clipping suite).
-_OPT_CPU = "CPU machine, 2 cores, DeepSpeed 0.19.8, torch 2.13 CPU, gloo, 2026-12-04"
-_OPT = Tol(1e-5, 1e-6, f"the update rule evaluated in another order (DeepSpeed's SIMD/fused "
-                       f"kernels against torch's loop or the written-out rules in float64): "
-                       f"worst abs 1.2e-7 over 6 steps (DeepSpeedCPUAdam), 0 for torch's own "
-                       f"optimizers ({_OPT_CPU}); a beta1 2% off or a group's weight decay "
-                       f"dropped is off by more than 1e-4")
-_CLIP = Tol(1e-5, 0.0, f"norms summed in another order (per tensor, then over tensors and "
-                       f"ranks): worst relative 3.3e-6 over norm types 1, 2, inf on 1 and 2 "
-                       f"ranks, sliced or not ({_OPT_CPU}); 3x headroom; a wrong norm type is "
-                       f"off by a factor")
-for _kind in ("adam", "adamw", "adagrad", "lion", "lamb", "client"):
-    for _dtype in ("fp32", "bf16"):
-        TABLE[("optimizer", _dtype, _kind)] = {"cpu": _OPT, "cuda": _OPT}
-TABLE[("clip_norm", "fp32", "sgd")] = {"cpu": _CLIP, "cuda": _CLIP}
 
-for _key, (_rtol, _atol, _why) in (tolerances_moe.ENTRIES | sdc_bounds.ENTRIES).items():
+for _key, (_rtol, _atol, _why) in (tolerances_moe.ENTRIES | tolerances_optimizers.ENTRIES
+                                  | sdc_bounds.ENTRIES).items():
     TABLE[_key] = dict.fromkeys(ACCELERATORS, Tol(_rtol, _atol, _why))
 
 

@@ -65,8 +65,10 @@ PROGRESS_S = 15.0
 #: ``dsconform build-ops`` (tests/test_build_ops.py holds it to the suites' requires(op=...)):
 #: on CPU, DeepSpeed's shm comm op, which every rank's init_distributed builds.
 RUN_OPS = {
-    "cuda": ("fused_adam", "cpu_adam", "async_io", "gds", "utils"),
-    "cpu": ("deepspeed_shm_comm", "fused_adam", "cpu_adam", "async_io"),
+    "cuda": ("fused_adam", "cpu_adam", "async_io", "gds", "utils", "cpu_adagrad", "cpu_lion",
+             "fused_lion", "fused_lamb"),
+    "cpu": ("deepspeed_shm_comm", "fused_adam", "cpu_adam", "async_io", "cpu_adagrad",
+            "cpu_lion"),
 }
 #: Seconds each op's build took alone with MAX_JOBS=16 on 1xH200 (docs/performance.md, Op
 #: builds): builds started before the run's tests are known go longest first, so the longest
@@ -85,12 +87,17 @@ def longest_first(ops: Sequence[str]) -> list[str]:
 #: (NVME-GDS-1 is marked promised_ops_only, NVME-GDS-2 runs on paths with gds = true).
 PROMISED_ONLY = ("gds",)
 
+#: Of RUN_OPS, those only the nightly tier's cells load on GPUs (the optimizer suite's Adagrad,
+#: Lion and LAMB ops): an acceptance run neither builds nor waits for them unless promised.
+NIGHTLY_ONLY = ("cpu_adagrad", "cpu_lion", "fused_lion", "fused_lamb")
+
 
 def acceptance_ops(accelerator: str, promised: Sequence[str]) -> list[str]:
     """The ops ``pytest -m gpu`` loads on this accelerator: the promised ones, then RUN_OPS's
-    but those of PROMISED_ONLY the profile does not promise."""
-    return list(dict.fromkeys([*promised, *(op for op in RUN_OPS.get(accelerator, ())
-                                            if op not in PROMISED_ONLY or op in promised)]))
+    but those of PROMISED_ONLY and NIGHTLY_ONLY the profile does not promise."""
+    return list(dict.fromkeys([*promised, *(
+        op for op in RUN_OPS.get(accelerator, ())
+        if op not in PROMISED_ONLY + NIGHTLY_ONLY or op in promised)]))
 
 
 def build_order(ops: Sequence[str], needs: Iterable[tuple[float, Sequence[str], float]]

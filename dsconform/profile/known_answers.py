@@ -28,6 +28,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from dsconform.profile import catalogue
+
 ANSWERS_FILE = Path(__file__).with_name("known_answers.toml")
 #: The fact a run records its observed hashes under (one value per GPU).
 FACT = "sdc.observed"
@@ -35,12 +37,8 @@ KEY_FIELDS = ("model", "torch", "cuda", "cublas", "inputs")
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
-class KnownAnswersError(ValueError):
+class KnownAnswersError(catalogue.CatalogueError):
     """Problems of a known-answers file, one line each: FILE: answers[i].FIELD: reason."""
-
-    def __init__(self, problems: list[str]):
-        super().__init__("\n".join(problems))
-        self.problems = problems
 
 
 @dataclass(frozen=True)
@@ -101,8 +99,6 @@ def _raise(problems: list[str]) -> Any:
 
 
 def load(path: str | Path = ANSWERS_FILE) -> dict[Key, dict[str, str]]:
-    from dsconform.profile import catalogue
-
     path = Path(path)
     try:
         data = tomllib.loads(path.read_text())
@@ -121,8 +117,6 @@ def shipped() -> dict[Key, dict[str, str]]:
 
 def model_key(device_name: str) -> str | None:
     """The GPU catalogue's key for a device name, None where the catalogue has no such model."""
-    from dsconform.profile import catalogue
-
     model = catalogue.find([device_name])
     return None if model is None else model.key
 
@@ -157,8 +151,6 @@ def lookup(entry: Mapping[str, Any], answers: Mapping[Key, dict[str, str]] | Non
 
 
 def model_key_known(model: str) -> bool:
-    from dsconform.profile import catalogue
-
     return model in catalogue.shipped()
 
 

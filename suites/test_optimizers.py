@@ -49,6 +49,7 @@ from dsconform.suite import (
     Comparison,
     RankCall,
     accel_cell,
+    axis_values,
     batched,
     cell_results,
     compare_states,
@@ -118,12 +119,7 @@ def gpu_tier(cases: list[OptCase]) -> list[OptCase]:
     two = [c for c in cases if c.world_size == 2 and c.kind not in NIGHTLY_ONLY
            and c.op() in GPU_ACCEPTANCE_OPS and not stage0_bf16(c)]
     by_axes = {tuple(_axes(c).items()): c for c in two}
-    axes: dict = {}
-    for c in two:
-        for k, v in _axes(c).items():
-            axes.setdefault(k, [])
-            if v not in axes[k]:
-                axes[k].append(v)
+    axes = axis_values(_axes(c) for c in two)
     chosen = pairwise(axes, valid=lambda cell: tuple(cell.items()) in by_axes)
     return [by_axes[tuple(cell.items())] for cell in chosen]
 

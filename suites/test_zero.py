@@ -42,6 +42,7 @@ from dsconform.suite import (
     ZeroCase,
     accel_cell,
     accel_params,
+    axis_values,
     batched,
     cell_results,
     clip_problems,
@@ -118,12 +119,7 @@ def gpu_tier(cases: list[ZeroCase]) -> list[ZeroCase]:
     least once (a pairwise covering array), plus every cell a known upstream issue names, plus
     one cell for every tolerance-table entry the matrix uses. The rest is the nightly tier."""
     by_axes = {tuple(_axes(c).items()): c for c in cases}
-    axes: dict = {}
-    for c in cases:
-        for k, v in _axes(c).items():
-            axes.setdefault(k, [])
-            if v not in axes[k]:
-                axes[k].append(v)
+    axes = axis_values(_axes(c) for c in cases)
     # Among cells that cover as many new pairs, prefer the most ranks: the distributed paths
     # (partitioning, reduction) are what a node is accepted for.
     axes["world_size"].sort(key=lambda ws: -1 if ws == "all" else -ws)

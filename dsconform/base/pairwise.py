@@ -25,6 +25,17 @@ def _pairs(cell: Mapping[str, Any], names: Sequence[str]) -> set[tuple]:
     return {(a, cell[a], b, cell[b]) for a, b in itertools.combinations(names, 2)}
 
 
+def axis_values(cells: Iterable[Mapping[str, Any]]) -> dict[str, list[Any]]:
+    """The axes of a list of cells: {name: its values in the order the cells first show them}."""
+    axes: dict[str, list[Any]] = {}
+    for cell in cells:
+        for name, value in cell.items():
+            values = axes.setdefault(name, [])
+            if value not in values:
+                values.append(value)
+    return axes
+
+
 def pairwise(axes: Mapping[str, Sequence[Any]], *, valid: Callable[[Cell], bool] = lambda c: True,
              must: Iterable[Cell] = ()) -> list[Cell]:
     """A small set of valid cells in which every pair of axis values that occurs in some valid

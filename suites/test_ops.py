@@ -53,7 +53,7 @@ def op_checks(run):
         yield run.op_checks
         return
     root = Path(tempfile.mkdtemp(prefix="ops-", dir=run.scratch))
-    checks = checks_for_run(run, root)
+    checks = checks_for_run(run.profile.ops, run.node.accelerator, run.op_builds, root)
     yield checks
     checks.close()
     shutil.rmtree(root, ignore_errors=True)

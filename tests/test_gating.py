@@ -141,3 +141,16 @@ def test_an_xdist_workers_share_short_of_gpus_skips_but_a_short_node_still_fails
     assert "-n" in v.skip_reason
     v = verdict({"min_gpus": 2}, fake_node(1), H200X2, whole_node=fake_node(1))
     assert v.broken_promises and "expected 2 GPUs, found 1" in v.fail_reason
+
+
+def test_the_run_asks_each_ops_probe_once_and_keeps_the_answer(monkeypatch):
+    """The gate's op probe returns its answer; the run state (plugin) keeps it per op."""
+    from dsconform.gate import requires as gate_requires
+    from dsconform.plugin.runstate import RunState
+
+    asked = []
+    monkeypatch.setattr(gate_requires, "op_compatible", lambda op: asked.append(op) or True)
+    state = RunState(selection=None, scratch=None, scratch_is_temp=False, results=None,
+                     started="")
+    assert state.op_compatible("async_io") and state.op_compatible("async_io")
+    assert asked == ["async_io"] and state.op_cache == {"async_io": True}

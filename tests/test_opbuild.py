@@ -478,14 +478,14 @@ def test_a_test_waits_at_setup_for_the_builds_of_the_ops_it_loads(monkeypatch):
     from dsconform.plugin import hooks
 
     waited = []
-    state = SimpleNamespace(op_builds=SimpleNamespace(wait=waited.append))
+    verdicts = [None]
+    state = SimpleNamespace(op_builds=SimpleNamespace(wait=waited.append),
+                            verdict=lambda item: verdicts[0])
     monkeypatch.setattr(hooks, "run_state", lambda config: state)
     monkeypatch.setattr(hooks.gating, "item_ops", lambda item: ["async_io", "utils"])
-    monkeypatch.setattr(hooks.gating, "item_verdict", lambda item, st: None)
     hooks.pytest_runtest_setup(SimpleNamespace(config=None, stash={}))
     assert waited == ["async_io", "utils"]
-    skipped = SimpleNamespace(broken_promises=[], ok=False, skip_reason="not promised")
-    monkeypatch.setattr(hooks.gating, "item_verdict", lambda item, st: skipped)
+    verdicts[0] = SimpleNamespace(broken_promises=[], ok=False, skip_reason="not promised")
     with pytest.raises(pytest.skip.Exception):
         hooks.pytest_runtest_setup(SimpleNamespace(config=None, stash={}))
     assert waited == ["async_io", "utils"]

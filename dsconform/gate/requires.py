@@ -254,29 +254,29 @@ def item_ops(item: pytest.Item) -> list[str]:
     return [ops] if isinstance(ops, str) else list(ops)
 
 
-def op_compatible(state: Any, op: str) -> bool | None:
-    """ds_report's probe for one op on this node's accelerator (False: not provided there).
-    Gates use the probe only; the ops suite proves that promised ops really load."""
-    if op not in state.op_cache:
-        try:
-            from deepspeed.ops.op_builder.all_ops import ALL_OPS
-            builder = ALL_OPS.get(op)
-            state.op_cache[op] = bool(builder and builder.is_compatible(verbose=False))
-        except Exception:  # DeepSpeed broken: report "unknown" rather than crash every gate
-            state.op_cache[op] = None
-    return state.op_cache[op]
+def op_compatible(op: str) -> bool | None:
+    """ds_report's probe for one op on this node's accelerator (False: not provided there;
+    None: DeepSpeed could not answer). Gates use the probe only; the ops suite proves that
+    promised ops really load. The caller keeps the answer (the plugin caches it per run)."""
+    try:
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+        builder = ALL_OPS.get(op)
+        return bool(builder and builder.is_compatible(verbose=False))
+    except Exception:  # DeepSpeed broken: report "unknown" rather than crash every gate
+        return None
 
 
-def item_verdict(item: pytest.Item, state: Any) -> Verdict | None:
-    """The gate's verdict for one collected test in this run (state:
-    dsconform.plugin.runstate.RunState),
-    or None when it states no condition. The plugin applies it at setup; cell batches
-    (dsconform.plugin.batch) use it to leave out cells that will skip or fail a promise."""
+def item_verdict(item: pytest.Item, *, node: NodeFacts, profile: Profile,
+                 op_compatible: Callable[[str], bool | None], multinode: bool,
+                 whole_node: NodeFacts) -> Verdict | None:
+    """The gate's verdict for one collected test, or None when it states no condition.
+    ``node`` is what this worker may use, ``whole_node`` what the profile's promises are
+    checked against. The plugin applies it at setup; cell batches (dsconform.plugin.batch) use
+    it to leave out cells that will skip or fail a promise."""
     marks = list(item.iter_markers(MARK))
     names = {m.name for m in item.iter_markers()}
     conditions = merge_conditions(marks, names)
     if not conditions:
         return None
-    return evaluate(conditions, state.gate_node, state.profile,
-                    op_compatible=lambda op: op_compatible(state, op),
-                    multinode=state.multinode, whole_node=state.node)
+    return evaluate(conditions, node, profile, op_compatible=op_compatible,
+                    multinode=multinode, whole_node=whole_node)

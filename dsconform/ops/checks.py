@@ -9,9 +9,9 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsconform.ops.compute import (
     check_adam_modes,
@@ -22,6 +22,9 @@ from dsconform.ops.compute import (
 )
 from dsconform.ops.io_checks import check_async_io, check_gds
 from dsconform.ops.load import log_tail, require_op
+
+if TYPE_CHECKING:
+    from dsconform.ops.prebuild import ParallelBuilds
 
 
 def _needs_scratch(name: str, scratch_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
@@ -262,12 +265,11 @@ class OpChecks:
                 check.kill()
 
 
-def checks_for_run(run: Any, scratch_root: str | os.PathLike[str]) -> OpChecks:
-    """The profile's promised ops' checks for this run (run: dsconform.plugin.runstate.RunState),
-    each
-    started as its parallel build (run.op_builds) ends, their scratch under scratch_root."""
-    builds = run.op_builds
-    return OpChecks(list(run.profile.ops), device=run.node.accelerator, scratch_root=scratch_root,
+def checks_for_run(ops: Sequence[str], device: str, builds: ParallelBuilds | None,
+                   scratch_root: str | os.PathLike[str]) -> OpChecks:
+    """The checks of ``ops`` on ``device`` for this run, each started as its parallel build
+    (``builds``; None: no builds were started) ends, their scratch under scratch_root."""
+    return OpChecks(list(ops), device=device, scratch_root=scratch_root,
                     build_result=(builds.wait if builds is not None else lambda op: None),
                     build_done=(builds.finished if builds is not None else lambda op: True))
 

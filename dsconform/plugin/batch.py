@@ -204,7 +204,7 @@ def _will_run(item: pytest.Item, rs: RunState) -> bool:
             return False
     except Exception:  # a mark pytest cannot evaluate: let the test report it
         return False
-    verdict = gating.item_verdict(item, rs)
+    verdict = rs.verdict(item)
     return verdict is None or (verdict.ok and not verdict.broken_promises)
 
 

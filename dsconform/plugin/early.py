@@ -165,13 +165,12 @@ def uncached_run_ops(state: RunState) -> list[str]:
     """The ops ``pytest -m gpu`` loads on this GPU node (prebuild.acceptance_ops: the promised
     ones and those the suites load beside them) that DeepSpeed calls compatible here and the
     extensions cache lacks."""
-    from dsconform.gate.requires import op_compatible
     from dsconform.ops.cache import ensure_extensions_dir
     from dsconform.ops.prebuild import acceptance_ops, is_cached
 
     ext_dir = ensure_extensions_dir()
     return [op for op in acceptance_ops("cuda", state.profile.ops)
-            if not is_cached(op, ext_dir) and op_compatible(state, op)]
+            if not is_cached(op, ext_dir) and state.op_compatible(op)]
 
 
 def start_builds_early(state: RunState, ops: list[str]) -> None:

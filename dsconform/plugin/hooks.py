@@ -419,7 +419,8 @@ def _start_ops_suite(session: pytest.Session, state: RunState) -> None:
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsconform-ds-report")
     state.ds_report = pool.submit(run_ds_report)
     pool.shutdown(wait=False)
-    state.op_checks = checks_for_run(state, tempfile.mkdtemp(prefix="ops-", dir=state.scratch))
+    state.op_checks = checks_for_run(state.profile.ops, state.node.accelerator, state.op_builds,
+                                     tempfile.mkdtemp(prefix="ops-", dir=state.scratch))
     state.op_checks.start_all()
 
 
@@ -441,7 +442,7 @@ def _mark_known_issues(item: pytest.Item, state: RunState) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     state = run_state(item.config)
-    verdict = gating.item_verdict(item, state)
+    verdict = state.verdict(item)
     if verdict is not None and verdict.broken_promises:
         # Fail in the call phase so it counts as FAILED (a broken promise), not as an ERROR of
         # the test's setup; pytest_pyfunc_call below raises it instead of running the test.

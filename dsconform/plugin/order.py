@@ -120,7 +120,7 @@ def _may_load_ops(item: pytest.Item, state: RunState) -> bool:
     not build is the test's to report)."""
     if item.get_closest_marker("skip") is not None:
         return False
-    verdict = gating.item_verdict(item, state)
+    verdict = state.verdict(item)
     return verdict is None or all(u.condition == "op" for u in verdict.unmet)
 
 

@@ -10,16 +10,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from dsconform.gate import requires
 from dsconform.node.detect import NodeFacts
 from dsconform.profile.schema import Profile
 from dsconform.profile.select import RunKind, Selection
 from dsconform.results import records
+
+if TYPE_CHECKING:  # imported where they start, to keep the plugin's import light
+    from dsconform.node.neighbours import NeighbourWatch
+    from dsconform.ops.checks import OpChecks
+    from dsconform.ops.prebuild import ParallelBuilds
 
 STATE = pytest.StashKey["RunState"]()
 
@@ -39,14 +46,14 @@ class RunState:
     known_issue_cases: dict[str, str] = field(default_factory=dict)  # nodeid -> issue id
     facts: list[records.Fact] = field(default_factory=list)  # `facts` fixture, for compare
     # The promised ops' builds, started in parallel after collection (dsconform.ops.prebuild).
-    op_builds: Any = None
-    # With a background cell batch: the ops suite's checks (dsconform.ops.checks.OpChecks) and its
-    # ds_report (a concurrent.futures.Future of the text), started after collection too.
-    op_checks: Any = None
-    ds_report: Any = None
-    # On a GPU node: the watch of other processes computing on the GPUs while the run runs
-    # (dsconform.node.neighbours.NeighbourWatch), from configure to the end.
-    neighbours: Any = None
+    op_builds: ParallelBuilds | None = None
+    # With a background cell batch: the ops suite's checks and its ds_report's text, started
+    # after collection too.
+    op_checks: OpChecks | None = None
+    ds_report: Future[str] | None = None
+    # On a GPU node: the watch of other processes computing on the GPUs while the run runs,
+    # from configure to the end.
+    neighbours: NeighbourWatch | None = None
     # A GPU or a CPU run, said in the header and the summary; a GPU tier where no GPU is found
     # fails (profile.select.run_kind). None: not decided (a state built outside configure).
     kind: RunKind | None = None
@@ -72,6 +79,21 @@ class RunState:
         except InsufficientGPUs as e:
             n = e.available
         return dataclasses.replace(node, gpus=node.gpus[:n])
+
+
+    def op_compatible(self, op: str) -> bool | None:
+        """ds_report's probe for ``op`` (dsconform.gate.requires.op_compatible), asked once per
+        run and kept in ``op_cache``."""
+        if op not in self.op_cache:
+            self.op_cache[op] = requires.op_compatible(op)
+        return self.op_cache[op]
+
+    def verdict(self, item: pytest.Item) -> requires.Verdict | None:
+        """The gate's verdict for one collected test in this run (None: it states no
+        condition): this worker's GPUs for the gates, the whole node for the promises."""
+        return requires.item_verdict(item, node=self.gate_node, profile=self.profile,
+                                     op_compatible=self.op_compatible,
+                                     multinode=self.multinode, whole_node=self.node)
 
 
 def run_state(config: pytest.Config) -> RunState:

@@ -127,7 +127,7 @@ def client_state_dropped(case: Any, ckpt_dir: str) -> dict[str, Any]:
     client state (what a DeepSpeed that stopped saving it would give back)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from suites import checkpoint_ranks
+    from suites import checkpoint_files_ranks
 
     real = DeepSpeedEngine.load_checkpoint
 
@@ -136,7 +136,7 @@ def client_state_dropped(case: Any, ckpt_dir: str) -> dict[str, Any]:
         return path, {}
 
     with _patched(DeepSpeedEngine, "load_checkpoint", load):
-        return checkpoint_ranks.client_state_round_trip(case, ckpt_dir)
+        return checkpoint_files_ranks.client_state_round_trip(case, ckpt_dir)
 
 
 def latest_left_stale(case: Any, ckpt_dir: str, saves: int) -> dict[str, Any]:
@@ -144,7 +144,7 @@ def latest_left_stale(case: Any, ckpt_dir: str, saves: int) -> dict[str, Any]:
     first save (a DeepSpeed that leaves it naming an old tag)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    from suites import checkpoint_ranks
+    from suites import checkpoint_files_ranks
 
     real = DeepSpeedEngine.save_checkpoint
     calls = [0]
@@ -156,4 +156,4 @@ def latest_left_stale(case: Any, ckpt_dir: str, saves: int) -> dict[str, Any]:
                     save_latest=save_latest and calls[0] == 1, **kwargs)
 
     with _patched(DeepSpeedEngine, "save_checkpoint", save):
-        return checkpoint_ranks.load_latest(case, ckpt_dir, saves)
+        return checkpoint_files_ranks.load_latest(case, ckpt_dir, saves)

@@ -1,9 +1,9 @@
 """Checkpoint throughput floors: validated in the profile, held by the recorder.
 
-The real suite test (suites/test_checkpoint.py::test_save_throughput[cpu-torch]) runs in a small
-pytest session (pytester) against profiles written for the purpose: with a floor no disk meets
-it fails after recording every round, naming the metric, the floor and the engine; with a floor
-any disk meets it passes. A floor for FastPersist on a node without GPUs is a broken promise.
+The real suite test (suites/test_checkpoint_files.py::test_save_throughput[cpu-torch]) runs in
+a small pytest session (pytester) against profiles written for the purpose: with a floor no disk
+meets it fails after recording every round, naming the metric, the floor and the engine; with a
+floor any disk meets it passes. A floor for FastPersist on a node without GPUs is a broken promise.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from dsconform.profile.schema import ProfileError, load
 
 ROOT = Path(__file__).resolve().parent.parent
-CASE = str(ROOT / "suites" / "test_checkpoint.py")
+CASE = str(ROOT / "suites" / "test_checkpoint_files.py")
 
 
 def _profile(tmp_path: Path, floors: str) -> Path:

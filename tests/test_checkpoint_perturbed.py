@@ -21,14 +21,15 @@ from dsconform.checks.checkpoint_state import judge_load
 from dsconform.checks.equivalence import Comparison, compare_states
 from dsconform.checks.tolerances import tolerance
 from dsconform.harness.api import run_ranks
+from suites import checkpoint_files_ranks as file_ranks
 from suites import checkpoint_ranks as ranks
 from suites.checkpoint_ranks import CkptCase
 from suites.test_checkpoint import (
     check_consolidated,
     check_resume,
     check_round_trip,
-    expect_refusal,
 )
+from suites.test_checkpoint_files import expect_refusal
 
 CASE = CkptCase(stage=2, dtype="fp32")
 EXACT = tolerance("checkpoint", "fp32", "adam", accelerator="cpu")
@@ -87,7 +88,7 @@ def partial_load_ignoring_flags(case: CkptCase, ckpt_dir: str, mode: str) -> dic
 def load_tag_swallowing_errors(case: CkptCase, ckpt_dir: str, tag: str) -> dict:
     mp = _patched_load({}, swallow=True)
     try:
-        return ranks.load_tag(case, ckpt_dir, tag)
+        return file_ranks.load_tag(case, ckpt_dir, tag)
     finally:
         mp.undo()
 
@@ -323,7 +324,7 @@ def test_universal_reshard_goes_red_when_a_universal_file_differs(tmp_path):
 
 def test_refusal_check_goes_red_when_the_loader_swallows_errors(tmp_path):
     d = _dir(tmp_path)
-    run_ranks(ranks.save_good_then_bad, 2, args=(CASE, d), timeout_s=TIMEOUT_S,
+    run_ranks(file_ranks.save_good_then_bad, 2, args=(CASE, d), timeout_s=TIMEOUT_S,
               accelerator="cpu")
     message = expect_refusal(CASE, d, "no-such-tag", "cpu", "wrong tag")  # the control
     assert "CheckpointRefused: load_checkpoint(tag='no-such-tag') raised" in message, message
@@ -340,10 +341,10 @@ def test_comparison_for_a_damaged_good_checkpoint_fails(tmp_path):
     from dsconform.storage.checkpoint import flip_tensor_byte
 
     d = _dir(tmp_path)
-    good = run_ranks(ranks.save_good_then_bad, 2, args=(CASE, d), timeout_s=TIMEOUT_S,
+    good = run_ranks(file_ranks.save_good_then_bad, 2, args=(CASE, d), timeout_s=TIMEOUT_S,
                      accelerator="cpu")
     flip_tensor_byte(next((Path(d) / "good").glob("*zero_pp_rank_0_*optim_states.pt")))
-    again = run_ranks(ranks.load_tag, 2, args=(CASE, d, "good"), timeout_s=TIMEOUT_S,
+    again = run_ranks(file_ranks.load_tag, 2, args=(CASE, d, "good"), timeout_s=TIMEOUT_S,
                       accelerator="cpu")
     cmp = Comparison(tol=EXACT, label="good")
     for saved, loaded in zip(good, again):
@@ -378,7 +379,7 @@ def test_a_crash_is_not_the_flipped_bit_limitation(monkeypatch, tmp_path):
     raises=AssertionError accepted as the limitation) and so fails the run."""
     from dsconform.harness.api import RankError
     from dsconform.profile.schema import Profile
-    from suites import test_checkpoint as suite
+    from suites import test_checkpoint_files as suite
 
     def crash(*args, **kwargs):
         raise RankError("rank 1 of 2 died (signal 11) while running the call")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 SUITE = '''
 from dsconform.suite import run_ranks
+from suites import checkpoint_files_ranks as file_ranks
 from suites import checkpoint_ranks as ranks
 from suites.checkpoint_ranks import CkptCase
-from suites.test_checkpoint import ckpt_dir
+from suites.checkpoint_cells import ckpt_dir
 
 CAPABILITY = "checkpoint"
 CASE = CkptCase(stage=2, dtype="fp32")
@@ -26,8 +27,8 @@ def test_fails_after_the_ranks_wrote(scratch):
 
 def test_fails_inside_the_ranks(scratch):
     d = ckpt_dir(scratch, CASE, tags=2)
-    run_ranks(ranks.save_good_then_bad, 2, args=(CASE, d), accelerator="cpu", timeout_s=300)
-    run_ranks(ranks.load_tag, 2, args=(CASE, d, "no-such-tag"), accelerator="cpu",
+    run_ranks(file_ranks.save_good_then_bad, 2, args=(CASE, d), accelerator="cpu", timeout_s=300)
+    run_ranks(file_ranks.load_tag, 2, args=(CASE, d, "no-such-tag"), accelerator="cpu",
               timeout_s=300)
 
 

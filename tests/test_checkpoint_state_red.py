@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from dsconform.harness.api import run_ranks
-from suites import test_checkpoint as suite
+from suites import test_checkpoint_files as suite
 from tests import perturbed_ranks
 
 CASE = suite.CkptCase(stage=2, dtype="fp32", world_size=2)

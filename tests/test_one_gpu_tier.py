@@ -61,7 +61,8 @@ def pytest_collection_finish(session):
 NVME_PATH = ('[[nvme.paths]]\npath = "@scratch"\nread_gbps = 0.1\nwrite_gbps = 0.05\n'
              'gds = false\nbytes = 67108864\nsource = "a stand-in"\n')
 
-SUITES = ("test_zero.py", "test_loss_scaling.py", "test_checkpoint.py", "test_deepnvme.py")
+SUITES = ("test_zero.py", "test_loss_scaling.py", "test_checkpoint.py", "test_checkpoint_files.py",
+          "test_deepnvme.py")
 
 # What still needs two GPUs on a one-GPU node in these suites, and why: each by nature.
 TWO_RANKS = {
@@ -247,11 +248,11 @@ def _twin(param: str) -> str:
     "test_checkpoint.py::test_partial_load",
     "test_checkpoint.py::test_consolidated_fp32_equals_masters",
     "test_checkpoint.py::test_stage_change",
-    "test_checkpoint.py::test_damaged_checkpoint_is_refused",
-    "test_checkpoint.py::test_flipped_bit_is_detected",
-    "test_checkpoint.py::test_storage_returns_written_bytes",
-    "test_checkpoint.py::test_save_throughput",
-    "test_checkpoint.py::test_load_throughput",
+    "test_checkpoint_files.py::test_damaged_checkpoint_is_refused",
+    "test_checkpoint_files.py::test_flipped_bit_is_detected",
+    "test_checkpoint_files.py::test_storage_returns_written_bytes",
+    "test_checkpoint_files.py::test_save_throughput",
+    "test_checkpoint_files.py::test_load_throughput",
     "test_deepnvme.py::test_zero_infinity_matches_ddp",
 ])
 def test_every_covered_cell_has_its_one_rank_twin(selections, test):

@@ -32,8 +32,8 @@ ISSUES: tuple[KnownIssue, ...] = (
               "so the checkpoint it just saved does not load",
         deepspeed=">=0.19.6,<=0.19.8",
         link="https://github.com/deepspeedai/DeepSpeed/issues/8500",
-        cases=("test_checkpoint.py::test_load_throughput[cuda-fast]",
-               "test_checkpoint.py::test_load_throughput[cuda-fast-ws1]"),
+        cases=("test_checkpoint_files.py::test_load_throughput[cuda-fast]",
+               "test_checkpoint_files.py::test_load_throughput[cuda-fast-ws1]"),
         failure=r"Weights only load failed",
         seen="CPU machine, DeepSpeed 0.19.8, torch 2.13: with checkpoint.writer type python "
              "(and fast, decoupled) every rank raised UnpicklingError 'Weights only load "
@@ -51,7 +51,7 @@ ISSUES: tuple[KnownIssue, ...] = (
               "names neither the tag nor the directory",
         deepspeed=">=0.16.9,<=0.19.8",
         link="https://github.com/deepspeedai/DeepSpeed/issues/3377",
-        cases=("test_checkpoint.py::test_a_latest_naming_a_missing_tag_is_refused[*]",),
+        cases=("test_checkpoint_files.py::test_a_latest_naming_a_missing_tag_is_refused[*]",),
         failure=r"was not refused by name:[\s\S]*raised 'AssertionError: '",
         seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, ZeRO-2 on 2 ranks: every rank raised "
              "AssertionError with an empty message from check_ckpt_list; the weights stayed "

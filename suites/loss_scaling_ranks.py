@@ -525,3 +525,8 @@ def train_curve(case: CurveCase) -> dict[str, Any]:
     fp32 = _train_one_curve(case, "fp32", weights, data, dev)
     low = _train_one_curve(case, case.dtype, weights, data, dev)
     return {"rank": rank(), "fp32": fp32, case.dtype: low}
+
+
+def overflow_flags(overflows: list[bool]) -> str:
+    """A pattern of steps as text: X an overflowing step, . a clean one."""
+    return "".join("X" if f else "." for f in overflows)

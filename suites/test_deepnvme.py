@@ -27,11 +27,7 @@ promises, and MUST carry ZeRO-Infinity training to DDP's result.
   single_submit and overlap_events within a time budget, shows progress, and prints the best
   as the ``aio`` block the runtime reads (``intra_op_parallelism`` and real booleans, where
   ds_nvme_tune prints ``num_threads`` and "true"/"false").
-- ZeRO-Infinity. ZeRO-3 with the optimizer, and with optimizer and parameters, offloaded to
-  ``nvme`` on the profile's path MUST give DDP's losses, gradients and parameters (the ZeRO
-  suite's rank code and comparison; the tolerance table's ``zero_infinity`` entries, measured on
-  the wider model DeepSpeed needs before it swaps anything), and MUST have put its tensors on
-  that path.
+- ZeRO-Infinity (NVME-ZINF-1): suites/test_zero_infinity.py.
 
 DeepNVMe's native code runs in child processes only (a pooled one-rank process; GDS in a fresh
 one each time): it aborts the process on misuse, and GDS calls exit() when cuFile refuses a file.
@@ -43,7 +39,7 @@ https://www.deepspeed.ai/docs/config-json/#asynchronous-io ,
 https://www.deepspeed.ai/tutorials/zero/#offloading-to-cpu-and-nvme-with-zero-infinity
 
 Stable ids: NVME-IO-1..4 (integrity, getters), NVME-GDS-1 (handle), NVME-GDS-2 (file I/O),
-NVME-CFG-1, NVME-BW-1, NVME-XCHK-1, NVME-TUNE-1, NVME-ZINF-1.
+NVME-CFG-1, NVME-BW-1, NVME-XCHK-1, NVME-TUNE-1.
 """
 
 from __future__ import annotations
@@ -54,7 +50,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -62,14 +57,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsconform.suite import (
-    ACCELERATORS,
     RankCall,
     RankError,
-    ZeroCase,
-    accel_cell,
     batched,
     cell_results,
-    compare_rank_results,
     compat,
     nvme,
     nvme_io,
@@ -78,8 +69,15 @@ from dsconform.suite import (
     pairwise,
     requires,
     run_ranks,
-    run_state,
-    tolerance,
+)
+from suites.deepnvme_paths import (
+    KiB,
+    MiB,
+    accelerator_of,
+    entry_label,
+    generate_nvme_entries,
+    scratch_dir,
+    target,
 )
 from suites.deepnvme_ranks import (
     gds_device_tensors,
@@ -88,16 +86,14 @@ from suites.deepnvme_ranks import (
     io_outstanding,
     io_roundtrip,
     io_throughput,
-    nvme_usage_problems,
-    train_zero_infinity,
 )
 
 CAPABILITY = "deepnvme"
+pytest_generate_tests = generate_nvme_entries  # one nvme_entry per profile path
 # Per call. The first call of a fresh pool may build async_io (150-158 s on 2 cores,
 # docs/findings.md#op-builds) or cpu_adam (42 s); warm calls take milliseconds to seconds.
 TIMEOUT_S = 900
 ROUNDS = 3  # the recorder holds a floor to the median of at least 3 rounds
-KiB, MiB = 1 << 10, 1 << 20
 # The integrity matrix: small blocks and a short queue, so a transfer of a few MiB crosses many
 # blocks and several submission windows per thread.
 MATRIX_SETTINGS = dict(block_size=256 * KiB, queue_depth=4, single_submit=False,
@@ -112,68 +108,6 @@ THROUGHPUT_SETTINGS = nvme.AioSettings(block_size=1 * MiB, queue_depth=32, intra
 XCHECK_MAX_BYTES = 256 * MiB
 NEEDS_AIO = requires(op="async_io")
 NEEDS_GPU = [pytest.mark.gpu, requires(min_gpus=1)]
-
-
-# ---------------------------------------------------------------------------- where to write
-
-def _accelerator(node) -> str:
-    # On a GPU node everything runs in CUDA-accelerator processes: DeepSpeed's CPU accelerator
-    # builds its own async_io into the same extensions cache and would replace the CUDA build.
-    return node.accelerator
-
-
-def _where(profile, index: int | None, entry) -> str:
-    if index is None:
-        return "--scratch"
-    return f"{profile.source} nvme.paths[{index}] (path = {entry.path!r})"
-
-
-@contextlib.contextmanager
-def _target(profile, index: int | None, entry, run, scratch: Path,
-            need_bytes: int) -> Iterator[tuple[Path, nvme.PathFacts]]:
-    """(directory to write in, facts of its filesystem) for a profile entry (``index`` None:
-    the run's --scratch). Fails naming the entry before anything is written when the path is
-    missing, read-only, too small, on tmpfs/overlay, or refuses O_DIRECT. ``@scratch`` and
-    --scratch resolve to the test's own ``scratch`` directory (removed by the fixture); a fixed
-    path gets a fresh directory of its own, removed on exit."""
-    where = _where(profile, index, entry)
-    path = scratch if index is None else entry.resolve(scratch)
-    try:
-        facts = nvme.check_path(path, need_bytes, where=where)
-        nvme.probe_o_direct(path, facts)
-    except nvme.NvmePathError as e:
-        pytest.fail(str(e), pytrace=False)
-    if path == scratch:
-        yield scratch, facts
-    else:
-        with nvme.owned_dir(path) as d:
-            yield d, facts
-
-
-@contextlib.contextmanager
-def _scratch_dir(run) -> Iterator[tuple[Path, nvme.PathFacts]]:
-    """A fresh directory under --scratch for one hypothesis example (function-scoped fixtures
-    do not reset between examples), after the same checks as _target."""
-    try:
-        facts = nvme.check_path(run.scratch, 32 * MiB, where="--scratch")
-    except nvme.NvmePathError as e:
-        pytest.fail(str(e), pytrace=False)
-    with nvme.owned_dir(run.scratch) as d:
-        yield d, facts
-
-
-def _entries(config) -> list:
-    prof = run_state(config).profile
-    if not prof.nvme_paths:
-        return [pytest.param((None, None), id="no-path", marks=pytest.mark.skip(
-            reason=f"Requires: [NVMe path in profile (profile {prof.name} lists no "
-                   f"[[nvme.paths]])]"))]
-    return [pytest.param((i, e), id=f"path{i}") for i, e in enumerate(prof.nvme_paths)]
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "nvme_entry" in metafunc.fixturenames:
-        metafunc.parametrize("nvme_entry", _entries(metafunc.config))
 
 
 # ---------------------------------------------------------------------------- integrity
@@ -211,14 +145,14 @@ def _roundtrip_plan(params: dict, workdir: Path, run) -> tuple:
     iop = params["iop"]
     settings = nvme.AioSettings(intra_op_parallelism=iop, **MATRIX_SETTINGS)
     stack = contextlib.ExitStack()
-    d, facts = stack.enter_context(_target(run.profile, None, None, run, workdir, 8 * MiB))
+    d, facts = stack.enter_context(target(run.profile, None, None, run, workdir, 8 * MiB))
     size_unit, offset_unit = nvme.io_units(settings, facts)
     # 5 blocks and 3 units: crosses block and queue boundaries, ends mid-block.
     nbytes = (5 * settings.block_size // size_unit + 3) * size_unit
     return (RankCall(io_roundtrip, 1, TIMEOUT_S, args=(str(d), settings),
                      kwargs=dict(nbytes=nbytes, offset=3 * offset_unit, memory=params["memory"],
                                  mode=params["mode"], seed=iop),
-                     accelerator=_accelerator(run.node)), stack.close)
+                     accelerator=accelerator_of(run.node)), stack.close)
 
 
 @NEEDS_AIO
@@ -244,7 +178,7 @@ def test_aio_offsets_and_sizes(data, profile, run, node):
         single_submit=data.draw(st.booleans(), label="single_submit"),
         overlap_events=data.draw(st.booleans(), label="overlap_events"))
     # Drawn here, in the parent; the rank only executes the example.
-    with _scratch_dir(run) as (d, facts):
+    with scratch_dir(run) as (d, facts):
         size_unit, offset_unit = nvme.io_units(settings, facts)
         per_block = settings.block_size // size_unit
         # Arbitrary sizes, and sizes one unit either side of a block multiple: never the round
@@ -254,7 +188,7 @@ def test_aio_offsets_and_sizes(data, profile, run, node):
             st.sampled_from([k * per_block + s for k in (1, 3) for s in (-1, 1)
                              if k * per_block + s >= 1])), label="size_units")
         offset = data.draw(st.integers(0, 64), label="offset_units") * offset_unit
-        run_ranks(io_roundtrip, 1, timeout_s=TIMEOUT_S, accelerator=_accelerator(node),
+        run_ranks(io_roundtrip, 1, timeout_s=TIMEOUT_S, accelerator=accelerator_of(node),
                   args=(str(d), settings),
                   kwargs=dict(nbytes=units * size_unit, offset=offset,
                               memory=data.draw(st.sampled_from(_memories(node)), label="memory"),
@@ -269,12 +203,12 @@ def _outstanding_plan(params: dict, workdir: Path, run) -> tuple:
     """One NVME-IO-3 cell's rank call, in a directory checked before anything is written."""
     settings = nvme.AioSettings(intra_op_parallelism=params["iop"], **MATRIX_SETTINGS)
     stack = contextlib.ExitStack()
-    d, facts = stack.enter_context(_target(run.profile, None, None, run, workdir, 16 * MiB))
+    d, facts = stack.enter_context(target(run.profile, None, None, run, workdir, 16 * MiB))
     size_unit, _ = nvme.io_units(settings, facts)
     sizes = [n * size_unit for n in OUTSTANDING_SIZES]
     return (RankCall(io_outstanding, 1, TIMEOUT_S, args=(str(d), settings),
                      kwargs=dict(sizes=sizes, memory=params["memory"], seed=7),
-                     accelerator=_accelerator(run.node)), stack.close)
+                     accelerator=accelerator_of(run.node)), stack.close)
 
 
 @NEEDS_AIO
@@ -301,8 +235,8 @@ SETTINGS_STRATEGY = st.builds(
 @given(settings=SETTINGS_STRATEGY)
 def test_aio_handle_getters(settings, run, node):
     """NVME-IO-4: an aio_handle's getters MUST return what it was built with."""
-    with _scratch_dir(run) as (d, _):
-        out = run_ranks(handle_getters, 1, timeout_s=TIMEOUT_S, accelerator=_accelerator(node),
+    with scratch_dir(run) as (d, _):
+        out = run_ranks(handle_getters, 1, timeout_s=TIMEOUT_S, accelerator=accelerator_of(node),
                         args=(str(d), settings, "aio"))[0]
     assert not out["mismatches"], "; ".join(out["mismatches"])
 
@@ -376,12 +310,12 @@ def test_gds_file_io_is_byte_exact(nvme_entry, profile, run, scratch):
     that is the path's promise."""
     index, entry = nvme_entry
     if not entry.gds:
-        pytest.skip(f"{_where(profile, index, entry)} does not promise GDS file I/O (gds = "
+        pytest.skip(f"{entry_label(profile, index, entry)} does not promise GDS file I/O (gds = "
                     f"false)")
     settings = nvme.AioSettings(block_size=1 * MiB, queue_depth=16, intra_op_parallelism=2,
                                 single_submit=False, overlap_events=True)
     need = 2 * max(c["nbytes"] + c["offset"] for c in GDS_CELLS)
-    with _target(profile, index, entry, run, scratch, need) as (d, _):
+    with target(profile, index, entry, run, scratch, need) as (d, _):
         out = _gds_call(gds_roundtrips, f"gds_handle file I/O on {entry.path} (nvidia-fs "
                                         f"{_nvidia_fs()})", directory=str(d),
                         settings=settings, cells=GDS_CELLS, seed=11)
@@ -412,8 +346,8 @@ def test_aio_block_is_what_the_runtime_reads():
 
 def _bytes_for(profile, index: int, entry, settings: nvme.AioSettings) -> int:
     if entry.bytes % settings.block_size:
-        pytest.fail(f"{_where(profile, index, entry)}: bytes = {entry.bytes} must be a multiple "
-                    f"of the {settings.block_size}-byte block the suite transfers in",
+        pytest.fail(f"{entry_label(profile, index, entry)}: bytes = {entry.bytes} must be a "
+                    f"multiple of the {settings.block_size}-byte block the suite transfers in",
                     pytrace=False)
     return entry.bytes
 
@@ -423,14 +357,14 @@ def _throughput(profile, index, entry, run, node, scratch, memory: str, rounds: 
     """Timed rounds on one profile path; GPU memory on a gds = true path goes through GDS, in
     a fresh process."""
     kind = "gds" if memory == "cuda" and entry.gds else "aio"
-    with _target(profile, index, entry, run, scratch, nbytes) as (d, facts):
+    with target(profile, index, entry, run, scratch, nbytes) as (d, facts):
         kwargs = dict(directory=str(d), facts=facts, settings=THROUGHPUT_SETTINGS, nbytes=nbytes,
                       memory=memory, rounds=rounds, seed=index, kind=kind)
         if kind == "gds":
             out = _gds_call(io_throughput, f"GDS I/O on {entry.path}", **kwargs)
         else:
             out = run_ranks(io_throughput, 1, timeout_s=TIMEOUT_S,
-                            accelerator=_accelerator(node), kwargs=kwargs)[0]
+                            accelerator=accelerator_of(node), kwargs=kwargs)[0]
     return out, facts, kind
 
 
@@ -472,7 +406,7 @@ def test_cross_check_with_second_tool(nvme_entry, profile, run, node, scratch, m
     out, facts, _ = _throughput(profile, index, entry, run, node, scratch, "locked", ROUNDS,
                                 nbytes)
     tool_s: dict[str, list[float]] = {"write": [], "read": []}
-    with _target(profile, index, entry, run, scratch, nbytes) as (d, _):
+    with target(profile, index, entry, run, scratch, nbytes) as (d, _):
         for i in range(ROUNDS):
             path = nvme.unique_file(d, f"{tool}{i}")
             try:
@@ -482,7 +416,7 @@ def test_cross_check_with_second_tool(nvme_entry, profile, run, node, scratch, m
                                                 block_size=s.block_size,
                                                 queue_depth=s.queue_depth)
                     except nvme_xcheck.ToolError as e:
-                        pytest.fail(f"{_where(profile, index, entry)}: {e}", pytrace=False)
+                        pytest.fail(f"{entry_label(profile, index, entry)}: {e}", pytrace=False)
                     tool_s[op].append(r.seconds)
             finally:
                 path.unlink(missing_ok=True)
@@ -511,7 +445,7 @@ def test_tuning_sweep_emits_runtime_aio_block(nvme_entry, profile, run, scratch)
     index, entry = nvme_entry
     grid_block = max(nvme_tune.DEFAULT_GRID["block_size"])
     nbytes = max(grid_block, min(entry.bytes, 256 * MiB) // grid_block * grid_block)
-    with _target(profile, index, entry, run, scratch, 2 * nbytes) as (d, _):
+    with target(profile, index, entry, run, scratch, 2 * nbytes) as (d, _):
         cmd = [sys.executable, "-c", "import sys; from dsconform.cli import main; "
                "sys.exit(main())", "nvme-tune", str(d), "--seconds", str(TUNE_BUDGET_S),
                "--bytes", str(nbytes)]
@@ -535,105 +469,3 @@ def test_tuning_sweep_emits_runtime_aio_block(nvme_entry, profile, run, scratch)
     parsed = nvme.runtime_aio_config(block)
     assert parsed == block and all(type(parsed[k]) is type(v) for k, v in block.items()), \
         f"DeepSpeed's runtime read {parsed} from the tuned block {block} (wall {wall:.0f} s)"
-
-
-# ---------------------------------------------------------------------------- ZeRO-Infinity
-
-ZINF_AXES = {"offload": ("opt", "param+opt"), "dtype": ("fp32", "bf16"),
-             "optimizer": ("sgd", "cpu_adam")}
-ZINF_MUST = {"offload": "param+opt", "dtype": "fp32", "optimizer": "sgd"}
-# The CPU tier: both swappers in bf16, and the optimizer swapper bit-exact in fp32. fp32 with
-# parameters on NVMe is a known upstream issue on the CPU accelerator (DS-Z3-INIT-DTYPE-NVME:
-# DeepSpeed swaps the fp32 parameters as bf16); it runs with the slow cells.
-ZINF_CPU_TIER = ({**ZINF_MUST, "dtype": "bf16"}, {**ZINF_MUST, "offload": "opt"})
-# Enough steps for every swapped tensor to go out and come back several times; the ZeRO suite's
-# 20 cost seconds per cell of NVMe round trips on a loaded 2-core machine.
-ZINF_STEPS = 8
-# DeepSpeed swaps only tensors of 1 MiB or more (MIN_AIO_BYTES): a 1024-wide hidden layer has
-# partitions of 2 MiB (fp32) or 1 MiB (bf16) on each of 2 ranks; 53 (the ZeRO suite's width)
-# would leave everything in CPU memory and prove nothing about NVMe.
-ZINF_WIDTH = 1024
-
-
-def _zinf_marks(cell: dict) -> list:
-    marks = [NEEDS_AIO]
-    if cell["dtype"] == "bf16":
-        marks.append(requires(bf16=True))
-    if cell["optimizer"] == "cpu_adam":
-        marks.append(requires(op="cpu_adam"))
-    return marks
-
-
-def _zinf_id(cell: dict) -> str:
-    return f"{cell['offload']}-{cell['dtype']}-{cell['optimizer']}"
-
-
-def _zinf_params() -> list:
-    tier = pairwise(ZINF_AXES, must=[ZINF_MUST])
-    params = []
-    for accel in ACCELERATORS:
-        for values in itertools.product(*ZINF_AXES.values()):
-            cell = dict(zip(ZINF_AXES, values))
-            in_tier = cell in (tier if accel == "cuda" else ZINF_CPU_TIER)
-            params.append(accel_cell(accel, cell, 2, world_size=2, marks=_zinf_marks(cell),
-                                     slow=not in_tier, id=_zinf_id(cell),
-                                     one_gpu="covered" if in_tier else None))
-    # A node with one GPU runs the cuda tier at one rank instead (every pair of ZINF_AXES):
-    # ZeRO-Infinity on one GPU is what such a node offloads to NVMe for. Nightly elsewhere.
-    for cell in tier:
-        params.append(accel_cell("cuda", cell, 1, world_size=1, marks=_zinf_marks(cell),
-                                 slow=True, id=f"{_zinf_id(cell)}-ws1", one_gpu="tier"))
-    return params
-
-
-def _zinf_case(cell: dict, nvme_path: str, world_size: int) -> ZeroCase:
-    return ZeroCase(stage=3, dtype=cell["dtype"], optimizer=cell["optimizer"], grad_accum=1,
-                    world_size=world_size, offload_optimizer=True,
-                    offload_param=cell["offload"] == "param+opt", width=ZINF_WIDTH,
-                    steps=ZINF_STEPS, offload_device="nvme", nvme_path=nvme_path)
-
-
-def _zinf_plan(params: dict, workdir: Path, run) -> tuple:
-    """The cell's rank call, writing under a directory of its own on the entry's path (checked
-    before anything is written), removed once the call ended."""
-    accelerator, cell = params["accelerator"], params["cell"]
-    if accelerator == "cpu" and run.node.gpu_count:
-        pytest.skip("on a GPU node the cuda cells run ZeRO-Infinity: a CPU-accelerator process "
-                    "would rebuild async_io over the CUDA build in the shared extensions cache")
-    index, entry = params["nvme_entry"]
-    stack = contextlib.ExitStack()
-    d, _ = stack.enter_context(_target(run.profile, index, entry, run, workdir, 256 * MiB))
-    case = _zinf_case(cell, str(d), params["world_size"])
-    return (RankCall(train_zero_infinity, case.world_size, TIMEOUT_S, args=(case,),
-                     accelerator=accelerator), stack.close)
-
-
-@pytest.mark.nvme
-@pytest.mark.parametrize("accelerator, cell, world_size", _zinf_params())
-@batched(_zinf_plan, cost=4)  # the cells run at once where lanes are on (dsconform.plugin.batch)
-def test_zero_infinity_matches_ddp(accelerator, cell, world_size, nvme_entry, profile, run, node,
-                                   scratch, metrics, request):
-    """NVME-ZINF-1: ZeRO-3 offloading to NVMe MUST give DDP's losses, gradients, parameters."""
-    index, entry = nvme_entry
-    results = cell_results(request, scratch)
-    case = _zinf_case(cell, "", world_size)
-    tol = tolerance("zero_infinity", case.dtype, case.optimizer, profile.tolerances,
-                    accelerator=accelerator)
-    cmp = compare_rank_results(results, tol, label=f"{accelerator}-{case.id}")
-    params = {**case.params(), "accelerator": accelerator, "path": entry.path,
-              "rtol": tol.rtol, "atol": tol.atol}
-    metrics.record("zero_infinity.loss_max_rel_diff", cmp.worst("loss")[1], unit="1",
-                   better="lower", bound=tol.rtol, **params)
-    metrics.record("zero_infinity.grad_max_abs_diff", cmp.worst("grad")[0], unit="1",
-                   better="lower", **params)
-    metrics.record("zero_infinity.param_max_abs_diff", cmp.worst("param")[0], unit="1",
-                   better="lower", **params)
-    io = [r["nvme"]["proc_io"] for r in results if r["nvme"]["proc_io"] is not None]
-    if io:  # how much ZeRO-Infinity moved, per rank at most: a swap that stops shows here
-        metrics.record("zero_infinity.storage_write_bytes",
-                       max(x["write_bytes"] for x in io), unit="bytes", better="lower", **params)
-    cmp.assert_ok()
-    where = _where(profile, index, entry)
-    problems = nvme_usage_problems(results, case, where)
-    assert not problems, f"ZeRO-Infinity matched DDP but did not use NVMe at {where}: " + \
-        "; ".join(problems)

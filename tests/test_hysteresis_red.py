@@ -15,7 +15,7 @@ The unperturbed scaler passes every sequence (the suite's own test).
 
 from __future__ import annotations
 
-from suites.test_loss_scaling import SCALER_SEQUENCES, ScalerMachine, replay_sequence
+from suites.test_loss_scaler import SCALER_SEQUENCES, ScalerMachine, replay_sequence
 from tests import perturbed_ranks
 
 

@@ -12,11 +12,9 @@ from dsconform.base.pairwise import uncovered_pairs
 from dsconform.checks.dsconfig import ds_config
 from dsconform.checks.lossscale import ScalerModel, ScalerSettings, read_scaler
 from suites.loss_scaling_ranks import INJECTIONS, SCALERS, ScalingCase
+from suites.test_loss_scaler import MEASURED_PATTERN, MEASURED_SCALES, MEASURED_SKIPPED
 from suites.test_loss_scaling import (
     ACCEPTANCE_AXES,
-    MEASURED_PATTERN,
-    MEASURED_SCALES,
-    MEASURED_SKIPPED,
     OPTIMIZERS,
     STAGES,
     WORLD_SIZES,

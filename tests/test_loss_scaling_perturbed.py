@@ -31,14 +31,13 @@ import pytest
 from dsconform.checks.tolerances import tolerance
 from dsconform.harness.api import run_ranks
 from suites.loss_scaling_ranks import CurveCase, ScalingCase
+from suites.test_loss_scaler import ScalerMachine, run_scaler_machine
 from suites.test_loss_scaling import (
     TIMEOUT_S,
-    ScalerMachine,
     check_bf16_run,
     check_convergence,
     check_engine_run,
     check_step_sizes,
-    run_scaler_machine,
 )
 from tests import loss_scaling_cpu_fp16 as cpu
 

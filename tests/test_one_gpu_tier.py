@@ -62,7 +62,7 @@ NVME_PATH = ('[[nvme.paths]]\npath = "@scratch"\nread_gbps = 0.1\nwrite_gbps = 0
              'gds = false\nbytes = 67108864\nsource = "a stand-in"\n')
 
 SUITES = ("test_zero.py", "test_loss_scaling.py", "test_checkpoint.py", "test_checkpoint_files.py",
-          "test_deepnvme.py")
+          "test_zero_infinity.py")
 
 # What still needs two GPUs on a one-GPU node in these suites, and why: each by nature.
 TWO_RANKS = {
@@ -253,7 +253,7 @@ def _twin(param: str) -> str:
     "test_checkpoint_files.py::test_storage_returns_written_bytes",
     "test_checkpoint_files.py::test_save_throughput",
     "test_checkpoint_files.py::test_load_throughput",
-    "test_deepnvme.py::test_zero_infinity_matches_ddp",
+    "test_zero_infinity.py::test_zero_infinity_matches_ddp",
 ])
 def test_every_covered_cell_has_its_one_rank_twin(selections, test):
     """Where the acceptance tier is a list of cells rather than pairs over a world-size axis,
@@ -277,10 +277,10 @@ def test_checkpoint_round_trip_one_rank_tier_is_pairwise(selections):
 
 
 def test_deepnvme_one_rank_tier_is_pairwise(selections):
-    from suites.test_deepnvme import ZINF_AXES
+    from suites.test_zero_infinity import ZINF_AXES
 
     cells = []
-    for p in _tier_of(selections["all"], "test_deepnvme.py::test_zero_infinity_matches_ddp"):
+    for p in _tier_of(selections["all"], "test_zero_infinity.py::test_zero_infinity_matches_ddp"):
         *_, offload, dtype, optimizer, ws = p.split("-")
         assert ws == "ws1", p
         cells.append({"offload": offload, "dtype": dtype, "optimizer": optimizer})

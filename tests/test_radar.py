@@ -140,8 +140,8 @@ TIER = [
     "suites/test_zero.py::test_zero_matches_ddp[cpu-z2-off_opt-fp32-cpu_adam-gas1-ws2]",
     "suites/test_zero.py::test_zero_matches_ddp[cpu-z2-off_opt-fp32-sgd-gas1-ws2]",
     "suites/test_zero.py::test_zero_matches_ddp[cpu-z3-off_none-bf16-sgd-gas1-ws2]",
-    "suites/test_loss_scaling.py::test_scaler_follows_model",
-    "suites/test_loss_scaling.py::test_scaler_follows_model_on_sequence[h1-clean-between]",
+    "suites/test_loss_scaler.py::test_scaler_follows_model",
+    "suites/test_loss_scaler.py::test_scaler_follows_model_on_sequence[h1-clean-between]",
 ]
 
 
@@ -153,7 +153,7 @@ def test_the_radar_tier_covers_every_zero_stage_with_the_cheapest_cells():
     assert TIER[4] in chosen and TIER[3] not in chosen  # the one-rank twin is cheaper
     assert TIER[6] in chosen and TIER[5] not in chosen  # cpu_adam's op compiles for minutes
     assert "suites/test_profile.py::test_cpu_cores" in chosen
-    assert "suites/test_loss_scaling.py::test_scaler_follows_model" not in chosen
+    assert "suites/test_loss_scaler.py::test_scaler_follows_model" not in chosen
     assert TIER[-1] in chosen  # the deterministic sequences of that check stay
     # a test without a stage axis gets one cell, its first one-rank cell
     other = ["suites/test_collectives.py::test_collective_is_exact[cpu-all_reduce-fp32]",

@@ -14,7 +14,7 @@ ISSUES: tuple[KnownIssue, ...] = (
         # the precedence of `dtype or fp16 if ... else ...` that drops the dtype stays.
         link="https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/zero/"
              "partition_parameters.py#L409-L410",
-        cases=("test_deepnvme.py::test_zero_infinity_matches_ddp[*-cpu-param+opt-fp32-*]",),
+        cases=("test_zero_infinity.py::test_zero_infinity_matches_ddp[*-cpu-param+opt-fp32-*]",),
         failure=r"must have the same dtype, but got Float and BFloat16",
         seen="CPU machine (no oneDNN fp16), DeepSpeed 0.19.8: ZeRO-3 fp32 with parameters "
              "offloaded to nvme fails at the first forward, 'self and mat2 must have the same "
@@ -32,7 +32,7 @@ ISSUES: tuple[KnownIssue, ...] = (
         deepspeed=">=0.17.6,<=0.19.3",
         fixed_in="0.19.4",
         link="https://github.com/deepspeedai/DeepSpeed/pull/8212",
-        cases=("test_deepnvme.py::test_zero_infinity_matches_ddp[*-cpu-opt-*]",),
+        cases=("test_zero_infinity.py::test_zero_infinity_matches_ddp[*-cpu-opt-*]",),
         failure=(r"killed by SIGABRT in suites\.deepnvme_ranks\.train_zero_infinity"
                  r"[\s\S]*partitioned_optimizer_swapper\.py"),
         seen="CPU machine, 0.17.6, torch 2.13, 2 ranks (the radar): SIGABRT in "

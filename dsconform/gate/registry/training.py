@@ -208,7 +208,7 @@ ISSUES: tuple[KnownIssue, ...] = (
         deepspeed="==0.16.9",
         fixed_in="0.17.1",
         link="https://github.com/deepspeedai/DeepSpeed/pull/6976",
-        cases=("test_loss_scaling.py::test_measured_sequence",
+        cases=("test_loss_scaler.py::test_measured_sequence",
                *(f"test_loss_scaling.py::test_overflow_handling[*-z{z}-*-h*]" for z in (1, 2, 3))),
         failure=(r"DeepSpeed's scaler went \[[^\]]*\], measured on ZeRO 1-3"
                  r"|step \d+ \(clean\): loss scale after the step [\d.]+, the model's [\d.]+"),
@@ -276,7 +276,7 @@ ISSUES: tuple[KnownIssue, ...] = (
             "test_checkpoint.py::test_consolidated_fp32_equals_masters[cpu-3-*]",
             "test_checkpoint.py::test_universal_reshard[cpu-z3-*]",
             "test_checkpoint_files.py::test_load_without_a_tag_takes_the_newest[cpu-z3]",
-            "test_deepnvme.py::test_zero_infinity_matches_ddp[*-cpu-*]",
+            "test_zero_infinity.py::test_zero_infinity_matches_ddp[*-cpu-*]",
         ),
         # A parameter read mid-gather holds torch.empty memory: NaN, inf, 1e30 and up, or a
         # stale value that diverges like any wrong one. On these cells and releases a

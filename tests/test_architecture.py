@@ -88,6 +88,13 @@ def test_no_library_module_is_over_600_lines():
     assert not long, long
 
 
+def test_no_suite_file_is_over_600_lines():
+    """A suite too long to read as a spec is split by concern (its modules share CAPABILITY)."""
+    long = {p.name: n for p in (ROOT / "suites").glob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
 def test_the_library_never_imports_suites_fixtures_or_tests():
     bad = [f"{p.relative_to(ROOT)}: {name}" for p in _library_files() for name in _imports(p)
            if name.split(".")[0] in ("suites", "fixtures", "tests")]

@@ -92,11 +92,6 @@ RT_GPU_TIER = pairwise({"stage": [0, 1, 2, 3], "offload": ["none", "opt", "param
                         "dtype": list(DTYPES)}, valid=_valid)
 
 
-#: A round trip's seconds in a batch on 1xH200 (warm, medians): two engines, a save and a load;
-#: with the optimizer offloaded, mostly the one-time load of cpu_adam in the lane's rank.
-RT_COST = {"none": 0.3, "opt": 4.5, "param+opt": 2.0}
-
-
 def _vacuous(saved: dict, fresh: dict, where: str) -> list[str]:
     """The step and scaler leaves a fresh engine holds alike (checkpoint_state.same_as_fresh):
     a load that dropped them would pass, so they are a problem of the check."""
@@ -135,8 +130,7 @@ def check_round_trip(results: list[dict], tol, *, label: str,
     build=lambda c: _case(c["stage"], c["offload"], c["dtype"])))
 @batched(lambda params, workdir, run: RankCall(
     ranks.round_trip, params["case"].world_size, _timeout(params["case"]),
-    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]),
-    cost=lambda params: RT_COST[params["case"].offload])
+    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]))
 def test_round_trip_is_exact(accelerator, case, scratch, profile, request):
     """CKPT-RT-1: save then load MUST give back every saved value bit for bit and the same next
     steps."""
@@ -203,7 +197,7 @@ def _resume_steps(params: dict, workdir: Path, run) -> list[RankCall]:
 @pytest.mark.parametrize("accelerator, case", _params(
     RESUME_CELLS, cpu_tier=RESUME_CPU_TIER, gpu_tier=RESUME_GPU_TIER,
     build=lambda c: CkptCase(stage=c["stage"], dtype=c["dtype"], optimizer=c["optimizer"])))
-@batched(_resume_steps, cost=8)
+@batched(_resume_steps)
 def test_resume_in_fresh_process(accelerator, case, scratch, profile, request):
     """CKPT-RESUME-1: N steps, save, load in a fresh process, M steps MUST equal N + M steps."""
     first, second = cell_results(request, scratch)  # run at once with other cells
@@ -244,7 +238,7 @@ def check_partial(results: list[dict], mode: str, tol) -> list[str]:
 @batched(lambda params, workdir, run: RankCall(
     ranks.partial_load, params["case"].world_size, _timeout(params["case"]),
     args=(params["case"], ckpt_dir(workdir, params["case"]), params["mode"]),
-    accelerator=params["accelerator"]), cost=0.5)
+    accelerator=params["accelerator"]))
 def test_partial_load(accelerator, mode, case, scratch, profile, request):
     """CKPT-PARTIAL-1: a partial load MUST load exactly what its flags say and nothing else."""
     results = cell_results(request, scratch)  # run at once with other cells
@@ -291,8 +285,7 @@ def _fp32_params(cpu_tier: set, gpu_tier: list) -> list:
 @pytest.mark.parametrize("accelerator, case", _fp32_params(FP32_CPU_TIER, FP32_GPU_TIER))
 @batched(lambda params, workdir, run: RankCall(
     ranks.save_and_consolidate, params["case"].world_size, _timeout(params["case"]),
-    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]),
-    cost=0.5)
+    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]))
 def test_consolidated_fp32_equals_masters(accelerator, case, scratch, profile, request):
     """CKPT-FP32-1: get_fp32_state_dict_from_zero_checkpoint MUST equal the gathered fp32
     masters under every state_dict name; tied weights MUST stay tied."""
@@ -367,7 +360,7 @@ def _ucp_steps(params: dict, workdir: Path, run) -> list[RankCall]:
 
 @pytest.mark.parametrize("accelerator, case, target_ws", _ucp_params())
 @requires(two_ranks="a universal checkpoint reshards between world sizes")
-@batched(_ucp_steps, cost=13)  # ds_to_universal's own start-up dominates (13 s on 2xH200)
+@batched(_ucp_steps)
 def test_universal_reshard(accelerator, case, target_ws, scratch, profile, request):
     """CKPT-UCP-1: a universal checkpoint MUST carry weights, fp32 masters, Adam moments, step
     and lr to another world size bit for bit.
@@ -463,7 +456,7 @@ def _stage_plan(params: dict, workdir: Path, run) -> RankCall:
 
 
 @pytest.mark.parametrize("accelerator, source_stage, target_stage, world_size", _stage_params())
-@batched(_stage_plan, cost=3)
+@batched(_stage_plan)
 def test_stage_change(accelerator, source_stage, target_stage, world_size, scratch, profile,
                       request):
     """CKPT-STAGE-1: a checkpoint loaded into another ZeRO stage MUST give the saved weights,

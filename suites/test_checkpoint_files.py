@@ -119,7 +119,7 @@ def _damage_plan(params: dict, workdir: Path, run) -> RankCall:
 
 @pytest.mark.parametrize("accelerator, stage, kind, world_size", _corrupt_params())
 # one-rank cells run at once with other cells where lanes are on (dsconform.plugin.batch)
-@batched(_damage_plan, cost=3, where=lambda params: params["world_size"] == 1)
+@batched(_damage_plan, where=lambda params: params["world_size"] == 1)
 def test_damaged_checkpoint_is_refused(accelerator, stage, kind, world_size, scratch, profile,
                                        request):
     """CKPT-CORRUPT-1: a truncated file, a missing rank file or a wrong tag MUST give an error,
@@ -184,7 +184,7 @@ def _flip_plan(params: dict, workdir: Path, run) -> RankCall:
                    reason=FLIP_LIMITATION)
 @pytest.mark.parametrize("accelerator, world_size", _two_rank_params())
 # the one-rank cell runs at once with other cells where lanes are on (dsconform.plugin.batch)
-@batched(_flip_plan, cost=2, where=lambda params: params["world_size"] == 1)
+@batched(_flip_plan, where=lambda params: params["world_size"] == 1)
 def test_flipped_bit_is_detected(accelerator, world_size, scratch, profile, request):
     """CKPT-CORRUPT-2: a checkpoint whose tensor bytes changed on disk MUST NOT load silently."""
     case = CkptCase(stage=2, dtype="fp32", world_size=world_size)
@@ -421,8 +421,7 @@ def _state_params(stage: int) -> list:
 @pytest.mark.parametrize("accelerator, case", _state_params(2))
 @batched(lambda params, workdir, run: RankCall(
     ranks.client_state_round_trip, params["case"].world_size, TIMEOUT_S,
-    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]),
-    cost=1)
+    args=(params["case"], ckpt_dir(workdir, params["case"])), accelerator=params["accelerator"]))
 def test_client_state_comes_back(accelerator, case, scratch, request):
     """CKPT-CLIENT-1: the client_state passed to save_checkpoint (nested ints, floats, a tensor,
     a list) MUST come back equal from load_checkpoint, on every rank."""
@@ -443,7 +442,7 @@ LATEST_SAVES = 3
 @batched(lambda params, workdir, run: RankCall(
     ranks.load_latest, params["case"].world_size, TIMEOUT_S,
     args=(params["case"], ckpt_dir(workdir, params["case"], tags=LATEST_SAVES), LATEST_SAVES),
-    accelerator=params["accelerator"]), cost=0.5)
+    accelerator=params["accelerator"]))
 def test_load_without_a_tag_takes_the_newest(accelerator, case, scratch, request):
     """CKPT-LATEST-1: after several saves into one directory, load_checkpoint(dir) with no tag
     (how a job resumes after preemption) MUST load the newest: its step counter and weights."""
@@ -473,7 +472,7 @@ MISSING_TAG = "s9-never-written"
 @batched(lambda params, workdir, run: RankCall(
     ranks.load_missing_latest, params["case"].world_size, TIMEOUT_S,
     args=(params["case"], ckpt_dir(workdir, params["case"]), MISSING_TAG),
-    accelerator=params["accelerator"]), cost=0.3)
+    accelerator=params["accelerator"]))
 def test_a_latest_naming_a_missing_tag_is_refused(accelerator, case, scratch, request):
     """CKPT-LATEST-2: a `latest` file that names a tag the directory does not hold MUST be
     refused, the error (or DeepSpeed's warning) naming the tag, and MUST leave the engine's

@@ -159,7 +159,7 @@ def _roundtrip_plan(params: dict, workdir: Path, run) -> tuple:
 @pytest.mark.anynode
 @pytest.mark.parametrize("memory, mode, iop", _matrix_params())
 # the cells run at once where lanes are on (dsconform.plugin.batch)
-@batched(_roundtrip_plan, cost=0.3)
+@batched(_roundtrip_plan)
 def test_aio_api_roundtrip(memory, mode, iop, scratch, request):
     """NVME-IO-1: every aio_handle API family MUST write and read back every byte exactly."""
     cell_results(request, scratch)
@@ -216,7 +216,7 @@ def _outstanding_plan(params: dict, workdir: Path, run) -> tuple:
 @pytest.mark.parametrize("memory", [pytest.param(m, marks=_memory_marks(m))
                                     for m in CPU_MEMORY + GPU_MEMORY])
 @pytest.mark.parametrize("iop", [1, 4], ids=lambda n: f"iop{n}")
-@batched(_outstanding_plan, cost=0.3)  # at once where lanes are on (dsconform.plugin.batch)
+@batched(_outstanding_plan)  # at once where lanes are on (dsconform.plugin.batch)
 def test_outstanding_then_one_wait(memory, iop, scratch, request):
     """NVME-IO-3: eight operations outstanding MUST all complete at one wait(), byte-exact."""
     out = cell_results(request, scratch)
@@ -269,7 +269,7 @@ def _gds_handle_plan(params: dict, workdir: Path, run) -> RankCall:
 @pytest.mark.gpu
 @pytest.mark.promised_ops_only
 @requires(min_gpus=1, op="gds")
-@batched(_gds_handle_plan, cost=4)
+@batched(_gds_handle_plan)
 def test_gds_handle_and_device_tensors(scratch, request):
     """NVME-GDS-1: a gds_handle's getters and GPU-memory registry (new/free, pin/unpin) MUST
     work. The acceptance tier checks it where the profile promises gds (auto: where nvidia-fs

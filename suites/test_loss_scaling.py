@@ -271,8 +271,7 @@ def engine_call(case: ScalingCase, accelerator: str) -> RankCall:
 
 @pytest.mark.parametrize("accelerator, case", _scaling_params(
     engine_matrix(), engine_tier(), engine_one_rank_tier(), consensus_cells()))
-@batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]),
-         cost=0.3)
+@batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]))
 def test_overflow_handling(accelerator: str, case: ScalingCase, request):
     """LOSS-SCALE-4: every step MUST scale, skip and apply as the model says, on every rank.
 
@@ -384,8 +383,7 @@ def _step_problem(cmp: Any, where: str) -> str:
 
 @pytest.mark.parametrize("accelerator, case", _scaling_params(
     step_size_matrix(), step_size_tier(), step_size_one_rank_tier()))
-@batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]),
-         cost=0.3)
+@batched(lambda params, workdir, run: engine_call(params["case"], params["accelerator"]))
 def test_applied_steps_match_fp32(accelerator: str, case: ScalingCase, profile, metrics,
                                   request):
     """LOSS-SCALE-7: every step the model applies MUST move the fp32 masters as far as fp32
@@ -536,7 +534,7 @@ def check_convergence(case: CurveCase, results: list[dict], tol: Any) -> tuple[d
 @pytest.mark.parametrize("accelerator, case", _curve_params())
 @batched(lambda params, workdir, run: RankCall(
     train_curve, params["case"].world_size, CURVE_TIMEOUT_S, args=(params["case"],),
-    accelerator=params["accelerator"]), cost=6)
+    accelerator=params["accelerator"]))
 def test_fp16_bf16_converge(accelerator: str, case: CurveCase, profile, metrics, request):
     """LOSS-SCALE-6: fp16 and bf16 MUST reach fp32's final loss within the table's margin."""
     results = cell_results(request)  # run at once with other cells (dsconform.plugin.batch)

@@ -158,13 +158,6 @@ def _plan(params: dict, workdir, run) -> RankCall:
                     accelerator=params["accelerator"])
 
 
-def _cost(params: dict) -> float:
-    """A cell's seconds in a batch on a GPU node: about a second, more with accumulation and
-    with the optimizer on the host."""
-    case = params["case"]
-    return 0.6 + 0.4 * (case.grad_accum > 1) + 0.4 * case.offloaded
-
-
 def judge(results: list[dict], case: OptCase, accelerator: str, profile=None) -> Comparison:
     """OPT-RULE-1 / OPT-RESUME-1's judgement of every rank's trace: the class built, the
     parameters after every step and the optimizer state after the last, against the
@@ -192,7 +185,7 @@ def judge(results: list[dict], case: OptCase, accelerator: str, profile=None) ->
 
 
 @pytest.mark.parametrize("accelerator, case", _params())
-@batched(_plan, cost=_cost)  # the cells run at once where lanes are on (dsconform.plugin.batch)
+@batched(_plan)  # the cells run at once where lanes are on (dsconform.plugin.batch)
 def test_optimizer_follows_its_rule(accelerator: str, case: OptCase, profile, request):
     """OPT-RULE-1: every step of DeepSpeed's optimizer MUST follow its reference's update rule,
     per parameter group, and end with its optimizer state."""

@@ -239,15 +239,7 @@ def _plan(params: dict, workdir, run) -> RankCall:
     return case_call(_resolve(params["case"], run.node), params["accelerator"])
 
 
-def _cost(params: dict) -> float:
-    """A cell's seconds in a batch on 1xH200 (warm, medians): 0.5 s, more with 4 micro-steps a
-    step and with CPU Adam (its step on the host, the optimizer's state copied there)."""
-    case = params["case"]
-    return (0.5 + 0.5 * (case.grad_accum > 1)
-            + 0.4 * (OPTIMIZER_OPS[case.optimizer] == "cpu_adam"))
-
-
-@batched(_plan, cost=_cost)  # the cells run at once where lanes are on (dsconform.plugin.batch)
+@batched(_plan)  # the cells run at once where lanes are on (dsconform.plugin.batch)
 def test_zero_matches_ddp(accelerator: str, case: ZeroCase, node, profile, metrics, request):
     """ZERO-EQ-1: ZeRO MUST give DDP's per-step losses, boundary gradients and final parameters."""
     case = _resolve(case, node)
@@ -335,7 +327,7 @@ def _clip_params() -> list:
 
 
 @pytest.mark.parametrize("accelerator, case", _clip_params())
-@batched(_plan, cost=_cost)
+@batched(_plan)
 def test_zero_clipping_matches_ddp(accelerator: str, case: ZeroCase, profile, metrics, facts,
                                    request):
     """ZERO-CLIP-1: with gradient clipping on, ZeRO MUST clip by the global norm over every

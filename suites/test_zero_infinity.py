@@ -113,7 +113,7 @@ def _zinf_plan(params: dict, workdir: Path, run) -> tuple:
 
 @pytest.mark.nvme
 @pytest.mark.parametrize("accelerator, cell, world_size", _zinf_params())
-@batched(_zinf_plan, cost=4)  # the cells run at once where lanes are on (dsconform.plugin.batch)
+@batched(_zinf_plan)  # the cells run at once where lanes are on (dsconform.plugin.batch)
 def test_zero_infinity_matches_ddp(accelerator, cell, world_size, nvme_entry, profile, run, node,
                                    scratch, metrics, request):
     """NVME-ZINF-1: ZeRO-3 offloading to NVMe MUST give DDP's losses, gradients, parameters."""

@@ -55,7 +55,8 @@ from dsconform.gate import requires as gating
 from dsconform.harness.lanes import RankCall, close_lanes, lanes_for, run_concurrently, run_steps
 from dsconform.harness.launcher import external_rendezvous
 from dsconform.harness.xdist import xdist_worker
-from dsconform.plugin.runstate import RunState, run_state
+from dsconform.plugin.runstate import STATE, RunState, run_state
+from dsconform.results import durations
 
 __all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "cost", "enabled",
            "has_plan", "in_batch", "measures", "phases", "select", "start", "stop",
@@ -72,7 +73,7 @@ Plan = Callable[[dict, Path, RunState],
                 "RankCall | list[RankCall] | tuple[RankCall | list[RankCall], Callable[[], Any]]"]
 _PLAN_ATTR = "_dsconform_batch_plan"
 #: The user property (junit.xml) holding a batched cell's call seconds, its lane's wait included.
-BATCH_SECONDS = "dsconform_batch_seconds"
+BATCH_SECONDS = durations.BATCH_SECONDS
 #: The user property holding the seconds a test waited for the background batch (its cell, or,
 #: for a measuring test, the whole batch).
 BATCH_WAIT = "dsconform_batch_wait_seconds"
@@ -81,12 +82,13 @@ BATCH_WAIT = "dsconform_batch_wait_seconds"
 def batched(plan: Plan, *, cost: float | Callable[[dict], float] = 1.0,
             where: Callable[[dict], bool] | None = None) -> Callable:
     """Decorate a parametrized test whose body gets its rank results from cell_results().
-    cost: about how long one cell's call takes (seconds on a GPU node, in a batch), or a
-    function of its parametrize values that says it; a batch starts the costliest cells first,
-    so that no long cell is left to run alone at the end, and the batched tests take their
-    outcomes in the order the cells are expected to end. where: which cells are batched, from
-    their parametrize values (default all); the body of the others makes its own calls and must
-    not call cell_results()."""
+    A batch starts the costliest cells first, so that no long cell is left to run alone at the
+    end, and the batched tests take their outcomes in the order the cells are expected to end; a
+    cell's cost is its seconds in the last run's records (``cost``). cost: what a cell without
+    a record costs, or a function of its parametrize values (default 1.0 for every cell, a
+    neutral order; suites leave it out and let the records speak). where: which cells are
+    batched, from their parametrize values (default all); the body of the others makes its own
+    calls and must not call cell_results()."""
     def decorate(fn: Callable) -> Callable:
         setattr(fn, _PLAN_ATTR, (plan, cost if callable(cost) else float(cost), where))
         return fn
@@ -114,9 +116,16 @@ def has_plan(item: pytest.Item) -> bool:
 
 
 def cost(item: pytest.Item) -> float:
-    """About how long the cell's call takes (its @batched cost; 0 for a test not batched)."""
+    """About how long the cell's call takes (0 for a test not batched): its seconds in the last
+    run's records (dsconform.results.durations), else the @batched cost, by default a neutral
+    1.0 for every cell."""
     found = _batched_of(item)
-    return found[1] if found is not None else 0.0
+    if found is None:
+        return 0.0
+    config = getattr(item, "config", None)
+    state = config.stash.get(STATE, None) if config is not None else None
+    recorded = state.last_seconds.get(item.nodeid) if state is not None else None
+    return recorded if recorded is not None else found[1]
 
 
 @dataclass

@@ -48,6 +48,7 @@ from dsconform.profile.select import (
     run_kind,
     select_profile,
 )
+from dsconform.results import durations
 from dsconform.results.records import CASE_PROPERTY
 
 _register_hypothesis_profiles()
@@ -118,7 +119,8 @@ def pytest_configure(config: pytest.Config) -> None:
     state = RunState(
         selection=selection, scratch=scratch, scratch_is_temp=scratch_is_temp, results=results,
         started=started, multinode=rendezvous_nodes() > 1, notices=notices,
-        kind=run_kind(config.option.markexpr, selection.node) if runs else None)
+        kind=run_kind(config.option.markexpr, selection.node) if runs else None,
+        last_seconds=durations.last_run_seconds(results))
     state.notices.append(versions.torch_note(selection.node.torch_version))
     if is_detected(selection.profile):
         state.notices.append(detected_warning())

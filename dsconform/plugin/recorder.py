@@ -24,7 +24,7 @@ from dsconform.plugin.runstate import RunState, describe
 from dsconform.profile.select import (
     rendezvous_info,
 )
-from dsconform.results import aggregate, prometheus, records, summary, verdict
+from dsconform.results import aggregate, durations, prometheus, records, summary, verdict
 from dsconform.results.node_folder import node_from_summary
 from dsconform.results.run_files import write_atomically
 
@@ -143,8 +143,12 @@ class Recorder:
             if outcome != "skipped":
                 self.gpu_tests_ran += 1
         # When the phase that decided it ran (epoch seconds): where a run's time went.
-        self._journal({"outcome": asdict(o), "start": round(report.start, 3),
-                       "stop": round(report.stop, 3)})
+        entry = {"outcome": asdict(o), "start": round(report.start, 3),
+                 "stop": round(report.stop, 3)}
+        batch_seconds = dict(report.user_properties).get(durations.BATCH_SECONDS)
+        if batch_seconds is not None:  # the cell's own call, which its test only waited for
+            entry["batch_seconds"] = batch_seconds
+        self._journal(entry)
 
     def _journal(self, entry: dict) -> None:
         """Append to records.jsonl as each test ends: if the run dies (a native crash, a kill at

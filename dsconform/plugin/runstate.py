@@ -57,6 +57,9 @@ class RunState:
     # A GPU or a CPU run, said in the header and the summary; a GPU tier where no GPU is found
     # fails (profile.select.run_kind). None: not decided (a state built outside configure).
     kind: RunKind | None = None
+    # Each test's seconds in the last run with this --results folder (node id -> seconds,
+    # dsconform.results.durations), read before this run's journal starts: the batch's order.
+    last_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def node(self) -> NodeFacts:

@@ -254,8 +254,8 @@ FP32_CELLS = [{"stage": s, "dtype": d} for s in (1, 2, 3) for d in DTYPES]
 FP32_CPU_TIER = {(2, "bf16"), (3, "fp32")}
 FP32_GPU_TIER = [{"stage": 2, "dtype": "bf16"}, {"stage": 3, "dtype": "fp16"}]
 SCRIPT_CPU_TIER = {(3, "bf16")}
-# zero_to_fp32.py is a host-side script (8.5 s on 2xH200, nearly all of it the script's own
-# start-up): the CPU tier runs it in CI; on GPU nodes it is nightly.
+# A host-side script dominated by its own start-up: the CPU tier runs it, GPU nodes nightly
+# (docs/performance.md#checkpoint-tiers).
 SCRIPT_GPU_TIER: list[dict] = []
 
 
@@ -325,9 +325,9 @@ def test_zero_to_fp32_script(accelerator, case, scratch, profile):
 
 # ---------------------------------------------------------------------------- CKPT-UCP-1
 
-# (stage, dtype, from world size, to world size): both directions in the CPU tier (CI). On GPU
-# nodes one direction: 2 -> 1 took 13.4 s on 2xH200, most of it ds_to_universal's own start-up,
-# a host-side conversion the CPU tier already covers; the other direction is nightly.
+# (stage, dtype, from world size, to world size): both directions in the CPU tier (CI), one on
+# GPU nodes, whose time is ds_to_universal's host-side start-up; the other direction is nightly
+# there (docs/performance.md#checkpoint-tiers).
 UCP_CPU_TIER = {(2, "fp32", 2, 1), (3, "bf16", 1, 2)}
 UCP_GPU_TIER = {(3, "fp32", 1, 2)}
 

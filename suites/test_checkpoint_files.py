@@ -76,11 +76,9 @@ def _corrupt_params() -> list:
     for accel in ACCELERATORS:
         for stage in (1, 2, 3):
             for kind in DAMAGE:
-                # Each refusal stops the ranks (a rank may wait for the one that raised), and
-                # new ranks cost 5-10 s on 2 CPU cores. The CPU tier keeps the hardest case, a
-                # file only one rank reads; on GPUs that case cost 17 s on 2xH200 (new ranks,
-                # a CUDA context and NCCL set-up each), so the GPU acceptance tier refuses a
-                # wrong tag and the missing rank file is nightly there.
+                # Each refusal stops the ranks, and new ranks are dear: the CPU tier keeps the
+                # hardest case (a file only one rank reads), the GPU tier a wrong tag
+                # (docs/performance.md#checkpoint-tiers).
                 tier = (stage, kind) == ((2, "missing_rank_file") if accel == "cpu"
                                          else CORRUPT_GPU_TIER)
                 out.append(accel_cell(accel, stage, kind, 2, id=f"z{stage}-{kind}",
@@ -215,7 +213,7 @@ def test_flipped_bit_is_detected(accelerator, world_size, scratch, profile, requ
                                   where=f"rank {saved['rank']}"))
     found = cmp.report(limit=2) if not cmp.ok else "the changed value is not in the state"
     # The failure the strict xfail expects: the message says it all, and pytest would format
-    # this frame's source (a long file, 0.3 s on 1xH200) for a report that never shows it.
+    # this long frame's source for a report that never shows it.
     __tracebackhide__ = True
     raise FlipLoadedSilently(f"DeepSpeed loaded a checkpoint with a flipped bit without an "
                              f"error; {found}")
@@ -325,7 +323,7 @@ def _record(metrics, name: str, result: dict, case: CkptCase, engine: str, accel
 @pytest.fixture(scope="session")
 def saved_for_loading(request) -> Iterator[dict[tuple, Path]]:
     """The checkpoints CKPT-PERF-1 saved, by (accelerator, engine, world size): CKPT-PERF-2
-    loads them instead of saving its own rounds again (1 s of a 1xH200 run per engine). Each
+    loads them instead of saving its own rounds again (docs/performance.md#checkpoint-tiers). Each
     lives in a directory of its own under --scratch until CKPT-PERF-2 took it, or the session
     ends."""
     kept: dict[tuple, Path] = {}

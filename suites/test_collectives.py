@@ -89,8 +89,8 @@ ALIGNED_SIZES = {"cpu": (64, 4096, 1 << 20), "cuda": (64, 4096, 1 << 20, 1 << 24
 EXACT_APIS = tuple(collective_calls.APIS)
 P2P_BYTES, P2P_ITERS = 256 << 20, 20  # ~0.7 ms per transfer over NVLink
 MATMUL_SIZE, MATMUL_ITERS = 8192, 50
-#: COLL-XCHECK-1: torch.distributed may lose at most 10% to raw NCCL at a floor size (on 2xH200
-#: within 0.5% at 1 and 4 GiB, 0.1% at 64 MiB: docs/findings.md#collectives).
+#: COLL-XCHECK-1: torch.distributed may lose at most 10% to raw NCCL at a floor size
+#: (docs/findings.md#collectives holds what the reference node measured).
 MIN_RATIO_TO_NCCL_TESTS = 0.9
 NCCL_TESTS_ITERS = 20  # all_reduce_perf's own default (-n)
 TIMEOUT_S = 600  # per call: a full cuda sweep moves ~100 GB per collective

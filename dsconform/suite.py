@@ -13,7 +13,7 @@ Fixtures (from the plugin): ``run`` (RunState), ``profile`` (Profile), ``node`` 
 from __future__ import annotations
 
 from dsconform.base import compat, versions
-from dsconform.base.pairwise import axis_values, pairwise, uncovered_pairs
+from dsconform.base.pairwise import axis_values, covering_cases, pairwise, uncovered_pairs
 from dsconform.base.removed import ONEBIT_OPTIMIZERS
 from dsconform.checks import (
     batch_rule,
@@ -65,6 +65,7 @@ from dsconform.checks.zero_vs_ddp import (
 )
 from dsconform.gate.known_issues import KNOWN_ISSUES, KnownIssue, KnownIssueFailure
 from dsconform.gate.requires import ACCELERATORS, accel_cell, accel_params, requires
+from dsconform.gate.tiers import one_rank_twins, tier_params
 from dsconform.harness.api import (
     InsufficientGPUs,
     RankError,
@@ -118,7 +119,8 @@ __all__ = [
     "OpUnavailableText", "Profile", "check_op_isolated", "parse_ds_report",
     "run_ds_report", "RankError", "RankTimeout", "RunState", "Tol", "accel_params", "all_agree",
     "compare_rank_results", "compare_traces", "defaults_mismatches", "device", "ds_config",
-    "axis_values", "gather", "non_finite", "pairwise", "rank", "uncovered_pairs", "requires",
+    "axis_values", "covering_cases", "one_rank_twins", "tier_params", "gather", "non_finite",
+    "pairwise", "rank", "uncovered_pairs", "requires",
     "run_ranks",
     "run_state", "seed_everything",
     "tensor_difference", "tolerance", "versions", "world", "compat",

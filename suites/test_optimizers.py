@@ -49,13 +49,14 @@ from dsconform.suite import (
     Comparison,
     RankCall,
     accel_cell,
-    axis_values,
     batched,
     cell_results,
     compare_states,
-    pairwise,
+    covering_cases,
+    one_rank_twins,
     requires,
     run_ranks,
+    tier_params,
     tolerance,
 )
 from suites.optimizer_ranks import CUDA_ONLY_ON_DEVICE, OptCase, matrix, train_optimizer
@@ -118,10 +119,7 @@ def gpu_tier(cases: list[OptCase]) -> list[OptCase]:
     values at least once, at two ranks (a pairwise covering array over the valid cells)."""
     two = [c for c in cases if c.world_size == 2 and c.kind not in NIGHTLY_ONLY
            and c.op() in GPU_ACCEPTANCE_OPS and not stage0_bf16(c)]
-    by_axes = {tuple(_axes(c).items()): c for c in two}
-    axes = axis_values(_axes(c) for c in two)
-    chosen = pairwise(axes, valid=lambda cell: tuple(cell.items()) in by_axes)
-    return [by_axes[tuple(cell.items())] for cell in chosen]
+    return covering_cases(two, _axes)
 
 
 def _needs(case: OptCase) -> list:
@@ -132,23 +130,17 @@ def _needs(case: OptCase) -> list:
 
 
 def _params() -> list:
-    params = []
+    """The CPU tier; on GPUs the covering array once GPU_ACCEPTANCE is set, and on a node with
+    one GPU the one-rank twin of each of its cells instead (the update rule needs no second
+    rank)."""
     cases = matrix(world_sizes=(1, 2))
-    tier = {_key(c) for c in gpu_tier(cases)}
+    params = []
     for accel in ACCELERATORS:
-        for case in cases:
-            if not runs_on(case, accel):
-                continue
-            if accel == "cpu":
-                in_tier, role = case.world_size == 2 and _key(case) in CPU_TIER, None
-            else:
-                # On a node with one GPU, the one-rank twin of every acceptance cell runs
-                # instead: the update rule needs no second rank.
-                in_tier = GPU_ACCEPTANCE and _key(case) in tier and case.world_size == 2
-                role = ("covered" if in_tier else "tier" if GPU_ACCEPTANCE and _key(case) in tier
-                        and case.world_size == 1 else None)
-            params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
-                                     marks=_needs(case), slow=not in_tier, one_gpu=role))
+        params += tier_params(
+            accel, [c for c in cases if runs_on(c, accel)],
+            cpu_tier=lambda c: c.world_size == 2 and _key(c) in CPU_TIER,
+            gpu_tier=lambda cs: gpu_tier(cs) if GPU_ACCEPTANCE else [],
+            one_rank_tier=lambda cs, tier: one_rank_twins(cs, tier, _key), marks=_needs)
     return params
 
 

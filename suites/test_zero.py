@@ -42,18 +42,18 @@ from dsconform.suite import (
     ZeroCase,
     accel_cell,
     accel_params,
-    axis_values,
     batched,
     cell_results,
     clip_problems,
     compare_rank_results,
     compat,
+    covering_cases,
     defaults_mismatches,
-    pairwise,
     record_zero_comparison,
     requires,
     run_ranks,
     run_state,
+    tier_params,
     tolerance,
     train_zero_and_ddp,
     zero_check_name,
@@ -118,16 +118,12 @@ def gpu_tier(cases: list[ZeroCase]) -> list[ZeroCase]:
     """The acceptance tier of the GPU matrix (``pytest -m gpu``): every pair of axis values at
     least once (a pairwise covering array), plus every cell a known upstream issue names, plus
     one cell for every tolerance-table entry the matrix uses. The rest is the nightly tier."""
-    by_axes = {tuple(_axes(c).items()): c for c in cases}
-    axes = axis_values(_axes(c) for c in cases)
-    # Among cells that cover as many new pairs, prefer the most ranks: the distributed paths
-    # (partitioning, reduction) are what a node is accepted for.
-    axes["world_size"].sort(key=lambda ws: -1 if ws == "all" else -ws)
     known = [c for c in cases if any(ki.covers(f"test_zero.py::test_zero_matches_ddp[cuda-{c.id}]")
                                      for ki in KNOWN_ISSUES)]
-    chosen = pairwise(axes, valid=lambda cell: tuple(cell.items()) in by_axes,
-                      must=[_axes(c) for c in known])
-    tier = [by_axes[tuple(cell.items())] for cell in chosen]
+    # Among cells that cover as many new pairs, prefer the most ranks: the distributed paths
+    # (partitioning, reduction) are what a node is accepted for.
+    tier = covering_cases(cases, _axes, must=known,
+                          first={"world_size": lambda ws: -1 if ws == "all" else -ws})
     for c in cases:  # one representative of every tolerance entry the matrix reaches
         key = (zero_check_name(c), c.dtype, c.optimizer)
         if not any((zero_check_name(t), t.dtype, t.optimizer) == key for t in tier):
@@ -153,23 +149,13 @@ def one_rank_tier(cases: list[ZeroCase]) -> list[ZeroCase]:
     return gpu_tier([c for c in cases if c.world_size == 1])
 
 
-def _one_gpu_role(case: ZeroCase, tier: set[int], one_rank: set[int]) -> str | None:
-    if id(case) in one_rank:
-        return "tier"
-    return "covered" if id(case) in tier and case.world_size != 1 else None
-
-
 def _matrix_params(gpus: int) -> list:
     params = []
     for accel in ACCELERATORS:
-        cases = matrix(world_sizes=_world_sizes(accel, gpus))
-        tier = set(map(id, gpu_tier(cases))) if accel == "cuda" else set()
-        one_rank = set(map(id, one_rank_tier(cases))) if accel == "cuda" else set()
-        for case in cases:
-            in_tier = in_cpu_tier(case) if accel == "cpu" else id(case) in tier
-            params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
-                                     marks=_needs(case), slow=not in_tier,
-                                     one_gpu=_one_gpu_role(case, tier, one_rank)))
+        params += tier_params(accel, matrix(world_sizes=_world_sizes(accel, gpus)),
+                              cpu_tier=in_cpu_tier, gpu_tier=gpu_tier,
+                              one_rank_tier=lambda cases, tier: one_rank_tier(cases),
+                              marks=_needs)
         params += _l2_params(accel, gpus)
     return params
 

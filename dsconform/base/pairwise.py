@@ -78,3 +78,19 @@ def uncovered_pairs(axes: Mapping[str, Sequence[Any]], cells: Iterable[Mapping[s
     needed = set().union(set(), *(_pairs(c, names) for c in universe if valid(c)))
     covered = set().union(set(), *(_pairs(c, names) for c in cells))
     return needed - covered
+
+
+def covering_cases(cases: Sequence[Any], axes_of: Callable[[Any], Mapping[str, Any]], *,
+                   must: Iterable[Any] = (),
+                   first: Mapping[str, Callable[[Any], Any]] | None = None) -> list[Any]:
+    """The cases of a pairwise covering array over the axes the cases show (``axes_of(case)``:
+    {axis: value}); only combinations some case has are valid. ``must``: cases the array keeps
+    whatever the pairs; ``first``: {axis: sort key} to prefer some values among cells that
+    cover as many new pairs (the most ranks, say)."""
+    by_axes = {tuple(axes_of(c).items()): c for c in cases}
+    axes = axis_values(axes_of(c) for c in cases)
+    for name, key in (first or {}).items():
+        axes[name].sort(key=key)
+    chosen = pairwise(axes, valid=lambda cell: tuple(cell.items()) in by_axes,
+                      must=[dict(axes_of(c)) for c in must])
+    return [by_axes[tuple(cell.items())] for cell in chosen]

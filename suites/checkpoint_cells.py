@@ -15,7 +15,8 @@ from dsconform.suite import (
 from suites.checkpoint_ranks import CkptCase
 
 CAPABILITY = "checkpoint"
-# Per call; a cell with CPU Adam may JIT-build it inside its first call (42 s idle on 2 cores).
+# Per call; a cell with CPU Adam may JIT-build it inside its first call
+# (docs/findings.md#op-builds).
 TIMEOUT_S = 300
 OP_TIMEOUT_S = 900
 DTYPES = ("fp32", "bf16", "fp16")

@@ -69,7 +69,7 @@ from suites.loss_scaling_ranks import (
 
 CAPABILITY = "loss_scaling"
 TIMEOUT_S = 300       # per call; an engine cell takes seconds
-OP_TIMEOUT_S = 600    # FusedAdam JIT-builds inside the first call that uses it (~40 s on a GPU)
+OP_TIMEOUT_S = 600    # FusedAdam JIT-builds inside its first call (docs/findings.md#op-builds)
 CURVE_TIMEOUT_S = 600
 
 # ---------------------------------------------------------------------------------------------
@@ -466,9 +466,9 @@ def test_bf16_has_no_scaler(accelerator: str, stage: int, world_size: int, reque
 
 CURVE_TIER = {(2, "fp16"), (2, "bf16")}
 # Skipped steps a convergence run may have: fp16 from DeepSpeed's initial 2**16 may overflow a few
-# times before the scale settles (the convergence entry's margin allows for 10: +2.4%; 2xH200
-# skipped 0); bf16 has no scaler and never skips. A scale that keeps overflowing can still end
-# within the margin, so the count is held on its own.
+# times before the scale settles (the convergence entry's margin allows for 10;
+# docs/findings.md#loss-scaling); bf16 has no scaler and never skips. A scale that keeps
+# overflowing can still end within the margin, so the count is held on its own.
 MAX_SKIPPED_STEPS = {"fp16": 10, "bf16": 0}
 
 

@@ -74,7 +74,7 @@ def in_cpu_tier(case: ZeroCase) -> bool:
     c = case
     cell = (c.stage, c.offload, c.dtype, c.optimizer, c.grad_accum, c.world_size)
     if c.optimizer == "fused_adam":
-        # Not promised by the cpu-ci profile, and its first use JIT-builds for 42 s.
+        # Not promised by the cpu-ci profile, and its first use JIT-builds (findings#op-builds).
         return False
     if c.optimizer == "cpu_adam":
         # cpu-ci promises cpu_adam (the ops suite builds it into the shared cache): one cell.

@@ -1,7 +1,7 @@
 """LOSS-SCALE-1's explicit sequences MUST catch a DeepSpeed scaler that is wrong about
 hysteresis, whatever the hypothesis profile or example database.
 
-Each sequence of suites/test_loss_scaling.py ``SCALER_SEQUENCES`` is replayed on DeepSpeed's
+Each sequence of suites/test_loss_scaler.py ``SCALER_SEQUENCES`` is replayed on DeepSpeed's
 real DynamicLossScaler with update_scale patched in the rank (tests/perturbed_ranks.py
 ``faulty_scaler_trace``):
 

@@ -492,8 +492,9 @@ def test_a_real_run_scraped_by_node_exporter_matches_its_summary(tmp_path):
     exporter, promtool = _binary(*NODE_EXPORTER), _binary(*PROMTOOL)
     results, textfile = tmp_path / "results", tmp_path / "textfile"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "suites/test_profile.py", "suites/test_checkpoint.py",
-         "-k", "test_profile or test_save_throughput", "-m", "not gpu and not slow",
+        [sys.executable, "-m", "pytest", "suites/test_profile.py",
+         "suites/test_checkpoint_files.py", "-k", "test_profile or test_save_throughput", "-m",
+         "not gpu and not slow",
          "--results", str(results), "--prometheus-textfile", str(textfile),
          "-p", "no:cacheprovider", "-q"],
         cwd=ROOT, capture_output=True, text=True, timeout=400)

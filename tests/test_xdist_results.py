@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SELECTION = ["suites/test_profile.py", "suites/test_checkpoint.py", "-k",
+SELECTION = ["suites/test_profile.py", "suites/test_checkpoint_files.py", "-k",
              "test_profile or missing_tag or flipped_bit"]
 
 

@@ -316,7 +316,7 @@ def run_release(release: Release, *, index: int, total: int, args: argparse.Name
         release.note = str(e)
         say(f"NOT RUN: {e}")
         return None
-    warm_up(python, log, say, env)
+    warm_up(python, log, say, env, gpu=has_gpu())
     # The selection's node ids name their files (suites/...): the folder itself would add the
     # whole tier back.
     cmd = [str(python), "-m", "pytest", *(selection or [str(suites)]), "-p", "no:cacheprovider",

@@ -330,6 +330,7 @@ def test_the_radar_tier_runs_its_selection_only(tmp_path, capsys, monkeypatch):
         capsys.readouterr().out
     ran = (tmp_path / "r" / "ds-0.19.6" / "pytest.log").read_text().splitlines()[0]
     assert chosen[1] in ran and f" {suites} " not in ran  # the folder would add the tier back
+    assert "-m 'not gpu' --nightly" in ran  # its nightly ZeRO cells are `slow`
 
 
 def test_an_environment_that_cannot_see_the_suite_is_named(tmp_path, capsys, monkeypatch):

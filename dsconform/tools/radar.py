@@ -61,6 +61,7 @@ __all__ = ["RadarError", "Release", "add_cli", "main", "radar_selection", "relea
 
 CPU_TIER = ("-m", "not gpu and not slow")
 GPU_TIER = ("-m", "gpu")
+RADAR_RUN = ("-m", "not gpu", "--nightly")
 #: Left out of the radar tier: property-based tests whose budget, not DeepSpeed, sets their
 #: cost (the scaler state machine; the DeepNVMe size and getter properties start a rank per
 #: example, and an older release's handle that hangs is started again for every example
@@ -236,7 +237,9 @@ def tier_args(tier: str, pytest_args: str | None) -> tuple[list[str], str]:
     if tier == "gpu":
         return [*GPU_TIER, *extra], "the GPU tier (-m gpu)"
     if tier == "radar":
-        return [*CPU_TIER, *extra], "the radar tier (docs/radar.md)"
+        # its node ids name nightly (`slow`) ZeRO cells, which -m "not gpu and not slow" and the
+        # acceptance tier's selection would drop
+        return [*RADAR_RUN, *extra], "the radar tier (docs/radar.md)"
     if tier == "args":
         if not extra:
             raise RadarError("--tier args needs --pytest-args")
@@ -381,7 +384,8 @@ def main(args: argparse.Namespace, report: Callable[..., int]) -> int:
             python = first.python or ensure_env(Path(args.venvs), first.torch or "",
                                                 first.version, suites.parent,
                                                 lambda t: print(f"tier: {t}", flush=True))
-            ids = collect(python, suites, tier, out / "collect.log", env)
+            ids = collect(python, suites, [*CPU_TIER, *shlex.split(args.pytest_args or "")],
+                          out / "collect.log", env)
             nightly = collect(python, suites / "test_zero.py",
                               ["-m", "not gpu", "--nightly", "-k", THREE_WAY_TEST],
                               out / "collect-nightly.log", env)

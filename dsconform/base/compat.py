@@ -230,3 +230,19 @@ def stage0_scaler(optimizer: Any) -> tuple[float, bool] | None:
     if hasattr(optimizer, "cur_scale") and hasattr(optimizer, "dynamic_loss_scale"):
         return float(optimizer.cur_scale), bool(optimizer.dynamic_loss_scale)
     return None
+
+
+def moe_gate_routes(gate: Any, x: Any) -> tuple[int, set[tuple[int, int]]]:
+    """(capacity, the (token, expert) routes that kept a slot) as an MoE ``TopKGate`` decides
+    them for the tokens ``x``. From 0.19.4 the gate returns its routes sparsely
+    (``sparse_routes=True``: per route the expert, or -1 where it was dropped); before, only as
+    the dense dispatch mask ``[tokens, experts, capacity]``, which holds the same routes."""
+    import inspect
+
+    if "sparse_routes" in inspect.signature(gate.forward).parameters:
+        _, capacity, _, indices, _, _, _ = gate(x, None, True, False)
+        kept = {(t, int(indices[c, t])) for c in range(indices.shape[0])
+                for t in range(indices.shape[1]) if int(indices[c, t]) >= 0}
+        return int(capacity), kept
+    _, _, dispatch, _ = gate(x, None, False)
+    return int(dispatch.shape[2]), {(int(t), int(e)) for t, e in dispatch.any(dim=2).nonzero()}

@@ -285,8 +285,8 @@ def test_every_manifest_is_strictly_valid_and_keeps_the_promises():
     docs = documents()
     kinds = sorted({(w.split("#")[0], d["kind"]) for w, d in docs})
     assert kinds == [("acceptance-job.yaml", "Job"), ("aggregate-cronjob.yaml", "CronJob"),
-                     ("burn-in-job.yaml", "Job"), ("multinode-job.yaml", "Job"), ("multinode-job.yaml", "Service"),
-                     ("nightly-cronjob.yaml", "CronJob"),
+                     ("burn-in-job.yaml", "Job"), ("multinode-job.yaml", "Job"),
+                     ("multinode-job.yaml", "Service"), ("nightly-cronjob.yaml", "CronJob"),
                      ("results-pvc.yaml", "PersistentVolumeClaim")]
     pods = [w for w, d in docs if pod_templates(d)]
     assert pods == ["acceptance-job.yaml#0", "aggregate-cronjob.yaml#0", "burn-in-job.yaml#0",

@@ -285,7 +285,7 @@ def test_soak(node, profile, run, facts):
     finding, a slowdown or a throughput drift past straggler_pct."""
     total_s = run.soak_minutes * 60.0
     gpus = len(worker_gpus())
-    pct = gpu_health.straggler_pct(profile.gpus.straggler_pct)
+    pct = gpu_health.straggler_pct(profile.straggler_pct)
     progress_dir = Path(tempfile.mkdtemp(prefix="soak-", dir=run.scratch))
     watch = sampler.GateSampler(health.Thresholds.from_profile(profile.health),
                                 SAMPLE_INTERVAL_S).start()

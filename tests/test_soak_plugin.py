@@ -30,6 +30,12 @@ def test_burn_in(run):
 def test_plain():
     pass
 
+def test_says_from_a_thread(run):
+    import threading
+    t = threading.Thread(target=run.say, args=("soak 1/2 min: GPU 0 3 it 0 mism 61 C",))
+    t.start()
+    t.join()
+
 def test_records_a_soak(facts):
     facts.record("soak", {"minutes": 1, "elapsed_s": 61.0, "passed": False,
                           "problems": ["GPU 1 (PCI 0000:2a:00.0, rank 1): ..."],
@@ -56,17 +62,18 @@ def test_without_soak_the_soak_test_is_not_collected(run):
     result = run("--collect-only", "-q")
     assert result.ret == 0
     ids = [line.rsplit("/", 1)[-1] for line in result.outlines if "::" in line]
-    assert ids == ["test_demo.py::test_plain", "test_demo.py::test_records_a_soak",
-                   "test_demo.py::test_gate_at_end"]
-    result.stdout.fnmatch_lines(["3 tests collected in *"])
+    assert ids == ["test_demo.py::test_plain", "test_demo.py::test_says_from_a_thread",
+                   "test_demo.py::test_records_a_soak", "test_demo.py::test_gate_at_end"]
+    result.stdout.fnmatch_lines(["4 tests collected in *"])
 
 
 def test_with_soak_it_is_collected_after_every_test_but_the_gate_at_the_end(run):
     result = run("--collect-only", "-q", "--soak", "1")
     assert result.ret == 0
     ids = [line.rsplit("/", 1)[-1] for line in result.outlines if "::" in line]
-    assert ids == ["test_demo.py::test_plain", "test_demo.py::test_records_a_soak",
-                   "test_demo.py::test_burn_in", "test_demo.py::test_gate_at_end"]
+    assert ids == ["test_demo.py::test_plain", "test_demo.py::test_says_from_a_thread",
+                   "test_demo.py::test_records_a_soak", "test_demo.py::test_burn_in",
+                   "test_demo.py::test_gate_at_end"]
 
 
 def test_soak_on_a_node_without_gpus_is_refused(run, pytester):
@@ -94,6 +101,12 @@ def test_the_soak_fact_becomes_the_summary_section_and_prometheus_series(run, py
     assert 'dsconform_soak_mismatches{bus_id="0000:2a:00.0",gpu="1"} 1.0' in prom
     assert 'dsconform_soak_throughput_drift_ratio{bus_id="0000:2a:00.0",gpu="1"} 0.025' in prom
     assert "dsconform_soak_passed 0.0" in prom
+
+
+def test_the_progress_line_reaches_the_console_from_another_thread(run):
+    result = run("-k", "says")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["dsconform: soak 1/2 min: GPU 0 3 it 0 mism 61 C"])
 
 
 def test_a_run_without_a_soak_has_no_soak_section(run, pytester):

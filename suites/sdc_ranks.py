@@ -23,7 +23,9 @@ Fault injection for the project's red tests, off by default: ``tamper`` flips on
 element of one kernel's output in one repetition on one rank, after the real kernel computed
 it (``{"rank", "kernel", "rep", "index", "bit"}``; ``rep`` None: every repetition), or
 overwrites one word of the HBM block after the real write of one pattern (``{"rank",
-"pattern", "word"}``); in ``soak`` either one, in one iteration only (``"iteration"``).
+"pattern", "word"}``); in ``soak`` either one, or ``"perturb"``: DeepSpeed's loss scaled by that
+factor inside its backward on every rank (the ZeRO suite's fault), in one iteration only
+(``"iteration"``).
 
 Ranks are pooled and reused: every call restores the math settings it changed and frees what
 it allocated.
@@ -437,6 +439,11 @@ def sustained_matmul(size: int, seconds: float) -> float:
     return gpu_health.matmul_flops(size, size, size) * n / elapsed / 1e12
 
 
+def _describe(cmp: Any) -> str:
+    first = cmp.first_divergence
+    return first.describe() if first is not None else "no comparison"
+
+
 def _ka_problems(ka: dict[str, Any], first: dict[str, str] | None) -> list[str]:
     out = []
     for name, k in sorted(ka["kernels"].items()):
@@ -481,11 +488,12 @@ def soak(seconds: float, kinds: list[str], size: int, tols: dict[str, tuple[floa
         problems = _ka_problems(ka, first)
         first = first or hashes
         for case, tol in train:
-            cmp = compare_rank_results([train_zero_and_ddp(case)], tol,
+            factor = hit.get("perturb", 1.0) if hit else 1.0  # every rank's DeepSpeed side
+            cmp = compare_rank_results([train_zero_and_ddp(case, perturb=factor)], tol,
                                        label=f"zero-{case.id}")
             if not cmp.ok:
                 problems.append(f"ZeRO {case.id} off DDP: "
-                                + "; ".join(cmp.problems[:1] or [str(cmp.first_divergence)]))
+                                + "; ".join(cmp.problems[:1] or [_describe(cmp)]))
         tflops = sustained_matmul(*matmul)
         start = (i * patterns_per_iteration) % len(PATTERNS)
         names = (PATTERNS * 2)[start:start + patterns_per_iteration]

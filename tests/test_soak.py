@@ -106,6 +106,16 @@ def test_an_hbm_word_that_reads_back_wrong_in_one_iteration_fails_naming_the_gpu
     assert "HBM walking-ones-1: 1 of" in problems[0] and "offset 0x14" in problems[0]
 
 
+def test_a_zero_step_off_ddp_in_one_iteration_fails_naming_the_gpus(tmp_path):
+    _, problems = judge(loop(tmp_path, {"iteration": 1, "perturb": 1.001}), healthy_samples(),
+                        pct=NO_DRIFT_CHECK)
+    assert len(problems) == 2, problems
+    for gpu, line in enumerate(problems):
+        assert line.startswith(f"GPU {gpu} (PCI {BUS[gpu]}, rank {gpu})"), line
+        assert "1 mismatches in 2 iterations: iteration 1: ZeRO z1-off_none-fp32-sgd-gas1-ws2 " \
+               "off DDP: step 0, grad of " in line, line
+
+
 # ------------------------------------------------------------------ drift (made-up timings)
 
 def timed(rates_by_gpu: list[list[float]]) -> list[dict]:

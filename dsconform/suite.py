@@ -23,6 +23,7 @@ from dsconform.checks import (
     monitor_log,
     schedules,
     sdc,
+    soak,
 )
 from dsconform.checks import onebit as onebit_reference
 from dsconform.checks.dsconfig import (
@@ -80,7 +81,7 @@ from dsconform.harness.api import (
     world,
     xdist_worker,
 )
-from dsconform.node import gpu_health, health, nccl_tests, neighbours
+from dsconform.node import gpu_health, health, nccl_tests, neighbours, sampler
 from dsconform.node.detect import (
     NodeFacts,
     nvml_devices,
@@ -132,5 +133,5 @@ __all__ = [
     "MLP", "TORCH_DTYPES", "ZERO_OFFLOADS", "ZeroCase", "cpu_fp32", "rank_batches",
     "record_zero_comparison", "train_zero_and_ddp", "zero_check_name", "clip_problems",
     "schedules", "gpu_peak_tflops", "monitor_log", "MONITOR_JOB", "BATCH_KEYS",
-    "batch_rule", "sdc", "known_answers",
+    "batch_rule", "sdc", "known_answers", "soak", "sampler",
 ]

@@ -97,6 +97,22 @@ class Console:
         self.config = config
         self.short = shortens_failures(config)
         self.progress = BuildProgress(config)
+        self._say_lock = threading.Lock()
+
+    def say(self, line: str) -> None:
+        """``dsconform: LINE`` on the terminal from any thread (the soak's sampler thread while
+        the test waits for its ranks), with the output capture suspended; nothing in an xdist
+        worker."""
+        plugins = self.config.pluginmanager
+        reporter = plugins.get_plugin("terminalreporter")
+        if reporter is None or is_xdist_worker(self.config):
+            return
+        capture = plugins.get_plugin("capturemanager")
+        with self._say_lock, (capture.global_and_fixture_disabled() if capture
+                              else contextlib.nullcontext()):
+            reporter.ensure_newline()
+            reporter.write_line(f"dsconform: {line}")
+        self.progress.wrote = True
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

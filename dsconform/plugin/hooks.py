@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -111,6 +112,7 @@ def pytest_configure(config: pytest.Config) -> None:
         notices = _use_stable_extension_cache()
         selection = select_profile(config.getoption("--profile"), named=_profile_named(config))
         timeline.mark("node and profile found")
+        soak = _soak_minutes(config, selection.node, runs)
     except (ValueError, RuntimeError) as e:  # ProfileError, StaleBuildLock: name what to fix
         if scratch_is_temp:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -133,10 +135,39 @@ def pytest_configure(config: pytest.Config) -> None:
         state.neighbours = NeighbourWatch.on_this_node().start()
     if not early.is_xdist_worker(config):
         config.pluginmanager.register(Recorder(state), "dsconform-recorder")
-    config.pluginmanager.register(Console(config), "dsconform-console")
+    console = Console(config)
+    config.pluginmanager.register(console, "dsconform-console")
+    state.say = console.say
+    state.soak_minutes = soak
     early.start_ranks_early(config, state)
     early.drop_builds_at_load()  # none adopted: this run does not build them
     timeline.mark("configured")
+
+
+def _soak_minutes(config: pytest.Config, node: Any, runs: bool) -> float | None:
+    """--soak MINUTES, checked: a positive number, and a node with GPUs when tests run (a
+    burn-in that finds no GPU is refused, never a pass or "no tests ran"). Raises ValueError
+    (a usage error naming the option)."""
+    minutes = config.getoption("--soak", None)
+    if minutes is None:
+        return None
+    if not minutes > 0:
+        raise ValueError(f"--soak {minutes:g}: MINUTES must be a number above 0")
+    if runs and not node.is_gpu_node:
+        raise ValueError(f"--soak {minutes:g}: a burn-in runs on GPUs and this node has none "
+                            "(NVML, /proc/driver/nvidia and the PCI bus show no NVIDIA GPU)")
+    return minutes
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: Any, name: str, obj: Any) -> Any:
+    """A test marked ``soak`` exists only with --soak: without it no item is made, so the
+    collected ids (and their count) are those of a suite without the soak."""
+    marks = getattr(obj, "pytestmark", None) if callable(obj) else None
+    if marks and any(getattr(m, "name", "") == "soak" for m in marks) \
+            and collector.config.getoption("--soak", None) is None:
+        return []
+    return None
 
 
 def _profile_named(config: pytest.Config) -> str:
@@ -182,6 +213,8 @@ _MARKERS = {
                          "compatible",
     "run_first": "runs before every other test (the hardware gate before the run)",
     "run_last": "runs after every other test (the hardware gate after the run)",
+    "soak": "the burn-in: collected only with --soak MINUTES, runs after every other test but "
+            "the hardware gate's end",
 }
 
 

@@ -53,6 +53,12 @@ def add_options(parser: pytest.Parser) -> None:
                 help="the nightly tier: also run the tests marked `slow` (the full matrices) "
                      "that -m selects. Without it `slow` tests run only when -m names them "
                      "(-m slow, -m 'gpu and slow'). Env: DSCONFORM_NIGHTLY=1")
+    g.addoption("--soak", metavar="MINUTES", type=float, default=None,
+                help="burn-in: after the selected tests (pytest suites -m gpu --soak 60), loop "
+                     "the known-answer checks, ZeRO training cells, sustained matmul and HBM "
+                     "patterns on every GPU at once for MINUTES while the hardware gate is "
+                     "sampled (SOAK-1, docs/burn-in.md). Needs GPUs: refused on a node "
+                     "without. Without it the soak test is not collected")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

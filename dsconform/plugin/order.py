@@ -89,10 +89,13 @@ def waits_for_a_build(items: list, state: RunState) -> set[int]:
 
 
 def run_order(item: pytest.Item) -> int:
-    """-1: `run_first` (before the profile's promises), 1: `run_last`, 0: the rest."""
+    """-1: `run_first` (before the profile's promises), 1: `soak` (the burn-in, after every
+    test it could disturb), 2: `run_last`, 0: the rest."""
     if item.get_closest_marker("run_first"):
         return -1
-    return 1 if item.get_closest_marker("run_last") else 0
+    if item.get_closest_marker("run_last"):
+        return 2
+    return 1 if item.get_closest_marker("soak") else 0
 
 
 def selects_ops_suite(items: list) -> bool:

@@ -50,6 +50,10 @@ class RunState:
     # A GPU or a CPU run, said in the header and the summary; a GPU tier where no GPU is found
     # fails (profile.select.run_kind). None: not decided (a state built outside configure).
     kind: RunKind | None = None
+    # --soak MINUTES (None: no burn-in), and a line to the console from any thread (the soak's
+    # progress once a minute: dsconform.plugin.console.Console.say).
+    soak_minutes: float | None = None
+    say: Any = None
 
     @property
     def node(self) -> NodeFacts:

@@ -6,9 +6,9 @@ summary section and its Prometheus series MUST say per GPU what the soak saw.
 The rank loop (suites/sdc_ranks.py ``soak``) runs for real on two CPU ranks, the known-answer
 kernels, a ZeRO cell against DDP, the matmul and the HBM patterns included; its ``tamper`` hook
 flips a bit after the real kernel computed its output, overwrites an HBM word after the real
-write, or scales DeepSpeed's loss inside its backward (the ZeRO suite's fault). NVML is the hardware gate
-tests' fake (tests/test_health.py) with temperatures and clock event reasons added; the matmul
-timings of the drift tests are made up.
+write, or scales DeepSpeed's loss inside its backward (the ZeRO suite's fault). NVML is the
+hardware gate tests' fake (tests/test_health.py) with temperatures and clock event reasons
+added; the matmul timings of the drift tests are made up.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,7 +48,9 @@ class BufferedMLP(nn.Module):
         self.register_buffer("cache", torch.full((OUT,), 3.0), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.norm(x.float())
+        # In the statistics' own dtype: a release that casts buffers to the training dtype
+        # shows as a dtype, not as a crash of the forward.
+        x = self.norm(x.to(self.norm.running_mean.dtype))
         dtype = self.fc1.weight.dtype
         h = F.gelu(self.fc1(x.to(dtype))) * (self.scale * self.mask).to(dtype)
         out = self.fc2(h) + (self.table_bf16.float() + self.table_fp16.float()).to(dtype)
@@ -69,6 +71,9 @@ class StateCase:
     @property
     def id(self) -> str:
         return f"z{self.stage}-{self.dtype}-ws{self.world_size}"
+
+    def with_world_size(self, world_size: int) -> StateCase:
+        return replace(self, world_size=world_size)
 
 
 def matrix() -> list[StateCase]:

@@ -20,6 +20,8 @@ ISSUES: tuple[KnownIssue, ...] = (
             "test_optimizers.py::test_optimizer_follows_its_rule[*-z2-*]",
             "test_optimizers.py::test_resume_keeps_the_trajectory[*-z1-*]",
             "test_optimizers.py::test_resume_keeps_the_trajectory[*-z2-*]",
+            "test_state_fidelity.py::test_full_accessors_equal_ddp[*-z1-*]",
+            "test_state_fidelity.py::test_full_accessors_equal_ddp[*-z2-*]",
         ),
         # Only where nothing else failed: a parameter off its reference is never this issue.
         failure=r"^(?!.*compared quantities out of tolerance).*safe_get_full_optimizer_state"

@@ -258,7 +258,9 @@ def _full_state(engine: Any) -> tuple[dict[str, torch.Tensor], list[str], list[s
 def _drop_group_state(engine: Any) -> None:
     """What a lost group looks like: the second parameter group's moments reset to zero."""
     opt = engine.basic_optimizer
-    for p in opt.param_groups[1]["params"]:
+    # ZeRO-3 hands its flat fp32 partitions to the optimizer only for the step.
+    flat = getattr(engine.optimizer, "fp32_partitioned_groups_flat", None)
+    for p in [flat[1]] if flat is not None else opt.param_groups[1]["params"]:
         for k in STATE_KEYS:
             if k in opt.state.get(p, {}):
                 opt.state[p][k].zero_()

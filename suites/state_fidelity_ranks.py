@@ -164,18 +164,18 @@ def round_trip(case: StateCase, ckpt_dir: str, tamper: str | None = None) -> dic
     import torch.distributed as dist
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from dsconform.suite import rank, seed_everything
+    from dsconform.suite import device, rank, seed_everything
 
     seed_everything(case.seed)
-    model = BufferedMLP()
-    plain = copy.deepcopy(model)
+    dev = device()
+    model = BufferedMLP().to(dev)
+    plain = copy.deepcopy(model)  # on the same device: the same kernels for the statistics
     initial_np = non_persistent(model)
     a = _engine(case, model)
     try:
         for step in range(case.steps):
-            x, y = _batches(case, step, 0)
-            dev = next(a.module.parameters()).device
-            loss = F.mse_loss(a(x.to(dev)).float(), y.to(dev))
+            x, y = (t.to(dev) for t in _batches(case, step, 0))
+            loss = F.mse_loss(a(x).float(), y)
             a.backward(loss)
             a.step()
             with torch.no_grad():
@@ -193,7 +193,7 @@ def round_trip(case: StateCase, ckpt_dir: str, tamper: str | None = None) -> dic
         consolidated = {k: _clone(v) for k, v in consolidated.items()}
     dist.barrier()
     seed_everything(case.seed + 1)  # a fresh engine, other initial weights
-    b = _engine(case, BufferedMLP())
+    b = _engine(case, BufferedMLP().to(dev))
     try:
         b.load_checkpoint(ckpt_dir, tag="state")
         _tamper_after_load(b, tamper)
@@ -273,19 +273,19 @@ def accessors(case: StateCase, tamper: str | None = None) -> dict[str, Any]:
     the last step), "state_errors", "fallback": the names read from the optimizer itself}."""
     from deepspeed.utils import safe_get_full_grad
 
-    from dsconform.suite import rank, seed_everything
+    from dsconform.suite import device, rank, seed_everything
 
     seed_everything(case.seed)
-    model = BufferedMLP()
+    dev = device()
+    model = BufferedMLP().to(dev)
     ddp, ddp_opt = _ddp(copy.deepcopy(model))
     engine = _engine(case, model)
     try:
         named = list(engine.module.named_parameters())
-        dev = named[0][1].device
         out: dict[str, Any] = {"grads": [], "ddp_grads": [], "params": [], "ddp_params": []}
         for step in range(case.steps):
-            x, y = _batches(case, step, rank())
-            loss = F.mse_loss(engine(x.to(dev)).float(), y.to(dev))
+            x, y = (t.to(dev) for t in _batches(case, step, rank()))
+            loss = F.mse_loss(engine(x).float(), y)
             # A gradient 0.1% off: what an accessor handing back a stale or unscaled
             # gradient looks like.
             engine.backward(loss * (1.001 if tamper == "perturb_grad" else 1.0))

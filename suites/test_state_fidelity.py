@@ -17,8 +17,9 @@ What DeepSpeed documents, per precision mode (fp32, bf16, fp16), ZeRO stages 0-3
   non-persistent buffers stay in the module and out of every ``state_dict``;
 - ``save_checkpoint`` / ``load_checkpoint`` into a fresh engine: the same state, bit for bit,
   dtypes included; a non-persistent buffer keeps the fresh module's own value;
-- ``get_fp32_state_dict_from_zero_checkpoint`` (ZeRO checkpoints: stages 1-3; stage 0 writes
-  none): parameters as their fp32 masters, floating buffers "restored to fp32", and
+- ``get_fp32_state_dict_from_zero_checkpoint`` (documented for "ZeRO 2 or 3" checkpoints; stage
+  1 shares stage 2's format, stage 0 is not promised): parameters as their fp32 masters,
+  floating buffers "restored to fp32", and
   "Non-floating-point buffers retain their dtype" (``convert_zero_checkpoint_to_state_dict``'s
   docstring, DeepSpeed 0.19.8, PR 8515); no non-persistent buffer.
 

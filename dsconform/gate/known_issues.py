@@ -49,6 +49,7 @@ from dsconform.gate.registry import (
     observability,
     onebit,
     optimizers,
+    state,
     training,
 )
 
@@ -59,7 +60,7 @@ __all__ = ["KINDS", "KNOWN_ISSUES", "TORCH", "UPSTREAM", "KnownIssue", "KnownIss
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     training.ISSUES + checkpoint.ISSUES + deepnvme.ISSUES + onebit.ISSUES
-    + observability.ISSUES + moe.ISSUES + optimizers.ISSUES
+    + observability.ISSUES + moe.ISSUES + optimizers.ISSUES + state.ISSUES
 )
 
 def case_name(path_name: str, test_name: str) -> str:

@@ -11,7 +11,7 @@ ISSUES: tuple[KnownIssue, ...] = (
         title="ZeRO 1/2: safe_get_full_optimizer_state cannot read the optimizer state of any "
               "parameter group but the first (the state is linked to the fp32 fragments after "
               "the first group's step, before the other groups have any)",
-        deepspeed="==0.19.8",
+        deepspeed=">=0.16.9,<=0.19.8",
         # No upstream report found; the lazy linking it breaks came with PR 5104 (the optimizer
         # step removed from ZeRO's initialisation, hp params linked after the first step()).
         link="https://github.com/deepspeedai/DeepSpeed/pull/5104",
@@ -20,6 +20,8 @@ ISSUES: tuple[KnownIssue, ...] = (
             "test_optimizers.py::test_optimizer_follows_its_rule[*-z2-*]",
             "test_optimizers.py::test_resume_keeps_the_trajectory[*-z1-*]",
             "test_optimizers.py::test_resume_keeps_the_trajectory[*-z2-*]",
+            "test_state_fidelity.py::test_full_accessors_equal_ddp[*-z1-*]",
+            "test_state_fidelity.py::test_full_accessors_equal_ddp[*-z2-*]",
         ),
         # Only where nothing else failed: a parameter off its reference is never this issue.
         failure=r"^(?!.*compared quantities out of tolerance).*safe_get_full_optimizer_state"
@@ -29,7 +31,10 @@ ISSUES: tuple[KnownIssue, ...] = (
              "DeepSpeedZeroOptimizer._optimizer_step(0) calls _lazy_init_hp_params_optimizer_"
              "state, which links every group once, while groups 1 and 2 have no state yet; "
              "their optim_fragment stays empty for good (the parameters themselves train "
-             "right: worst abs 1.2e-7 against torch)",
+             "right: worst abs 1.2e-7 against torch); STATE-FULL-1's ZeRO 1/2 cells (torch "
+             "AdamW, two groups) fail the same way on 0.16.9 (torch 2.7), 0.17.6 (torch 2.8), "
+             "0.18.5 (torch 2.10) and 0.19.8; 0.18.9 crashes earlier (DS-7948); 0.19.0-0.19.7 "
+             "not run",
     ),
     KnownIssue(
         id="DS-Z12-TORCH-ADAGRAD-BACKWARD",

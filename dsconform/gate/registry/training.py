@@ -167,6 +167,10 @@ ISSUES: tuple[KnownIssue, ...] = (
             "test_checkpoint.py::test_a_latest_naming_a_missing_tag_is_refused[cpu-z2]",
             "test_checkpoint.py::test_stage_change[cpu-z2-to-z3]",
             "test_schedules.py::test_resume_continues_the_curve[*]",
+            "test_state_fidelity.py::test_state_round_trip[cpu-z1-*-ws2]",
+            "test_state_fidelity.py::test_state_round_trip[cpu-z2-*-ws2]",
+            "test_state_fidelity.py::test_full_accessors_equal_ddp[cpu-z1-*]",
+            "test_state_fidelity.py::test_full_accessors_equal_ddp[cpu-z2-*]",
         ),
         failure=r"Output 0 of Split(Backward0)? is a view and is being modified inplace",
         seen="CPU machine, 0.18.9, torch 2.13.0+cpu, 2 ranks (the radar): every ZeRO-1/2 "

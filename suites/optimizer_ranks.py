@@ -461,6 +461,46 @@ def _engine(case: OptCase, model: nn.Module, tamper: str | None) -> Any:
     return engine
 
 
+MUON_TAMPERS = ("muon_no_momentum", "muon_wrong_ns_coefficient")
+
+
+def _tamper_muon(tamper: str | None) -> dict[str, Any]:
+    """Perturb DeepSpeed's Muon for the red tests, returning what to restore (ranks are reused):
+    ``muon_no_momentum`` runs every Muon update with momentum 0; ``muon_wrong_ns_coefficient``
+    runs Newton-Schulz with a = 3.0 for 3.4445 (DeepSpeed's update eager, so the patched
+    iteration is the one it calls)."""
+    from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
+
+    if tamper not in MUON_TAMPERS:
+        return {}
+    names = ("muon_update", "zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5")
+    saved = {n: getattr(original_muon, n) for n in names}
+    eager = getattr(saved["muon_update"], "_torchdynamo_orig_callable", saved["muon_update"])
+    if tamper == "muon_no_momentum":
+        def update(grad: torch.Tensor, momentum: torch.Tensor, beta: float = 0.0,
+                   **kwargs: Any) -> torch.Tensor:
+            return eager(grad, momentum, 0.0, **kwargs)
+    else:
+        def wrong(g: torch.Tensor, steps: int) -> torch.Tensor:
+            return newton_schulz5(g, steps, (3.0, *NS_COEFFS[1:])).to(g.dtype)
+
+        original_muon.zeropower_via_gram_newtonschulz = wrong
+        original_muon.zeropower_via_newtonschulz5 = wrong
+        update = eager
+    original_muon.muon_update = update
+    muon_optimizer.muon_update = update
+    return saved
+
+
+def _restore_muon(saved: dict[str, Any]) -> None:
+    from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
+
+    for name, value in saved.items():
+        setattr(original_muon, name, value)
+    if saved:
+        muon_optimizer.muon_update = saved["muon_update"]
+
+
 def _train(engine: Any, case: OptCase, ref: Reference, first: int, last: int,
            dev: torch.device) -> tuple[list, list]:
     from deepspeed.utils import safe_get_full_grad
@@ -498,6 +538,7 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
     seed_everything(case.seed)
     dev = device()
     model = MLP().to(dev)
+    saved = _tamper_muon(tamper)
     engine = _engine(case, model, tamper)
     try:
         named = list(engine.module.named_parameters())
@@ -520,5 +561,6 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
                 "reference": reference, "state": state, "state_errors": state_errors,
                 "reference_state": ref.optimizer_state(case.state_keys())}
     finally:
+        _restore_muon(saved)
         engine.destroy()
         del engine

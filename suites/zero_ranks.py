@@ -182,13 +182,18 @@ def read_resolved_dtypes(tamper: str | None = None) -> dict[str, Any]:
     get_data_types), ``zero.gradient_accumulation_dtype`` (ZeRO 1-3's accumulation buffers),
     ``wrapper`` (the optimizer class the resolution picks) and
     ``seq_parallel_communication_data_type`` (parsed; the engine adopts it under Ulysses).
+    ``unsupported``: the dtypes this accelerator does not run (fp16 on most CPUs), not read.
     ``tamper="comm_fp16"``: the engine carries bf16/fp32 gradients in fp16 (the red test's)."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
     from dsconform.suite import device, seed_everything
 
-    found: dict[str, Any] = {}
-    for dtype in ("fp32", "bf16", "fp16"):
+    accel = get_accelerator()
+    supported = {"fp32": True, "bf16": accel.is_bf16_supported(),
+                 "fp16": accel.is_fp16_supported()}
+    found: dict[str, Any] = {"unsupported": [d for d, ok in supported.items() if not ok]}
+    for dtype in (d for d, ok in supported.items() if ok):
         for stage in (0, 1, 2, 3):
             seed_everything(0)
             model = nn.Linear(4, 4).to(device())

@@ -31,7 +31,7 @@ _CLIP = (1e-5, 0.0,
 _MUON = (1e-5, 2e-3,
          f"Newton-Schulz in fp16 (DeepSpeed's default on GPUs) against the float64 rule: at most "
          f"7.8e-4 over 6 steps at lr 0.02 from a worst per-step update error of 6.5e-3 "
-         f"(docs/suites.md#optimizers); measured 2.3e-7 where it runs in fp32 ({_CPU}, "
+         f"(docs/suites.md, Optimizers); measured 2.3e-7 where it runs in fp32 ({_CPU}, "
          f"ZeRO-2 offloaded); a wrong coefficient (a = 3.0) is off by 6.7e-3 at the first step and "
          f"grows, a dropped momentum by more at the second")
 

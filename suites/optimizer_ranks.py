@@ -339,6 +339,10 @@ def config(case: OptCase, hyper: dict[str, Any]) -> dict[str, Any]:
         cfg["optimizer"] = {"type": section["type"], "params": params}
     # Adagrad, Lion and a client optimizer are not on ZeRO's list of tested optimizers; a torch
     # optimizer offloaded is refused unless DeepSpeed may keep it as it is.
+    if case.kind == "muon" and case.stage == 3:
+        # ZeRO-3 refuses Muon with reduce_scatter ("Muon and reduce scatter cannot be used
+        # together"): each rank orthogonalises whole gradients, so they are all-reduced.
+        cfg["zero_optimization"]["reduce_scatter"] = False
     cfg["zero_allow_untested_optimizer"] = True
     if case.kind == "client":
         cfg["zero_force_ds_cpu_optimizer"] = False

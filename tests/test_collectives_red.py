@@ -5,6 +5,9 @@ suites/collective_ranks.py) and its own checking and recording helpers
 (suites/test_collectives.py) with a fault injected in one rank:
 - one element of one rank's deepspeed.comm result off by one: the exactness check names rank,
   collective, dtype, size and index (COLL-EXACT-1);
+- every rank carrying the collective in another dtype (its tensors cast down, the real gloo
+  collective run in it, the result cast back): bf16 in fp16, fp16 in bf16, fp32 in either
+  (COLL-EXACT-1's data is exact in no other dtype);
 - one rank late to every collective call: the recorder fails ``<collective>.waited_for_pct``
   for that rank only (COLL-STRAG-1);
 - one rank's sends delayed: the link from it fails ``p2p.pct_of_peer_median`` (COLL-P2P-1);
@@ -79,6 +82,22 @@ def test_data_carried_in_a_narrower_type_fails(collective, dtype, narrow):
                       perturb={"rank": 1, "numel": 53, "narrow": narrow})
     assert (m.rank, m.collective, m.dtype, m.numel) == (1, collective, dtype, 53)
     assert m.wrong > m.total // 4, m.describe()
+
+
+@pytest.mark.parametrize("collective, dtype, carrier", [
+    ("all_reduce", "bf16", "fp16"), ("all_reduce", "fp16", "bf16"),
+    ("all_reduce", "fp32", "bf16"), ("all_reduce", "fp32", "fp16"),
+    ("reduce_scatter", "bf16", "fp16"), ("all_gather", "fp16", "bf16")])
+def test_collective_carried_in_another_dtype_fails(collective, dtype, carrier):
+    """A collective carried in another dtype than its data's, cast down and back around the
+    real gloo collective on every rank, MUST fail on every rank, at every element."""
+    found = check_exact(collective, dtype, "cpu", WORLD, _Node,
+                        perturb={"numel": 53, "carry": carrier})
+    assert {m.rank for m in found} == {0, 1}, [m.describe() for m in found]
+    for m in found:
+        assert (m.collective, m.dtype, m.numel) == (collective, dtype, 53)
+        padding = {"reduce_scatter": m.rank == 1, "all_gather": 1}.get(collective, 0)
+        assert m.wrong == m.total - padding, m.describe()  # all but ZeRO's padding (zeros)
 
 
 def test_a_fault_only_in_large_messages_is_found_on_cpu_too():

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dsconform.checks import collectives
 from dsconform.harness.api import run_ranks
 from dsconform.node import gpu_health
 from dsconform.results.records import MetricsRecorder
@@ -64,7 +65,7 @@ def test_one_wrong_element_fails_naming_rank_collective_dtype_size_index(collect
     [m] = check_exact(collective, dtype, "cpu", WORLD, _Node, perturb=perturb)
     assert (m.rank, m.collective, m.dtype, m.numel, m.index, m.wrong) == (
         1, collective, dtype, 53, 17, 1)
-    assert m.found == m.expected + 1
+    assert m.found == m.expected + collectives.unit(dtype)  # one unit of the data
     text = m.describe()
     assert text.startswith(f"{collective} {dtype} numel=53 (")
     assert f"rank 1 on rank 1 (cpu): element 17 is {m.found:.9g}, expected {m.expected:.9g}" \
@@ -189,6 +190,7 @@ def test_slow_gpu_matmul_and_a_floor_above_the_machine_fail():
 
 
 SUITE_LIKE = '''
+from dsconform.checks import collectives
 from dsconform.suite import collective_calls, gpu_health, run_ranks
 from suites.test_collectives import record_point
 

@@ -8,8 +8,9 @@ on the CPU accelerator, NCCL on GPUs), and returns plain data for the parent to 
 (the reference: dsconform/checks/collectives.py). Fault injection for the project's own red
 tests, off by default:
 - ``check_exact(..., perturb={"rank": r, "numel": m, "index": i})``: on rank r, the
-  deepspeed.comm call for size m returns its output with element i off by one (a wrapper around
-  the real call); ``{"rank": r, "numel": m, "narrow": "bf16"}`` rounds it through bf16 instead;
+  deepspeed.comm call for size m returns its output with element i off by one unit of the
+  data (a wrapper around the real call); ``{"rank": r, "numel": m, "narrow": "bf16"}`` rounds
+  it through bf16 instead;
   ``{"numel": m, "carry": "fp16"}``: every rank carries the collective in fp16 (its tensors
   cast down, the real collective run in fp16, the result cast back).
 - ``measure(..., delay_rank=r, delay_s=d)``: rank r sleeps d seconds before every call it starts
@@ -61,12 +62,13 @@ def identity() -> dict[str, Any]:
 
 # ------------------------------------------------------------------ exactness
 
-def _with_fault(call: Callable, index: int) -> Callable:
+def _with_fault(call: Callable, index: int, by: float) -> Callable:
     """The real deepspeed.comm call, then element ``index`` of its output (the first argument,
-    as in every call used here) off by one: a rank whose collective returns one wrong value."""
+    as in every call used here) off by ``by`` (one unit of the dtype's data, which the dtype
+    holds at every value of it): a rank whose collective returns one wrong value."""
     def faulty(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         result = call(out, *args, **kwargs)
-        out.view(-1)[index] += 1
+        out.view(-1)[index] += by
         return result
     return faulty
 
@@ -149,7 +151,8 @@ def check_exact(collective: str, dtype: str, sizes: Sequence[int],
                     call = _carried(call, DTYPES[perturb["carry"]])
                 elif perturb["rank"] == me:
                     call = (_narrowed(call, DTYPES[perturb["narrow"]]) if "narrow" in perturb
-                            else _with_fault(call, perturb["index"]))
+                            else _with_fault(call, perturb["index"],
+                                             collectives.unit(dtype)))
             case = collectives.exact_case(collective, me, n, numel, dev, dtype)
             out = _run_exact(collective, case, DTYPES[dtype], call, dev)
             found = collectives.find_mismatch(out, case.as_float(case.expected, DTYPES[dtype]))

@@ -84,10 +84,11 @@ CPU_TIER = {
     ("adagrad", 2, "none", "bf16", 1), ("client", 3, "none", "fp32", 4),
     ("client", 1, "opt", "bf16", 1), ("lion", 2, "opt", "fp32", 1),
     # Muon (DeepSpeed compiles its update with torch.compile: minutes on 2 cores, once): every
-    # stage, placement, dtype and accumulation it runs with on the CPU accelerator at least once
-    # (its device-side AdamW is FusedAdam: nightly), ZeRO-3 bf16 a known issue.
+    # pair of stage, dtype and accumulation, both placements, with the optimizer offloaded (on
+    # the device its AdamW is FusedAdam: nightly); ZeRO-3 bf16 is a known issue.
     ("muon", 2, "opt", "fp32", 1), ("muon", 1, "opt", "bf16", 4),
     ("muon", 3, "param+opt", "bf16", 1), ("muon", 3, "opt", "fp32", 4),
+    ("muon", 1, "opt", "fp32", 1), ("muon", 2, "opt", "bf16", 4),
 }
 
 

@@ -537,8 +537,10 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
     step], "reference": [reference params per step], "state" / "reference_state": the optimizer
     state after the last step}. With ``case.resume_at``, the engine is saved after that step
     (under ``save_dir``), a fresh engine loads it and trains on; the reference never stops."""
-    from dsconform.suite import device, rank, seed_everything
+    from dsconform.suite import compat, device, rank, seed_everything
 
+    if case.kind == "muon":
+        compat.require(compat.MUON)
     seed_everything(case.seed)
     dev = device()
     model = MLP().to(dev)

@@ -215,8 +215,9 @@ def read_resolved_dtypes(tamper: str | None = None) -> dict[str, Any]:
                     "communication_data_type": engine.communication_data_type,
                     "grad_accum_dtype": engine.get_data_types()[1],
                     "wrapper": type(opt).__name__,
-                    "seq_parallel_communication_data_type":
-                        engine._config.seq_parallel_communication_data_type,
+                    # "<missing>" on a release without it: a moved fact, not a crash
+                    "seq_parallel_communication_data_type": getattr(
+                        engine._config, "seq_parallel_communication_data_type", "<missing>"),
                 }
                 if stage > 0:
                     values["zero.communication_data_type"] = getattr(

@@ -28,6 +28,7 @@ from dsconform.checks import (
 from dsconform.checks import onebit as onebit_reference
 from dsconform.checks.dsconfig import (
     ASSUMED_DEFAULTS,
+    ASSUMED_RESOLVED,
     BATCH_KEYS,
     MONITOR_JOB,
     ONEBIT_TYPES,
@@ -111,7 +112,8 @@ from dsconform.storage import xcheck as nvme_xcheck
 from dsconform.units import GB, GIB, TFLOPS
 
 __all__ = [
-    "ASSUMED_DEFAULTS", "GB", "GIB", "TFLOPS", "KNOWN_ISSUES", "OPTIMIZER_OPS", "Comparison",
+    "ASSUMED_DEFAULTS", "ASSUMED_RESOLVED", "GB", "GIB", "TFLOPS", "KNOWN_ISSUES",
+    "OPTIMIZER_OPS", "Comparison",
     "FactsRecorder", "Rendezvous", "rendezvous_info",
     "InsufficientGPUs", "KnownIssue", "KnownIssueFailure", "MetricsRecorder", "NcclFloor",
     "NodeFacts", "NvmePath",

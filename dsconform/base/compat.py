@@ -45,6 +45,7 @@ STAGE0_BF16 = "stage0_bf16"
 AIO_HANDLE = "aio_handle"
 PRECISION_CONFIG = "precision_config"
 AIO_WAIT = "aio_wait"
+MUON = "muon"
 ADDITIONS: dict[str, Addition] = {
     # Before it, bf16 without ZeRO was refused unless gradients accumulate in fp32
     # (NotImplementedError "Bfloat16 wrapper must use a gradient accumulation type of fp32,
@@ -68,6 +69,9 @@ ADDITIONS: dict[str, Addition] = {
     PRECISION_CONFIG: Addition("DeepSpeedConfig.float16_config / bfloat16_config and the "
                                "loss-scale profiles", "0.17.1",
                                "https://github.com/deepspeedai/DeepSpeed/pull/6976"),
+    # 0.16.9 has no deepspeed/runtime/zero/muon; 0.17.6 has it (the optimizer suite's Muon).
+    MUON: Addition("the Muon optimizer (\"type\": \"Muon\")", "0.17.6",
+                   "https://github.com/deepspeedai/DeepSpeed/pull/7509"),
 }
 
 

@@ -15,9 +15,10 @@ ISSUES: tuple[KnownIssue, ...] = (
         # No upstream report found; the lazy linking it breaks came with PR 5104 (the optimizer
         # step removed from ZeRO's initialisation, hp params linked after the first step()).
         link="https://github.com/deepspeedai/DeepSpeed/pull/5104",
-        cases=(
-            "test_optimizers.py::test_optimizer_follows_its_rule[*-z1-*]",
-            "test_optimizers.py::test_optimizer_follows_its_rule[*-z2-*]",
+        # Every kind whose state the suite reads (not Muon's: its parameters only).
+        cases=tuple(f"test_optimizers.py::test_optimizer_follows_its_rule[*-{kind}-z{stage}-*]"
+                    for kind in ("adam", "adamw", "adagrad", "lion", "lamb", "client")
+                    for stage in (1, 2)) + (
             "test_optimizers.py::test_resume_keeps_the_trajectory[*-z1-*]",
             "test_optimizers.py::test_resume_keeps_the_trajectory[*-z2-*]",
             "test_state_fidelity.py::test_full_accessors_equal_ddp[*-z1-*]",
@@ -54,5 +55,26 @@ ISSUES: tuple[KnownIssue, ...] = (
              "(stage_1_and_2.py _get_flat_partition_unpadded: "
              "self.optimizer.param_groups[i]['params'][0]); torch Adagrad at stage 0 "
              "trains right",
+    ),
+    KnownIssue(
+        id="DS-Z3-MUON-BF16-GRAD-GATHER",
+        title="ZeRO-3 with Muon in bf16 and the optimizer offloaded: the full gradients Muon "
+              "orthogonalises are all-gathered in the gradient accumulation dtype, which "
+              "resolves to bf16, so the first update is off by 13% of lr against Muon on the "
+              "fp32 gradient (ZeRO-2 applies it to fp32)",
+        deepspeed="==0.19.8",
+        # No upstream report of this found; the RFC on Muon's correctness under ZeRO CPU
+        # offload, whose path (_apply_muon_updates_cpu_offload) this is.
+        link="https://github.com/deepspeedai/DeepSpeed/issues/8463",
+        cases=(
+            "test_optimizers.py::test_optimizer_follows_its_rule[*-muon-z3-opt-bf16-*]",
+            "test_optimizers.py::test_optimizer_follows_its_rule[*-muon-z3-param+opt-bf16-*]",
+        ),
+        failure=r"fc1\.weight",
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, 2 ranks, 2026-12-04: the 53x13 weight "
+             "2.7e-3 off at step 0 (lr 0.02), then steady; with \"data_types\": "
+             "{\"grad_accum_dtype\": \"fp32\"} 1.6e-7 at step 0; ZeRO-2 bf16 offloaded and "
+             "ZeRO-3 fp32 2.3e-7 (stage3.py _apply_muon_updates_cpu_offload gathers with "
+             "self.gradient_accumulation_dtype)",
     ),
 )

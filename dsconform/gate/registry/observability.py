@@ -84,7 +84,7 @@ ISSUES: tuple[KnownIssue, ...] = (
               "refused without naming it: the inferred third value is floor-divided to 0 and "
               "the error says only 'Gradient accumulation steps: 0' (or 'Micro batch size per "
               "gpu: 0') 'has to be greater than 0'",
-        deepspeed="==0.19.8",
+        deepspeed=">=0.16.9,<=0.19.8",
         # No upstream issue or pull request names it yet: the link is the code at fault.
         link="https://github.com/deepspeedai/DeepSpeed/blob/v0.19.8/deepspeed/runtime/"
              "config.py#L590-L629",
@@ -93,6 +93,9 @@ ISSUES: tuple[KnownIssue, ...] = (
                  r"accumulation steps|Micro batch size per gpu): 0 has to be greater than 0'"),
         seen="CPU machine, DeepSpeed 0.19.8, 2 ranks: train_batch_size 5 with micro-batch 3, "
              "7 with accumulation 4; a quotient of 1 or more that is not whole is refused by "
-             "the rule's assertion, which names all three",
+             "the rule's assertion, which names all three. The radar (CPU machine (2 cores), "
+             "2 ranks): 0.16.9 + torch 2.7.0, 0.17.6 + 2.8.0 and 0.18.5 + 2.10.0 refuse it "
+             "the same way; _set_batch_related_parameters and its asserts differ only in "
+             "comments from 0.16.9 to 0.19.8",
     ),
 )

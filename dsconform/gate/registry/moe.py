@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dsconform.gate.known_issue import KnownIssue
+from dsconform.gate.known_issue import TORCH, KnownIssue
 
 ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue(
@@ -24,5 +24,26 @@ ISSUES: tuple[KnownIssue, ...] = (
              "https://github.com/deepspeedai/DeepSpeed/pull/8478. The radar's CPU timeline "
              "saw the z0 cell part at step 1 on every release from 0.16.9 (torch 2.7.0) to "
              "0.19.8 (torch 2.14.1); clip_grad_norm_'s averaging is in each of them",
+    ),
+    KnownIssue(
+        id="DS-7948-MOE-FLAT-BUFFER-VIEW",
+        title="DS-7948-Z12-FLAT-BUFFER-VIEW in the MoE suite: ZeRO 1/2 on two ranks flattens "
+              "the parameters into a buffer that keeps autograd history, and the first "
+              "all-gather into its split views raises 'Output 0 of SplitBackward0 is a view "
+              "and is being modified inplace'",
+        deepspeed="==0.18.9",
+        kind=TORCH,
+        torch=">=2.11",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/7948",
+        fixed_in="0.19.0",
+        cases=("test_moe.py::test_expert_parallel_trains_like_ep1[cpu-z1]",
+               "test_moe.py::test_expert_parallel_trains_like_ep1[cpu-z2*]",
+               "test_moe.py::test_clip_norm_counts_every_expert_once[cpu-*]",
+               "test_moe.py::test_checkpoint_round_trip[cpu-z1-*]",
+               "test_moe.py::test_checkpoint_round_trip[cpu-z2-*]"),
+        failure=r"Output 0 of Split(Backward0)? is a view and is being modified inplace",
+        seen="CPU machine (2 cores), the radar's CPU timeline, 0.18.9 with its period torch "
+             "2.11.0: every two-rank ZeRO-1/2 MoE engine raised it in its first step(); the "
+             "ZeRO-0 cell trains; 0.18.5 (torch 2.10.0) and 0.19.0 (torch 2.11.0) train them",
     ),
 )

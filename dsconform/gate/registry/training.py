@@ -176,6 +176,12 @@ ISSUES: tuple[KnownIssue, ...] = (
             "test_optimizers.py::test_optimizer_follows_its_rule[cpu-*-z2-*-ws2]",
             "test_optimizers.py::test_resume_keeps_the_trajectory[cpu-*-z1-*-ws2-*]",
             "test_optimizers.py::test_resume_keeps_the_trajectory[cpu-*-z2-*-ws2-*]",
+            "test_moe.py::test_expert_parallel_trains_like_ep1[cpu-z1]",
+            "test_moe.py::test_expert_parallel_trains_like_ep1[cpu-z2*]",
+            "test_moe.py::test_clip_norm_counts_every_expert_once[cpu-*]",
+            "test_moe.py::test_checkpoint_round_trip[cpu-z1-*]",
+            "test_moe.py::test_checkpoint_round_trip[cpu-z2-*]",
+            "test_monitor.py::test_*[cpu-*]",
         ),
         failure=r"Output 0 of Split(Backward0)? is a view and is being modified inplace",
         seen="CPU machine, 0.18.9, torch 2.13.0+cpu, 2 ranks (the radar): every ZeRO-1/2 "
@@ -184,7 +190,8 @@ ISSUES: tuple[KnownIssue, ...] = (
              "+ torch 2.11.0 (its period torch) raised it in every two-rank ZeRO-1/2 cell of "
              "the ZeRO, checkpoint, loss-scaling, schedule and optimizer suites, and 0.18.9's "
              "sources beside torch 2.10.0 and 2.7.0 raised it in the ZeRO-1 fp32 SGD cell "
-             "(CPU machine (2 cores))",
+             "(CPU machine (2 cores)); the MoE suite's two-rank ZeRO-1/2 engines and the "
+             "monitor suite's ZeRO-1 engine raise it in their first step() too",
     ),
     KnownIssue(
         id="DS-8142-WARMUP-COSINE-PAST-END",

@@ -129,12 +129,13 @@ def _tail(log: Path, lines: int = 1) -> str:
 
 
 def _constraints(checkout: Path, where: Path) -> list[str]:
-    """``-c FILE`` for the checkout's constraints.txt less the lines the radar varies."""
+    """``-c FILE`` for the checkout's constraints.txt less the lines the radar varies. The file
+    lies beside the venv ``where``, which may not exist yet and which ``venv --clear`` empties."""
     given = checkout / "constraints.txt"
     if not given.is_file():
         return []
     kept = [ln for ln in given.read_text().splitlines() if not NOT_CONSTRAINED.match(ln.strip())]
-    path = where / "radar-constraints.txt"
+    path = where.with_name(where.name + ".constraints.txt")
     path.write_text("\n".join(kept) + "\n")
     return ["-c", str(path)]
 

@@ -5,10 +5,9 @@ its second on Python, kernel launches and engine set-up, not on the GPUs. A test
 ``@batched(plan)`` hands its rank call to the run's cell batch: once collection ends, every
 selected, runnable cell of every batched test function is planned (``plan(params, workdir,
 run) -> RankCall``) and their calls start in a background thread through
-``dsconform.harness.lanes.run_concurrently`` (several rank pools per world size; one-rank cells on
-every
-GPU in turn). Each test then takes its own outcome with ``cell_results(request)``, waiting for
-it if need be, and checks it exactly as it would have checked a run_ranks call: the same
+``dsconform.harness.lanes.run_concurrently`` (several rank groups per world size; one-rank cells
+on every GPU in turn). Each test then takes its own outcome with ``cell_results(request)``,
+waiting for it if need be, and checks it exactly as it would have checked a run_ranks call: the same
 results, the same RankError, RankTimeout or skip, raised in that test, and the same tolerance
 and known-issue handling.
 
@@ -30,6 +29,7 @@ What it changes:
 * A cell may be several steps (a plan returning a list of RankCalls): they run in turn on one
   lane, and a ``fresh=True`` step on new, never warmed-up ranks, started while the step before
   it runs (the resume in a fresh process).
+* A cell that loads an op the run still builds waits for that build, and such cells go last.
 
 Batches are off (every cell runs its call in its own test, in the usual order) with one lane
 (``DSCONFORM_LANES``, "auto": only on cuda machines with >= 16 cores), under pytest-xdist

@@ -141,7 +141,7 @@ class RankGroups:
         failure (RankError)."""
         t0 = time.monotonic()
         lanes = new_kind.startswith("lane")
-        taken = None
+        pool, taken = None, None
         with self.lock:
             for kind in kinds:
                 pool = self._take_idle((*base, kind), pg_timeout_s)
@@ -188,18 +188,18 @@ class RankGroups:
         if not healthy or pool.closed:
             pool.kill()
             keep_as = None
+        old: list[Pool] = []
         with self.lock:
             entry = self.table.pop(pool, None)
-            if keep_as is not None and entry is not None:
+            if entry is None:  # shut down meanwhile
+                keep_as = None
+            if keep_as is not None:
                 self.table[pool] = [(*entry[0][:3], keep_as), None]
                 pooled = [p for p, (k, h) in self.table.items() if k[3] == "pooled" and h is None]
                 old = pooled[:max(0, len(pooled) - MAX_POOLS)]
                 for p in old:
                     del self.table[p]
-        if keep_as is None and not pool.closed:
-            pool.close()
-        if keep_as is not None:
-            close_pools(old)
+        close_pools(old + ([pool] if keep_as is None else []))
 
     def forget(self, pool: Pool) -> None:
         with self.lock:

@@ -81,7 +81,7 @@ class Pool:
         self.pg_timeout_s = pg_timeout_s
         self.owner_pid = os.getpid()
         # What the output read next was printed for: the test that started the pool (label:
-        # ranks started in the background), then the test of each call (send_and_collect).
+        # ranks started in the background), then the test of each call (Pool.call).
         self.label = label or output.current_label()
         # The group's store, held here for the pool's life: the ranks connect to it.
         self.store, self.port = bind_rendezvous_store(

@@ -226,8 +226,7 @@ def _params(item: pytest.Item) -> dict:
 
 
 def select(session: pytest.Session, rs: RunState) -> list[pytest.Item]:
-    """The selected cells the gate will run: what start() batches (the plugin derives the op
-    build order from them before it starts the builds)."""
+    """The selected cells the gate will run: what start() batches."""
     return [it for it in session.items if _plan_of(it) is not None and _will_run(it, rs)]
 
 

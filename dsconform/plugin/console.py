@@ -24,7 +24,7 @@ import pytest
 
 import dsconform
 from dsconform.harness import output as rank_output
-from dsconform.plugin.early import RANK_LOG_NAME, is_xdist_worker
+from dsconform.plugin.items import is_xdist_worker
 
 #: Frames of these folders are the harness's and the test runner's, not the check's.
 INTERNAL = tuple(str(folder) + "/" for folder in (
@@ -62,7 +62,7 @@ def rank_lines(text: str, *, short: bool) -> str:
     if not short or len(lines) <= RANK_LINES_SHOWN:
         return text
     return "\n".join([f"(the last {RANK_LINES_SHOWN} of {len(lines)} lines; all of them: "
-                      f"{RANK_LOG_NAME} in --results, or -v)",
+                      f"ranks.log in --results, or -v)",
                       *lines[-RANK_LINES_SHOWN:]]) + "\n"
 
 

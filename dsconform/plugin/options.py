@@ -7,7 +7,7 @@ tox.ini or conftest.py. Options registered here, from the installed package, are
 
 This module is loaded by every pytest run of an environment where dsconform is installed, so it
 MUST stay inert outside the suite: it registers options and does nothing else until the conftest
-files have loaded the suite's plugin (then it starts the fork server early). Outside the suite:
+files have loaded the suite's plugin. Outside the suite:
 no import of torch or DeepSpeed, no header, no summary, no results directory, no hypothesis
 profile. The suite itself (markers, gating, fixtures, results) is ``fixtures/plugin.py``, loaded
 by the checkout's conftest.py.
@@ -63,14 +63,3 @@ def add_options(parser: pytest.Parser) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_load_initial_conftests(early_config: pytest.Config):
-    """Once the conftest files are loaded, and only if they loaded the suite's plugin: start
-    what the run's first ranks wait for (dsconform.plugin.early.start_at_load)."""
-    result = yield
-    if early_config.pluginmanager.has_plugin("dsconform.plugin.hooks"):
-        from dsconform.plugin.early import start_at_load
-        start_at_load(early_config)
-    return result

@@ -23,10 +23,12 @@ from dsconform.checks import (
     monitor_log,
     schedules,
     sdc,
+    soak,
 )
 from dsconform.checks import onebit as onebit_reference
 from dsconform.checks.dsconfig import (
     ASSUMED_DEFAULTS,
+    ASSUMED_RESOLVED,
     BATCH_KEYS,
     MONITOR_JOB,
     ONEBIT_TYPES,
@@ -81,7 +83,7 @@ from dsconform.harness.api import (
     world,
     xdist_worker,
 )
-from dsconform.node import gpu_health, health, nccl_tests, neighbours
+from dsconform.node import gpu_health, health, nccl_tests, neighbours, sampler
 from dsconform.node.detect import (
     NodeFacts,
     nvml_devices,
@@ -111,7 +113,8 @@ from dsconform.storage import xcheck as nvme_xcheck
 from dsconform.units import GB, GIB, TFLOPS
 
 __all__ = [
-    "ASSUMED_DEFAULTS", "GB", "GIB", "TFLOPS", "KNOWN_ISSUES", "OPTIMIZER_OPS", "Comparison",
+    "ASSUMED_DEFAULTS", "ASSUMED_RESOLVED", "GB", "GIB", "TFLOPS", "KNOWN_ISSUES",
+    "OPTIMIZER_OPS", "Comparison",
     "FactsRecorder", "Rendezvous", "rendezvous_info",
     "InsufficientGPUs", "KnownIssue", "KnownIssueFailure", "MetricsRecorder", "NcclFloor",
     "NodeFacts", "NvmePath",
@@ -134,5 +137,5 @@ __all__ = [
     "MLP", "TORCH_DTYPES", "ZERO_OFFLOADS", "ZeroCase", "cpu_fp32", "rank_batches",
     "record_zero_comparison", "train_zero_and_ddp", "zero_check_name", "clip_problems",
     "schedules", "gpu_peak_tflops", "monitor_log", "MONITOR_JOB", "BATCH_KEYS",
-    "batch_rule", "sdc", "known_answers",
+    "batch_rule", "sdc", "known_answers", "soak", "sampler",
 ]

@@ -35,7 +35,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dsconform.suite import cpu_fp32, device, ds_config, gather, rank, seed_everything, world
+from dsconform.suite import (
+    compat,
+    cpu_fp32,
+    device,
+    ds_config,
+    gather,
+    rank,
+    seed_everything,
+    world,
+)
 
 HIDDEN = 8
 EXPERTS = 4
@@ -146,7 +155,7 @@ def _layer_cell(cell: dict[str, Any], misroute: bool) -> dict[str, Any]:
     # Which routes kept their slot, as DeepSpeed's gate decided them (the same draw again).
     torch.manual_seed(cell["seed"] + 1)
     with torch.no_grad():
-        _, capacity, _, indices, _, _, _ = gate(x.to(dev).float(), None, True, False)
+        capacity, kept = compat.moe_gate_routes(gate, x.to(dev).float())
     torch.manual_seed(cell["seed"] + 1)
     priority = torch.rand(TOKENS, EXPERTS, device=dev).cpu()
     experts = [_cpu_copy(e) for e in layer.deepspeed_moe.experts.deepspeed_experts]
@@ -157,8 +166,6 @@ def _layer_cell(cell: dict[str, Any], misroute: bool) -> dict[str, Any]:
             drop_tokens=cell["drop_tokens"], priority=priority,
             mlp=_cpu_copy(layer.mlp) if cell["residual"] else None,
             coefficient=_cpu_copy(layer.coefficient) if cell["residual"] else None)
-    kept = {(t, int(indices[c, t])) for c in range(indices.shape[0]) for t in range(TOKENS)
-            if int(indices[c, t]) >= 0}
     return {"id": cell["id"], "output": cpu_fp32(output.detach()), "l_aux": float(l_aux),
             "exp_counts": [int(v) for v in exp_counts], "capacity": int(capacity),
             "kept": sorted(kept), "reference": {**ref, "output": ref["output"],

@@ -12,8 +12,8 @@ the optimizer state (``safe_get_full_optimizer_state``).
 
 The references (``Reference``): where torch has the optimizer (Adam, AdamW, Adagrad, the client
 optimizer), torch's own, stepped on fp32 copies of the parameters; where torch has none (Lion,
-LAMB), the published update rule written out below in plain tensor arithmetic, in float64 so
-the reference adds no rounding of its own worth comparing.
+LAMB, Muon), the published update rule written out below in plain tensor arithmetic, in float64
+so the reference adds no rounding of its own worth comparing.
 
 Ranks are pooled and reused: every call re-seeds, and destroys its engine before returning.
 """
@@ -66,16 +66,70 @@ def lamb_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     p.add_(u, alpha=-lr * ratio)
 
 
+# Muon's quintic Newton-Schulz coefficients (a, b, c), its iteration count and momentum.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+MUON_MOMENTUM = 0.95
+
+
+def newton_schulz5(g: torch.Tensor, steps: int = NS_STEPS,
+                   coeffs: tuple[float, float, float] = NS_COEFFS) -> torch.Tensor:
+    """Muon's orthogonalisation (Keller Jordan, https://kellerjordan.github.io/posts/muon/ ,
+    ``zeropower_via_newtonschulz5``), in float64: X = G / (||G||_F + 1e-7), transposed when tall;
+    ``steps`` times A = X X^T, X <- a X + (b A + c A^2) X."""
+    a, b, c = coeffs
+    x = g.to(torch.float64)
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        A = x @ x.mT
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.mT if tall else x
+
+
+def muon_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, *, lr: float, momentum: float,
+              weight_decay: float, ns_steps: int = NS_STEPS) -> None:
+    """Muon (Keller Jordan 2024, https://kellerjordan.github.io/posts/muon/ ,
+    https://github.com/KellerJordan/Muon ``muon_update``), for a 2-D weight, in place:
+    m <- beta m + (1 - beta) g; u = (1 - beta) g + beta m (Nesterov); u <- NS5(u)
+    sqrt(max(1, rows / cols)); p <- p (1 - lr wd) - lr u."""
+    m.lerp_(g, 1 - momentum)
+    u = newton_schulz5(g.lerp(m, momentum), ns_steps)
+    u = u * max(1.0, p.size(-2) / p.size(-1)) ** 0.5
+    p.mul_(1 - lr * weight_decay).add_(u, alpha=-lr)
+
+
+def aux_adam_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
+                  *, lr: float, betas: tuple[float, float], eps: float,
+                  weight_decay: float) -> None:
+    """The AdamW Muon's published ``MuonWithAuxAdam`` applies to every parameter Muon does not
+    take (biases, gains, embeddings; ``adam_update`` there), in place: bias-corrected moments,
+    eps outside the root, decoupled weight decay."""
+    b1, b2 = betas
+    m.lerp_(g, 1 - b1)
+    v.lerp_(g * g, 1 - b2)
+    u = (m / (1 - b1 ** step)) / ((v / (1 - b2 ** step)).sqrt() + eps)
+    p.mul_(1 - lr * weight_decay).add_(u, alpha=-lr)
+
+
+def takes_muon(name: str, shape: Sequence[int]) -> bool:
+    """Which parameters Muon takes (deepspeed.set_optimizer_flags): matrices (2-D or more) but
+    embeddings and the output head ("embed" / "lm_head" in the name); Adam takes the rest."""
+    return len(shape) >= 2 and not any(k in name.lower() for k in ("embed", "lm_head"))
+
+
 class Reference:
     """One optimizer's reference over named fp32 parameters in parameter groups.
 
     ``groups``: [{"names": [...], "lr": ..., "weight_decay": ...}]; ``initial``: name -> tensor.
     ``kind`` picks the rule: "adam" (torch Adam, L2 decay), "adamw" (torch AdamW), "adagrad"
-    (torch Adagrad), "client" (torch RAdam, the client optimizer's own class), "lion" and
-    "lamb" (written out above).
+    (torch Adagrad), "client" (torch RAdam, the client optimizer's own class), "lion", "lamb"
+    and "muon" (written out above).
     """
 
-    WRITTEN_OUT = ("lion", "lamb")
+    WRITTEN_OUT = ("lion", "lamb", "muon")
 
     def __init__(self, kind: str, groups: Sequence[Mapping[str, Any]],
                  initial: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]):
@@ -86,7 +140,8 @@ class Reference:
         self.groups = [dict(g) for g in groups]
         self.steps = 0
         self.state: dict[str, dict[str, torch.Tensor]] = {
-            n: {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
+            n: {"exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t),
+                "momentum_buffer": torch.zeros_like(t)}
             for n, t in self.params.items()}
         self.torch_opt = None
         if kind not in self.WRITTEN_OUT:
@@ -108,7 +163,15 @@ class Reference:
                 p, s = self.params[n], self.state[n]
                 grad = grads[n].detach().to("cpu", torch.float64)
                 with torch.no_grad():
-                    if self.kind == "lion":
+                    if self.kind == "muon" and takes_muon(n, p.shape):
+                        muon_step(p, grad, s["momentum_buffer"], lr=g["lr"],
+                                  momentum=self.hyper["momentum"],
+                                  weight_decay=g["weight_decay"])
+                    elif self.kind == "muon":
+                        aux_adam_step(p, grad, s["exp_avg"], s["exp_avg_sq"], self.steps,
+                                      lr=g["lr"], betas=self.hyper["betas"],
+                                      eps=self.hyper["eps"], weight_decay=g["weight_decay"])
+                    elif self.kind == "lion":
                         lion_step(p, grad, s["exp_avg"], lr=g["lr"], betas=self.hyper["betas"],
                                   weight_decay=g["weight_decay"])
                     else:
@@ -177,6 +240,10 @@ KINDS: dict[str, dict[str, Any]] = {
     "lamb": {"type": "Lamb", "params": {"max_coeff": 10.0, "min_coeff": 0.01},
              "device": "FusedLamb", "offload": None,
              "ops": ("fused_lamb", None), "state": ("exp_avg", "exp_avg_sq")},
+    # Muon on the matrices, its AdamW on the rest: one class on the device and offloaded.
+    "muon": {"type": "Muon", "params": {"momentum": MUON_MOMENTUM},
+             "device": "MuonWithAuxAdam", "offload": "MuonWithAuxAdam",
+             "ops": ("fused_adam", "cpu_adam"), "state": ()},
     "client": {"type": None, "params": {},
                "device": "RAdam", "offload": "RAdam",
                "ops": (None, None), "state": ("exp_avg", "exp_avg_sq")},
@@ -191,7 +258,7 @@ DEVICE_STATE = {"adagrad": ("sum",)}
 GROUPS = ((("fc1.weight",), 1.0, 0.1), (("fc2.weight",), 0.5, 0.0),
           (("fc1.bias", "fc2.bias"), 2.0, 0.01))
 LR = {"adam": 1e-2, "adamw": 1e-2, "adagrad": 5e-2, "lion": 1e-3, "lamb": 1e-2,
-      "client": 1e-2}
+      "muon": 2e-2, "client": 1e-2}
 OFFLOADS = {0: ("none",), 1: ("none", "opt"), 2: ("none", "opt"), 3: ("none", "opt", "param+opt")}
 IN, HIDDEN, OUT = 13, 53, 7  # odd widths: ZeRO pads every partition on two ranks
 
@@ -272,6 +339,10 @@ def config(case: OptCase, hyper: dict[str, Any]) -> dict[str, Any]:
         cfg["optimizer"] = {"type": section["type"], "params": params}
     # Adagrad, Lion and a client optimizer are not on ZeRO's list of tested optimizers; a torch
     # optimizer offloaded is refused unless DeepSpeed may keep it as it is.
+    if case.kind == "muon" and case.stage == 3:
+        # ZeRO-3 refuses Muon with reduce_scatter ("Muon and reduce scatter cannot be used
+        # together"): each rank orthogonalises whole gradients, so they are all-reduced.
+        cfg["zero_optimization"]["reduce_scatter"] = False
     cfg["zero_allow_untested_optimizer"] = True
     if case.kind == "client":
         cfg["zero_force_ds_cpu_optimizer"] = False
@@ -394,6 +465,46 @@ def _engine(case: OptCase, model: nn.Module, tamper: str | None) -> Any:
     return engine
 
 
+MUON_TAMPERS = ("muon_no_momentum", "muon_wrong_ns_coefficient")
+
+
+def _tamper_muon(tamper: str | None) -> dict[str, Any]:
+    """Perturb DeepSpeed's Muon for the red tests, returning what to restore (ranks are reused):
+    ``muon_no_momentum`` runs every Muon update with momentum 0; ``muon_wrong_ns_coefficient``
+    runs Newton-Schulz with a = 3.0 for 3.4445 (DeepSpeed's update eager, so the patched
+    iteration is the one it calls)."""
+    from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
+
+    if tamper not in MUON_TAMPERS:
+        return {}
+    names = ("muon_update", "zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5")
+    saved = {n: getattr(original_muon, n) for n in names}
+    eager = getattr(saved["muon_update"], "_torchdynamo_orig_callable", saved["muon_update"])
+    if tamper == "muon_no_momentum":
+        def update(grad: torch.Tensor, momentum: torch.Tensor, beta: float = 0.0,
+                   **kwargs: Any) -> torch.Tensor:
+            return eager(grad, momentum, 0.0, **kwargs)
+    else:
+        def wrong(g: torch.Tensor, steps: int) -> torch.Tensor:
+            return newton_schulz5(g, steps, (3.0, *NS_COEFFS[1:])).to(g.dtype)
+
+        original_muon.zeropower_via_gram_newtonschulz = wrong
+        original_muon.zeropower_via_newtonschulz5 = wrong
+        update = eager
+    original_muon.muon_update = update
+    muon_optimizer.muon_update = update
+    return saved
+
+
+def _restore_muon(saved: dict[str, Any]) -> None:
+    from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
+
+    for name, value in saved.items():
+        setattr(original_muon, name, value)
+    if saved:
+        muon_optimizer.muon_update = saved["muon_update"]
+
+
 def _train(engine: Any, case: OptCase, ref: Reference, first: int, last: int,
            dev: torch.device) -> tuple[list, list]:
     from deepspeed.utils import safe_get_full_grad
@@ -426,11 +537,14 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
     step], "reference": [reference params per step], "state" / "reference_state": the optimizer
     state after the last step}. With ``case.resume_at``, the engine is saved after that step
     (under ``save_dir``), a fresh engine loads it and trains on; the reference never stops."""
-    from dsconform.suite import device, rank, seed_everything
+    from dsconform.suite import compat, device, rank, seed_everything
 
+    if case.kind == "muon":
+        compat.require(compat.MUON)
     seed_everything(case.seed)
     dev = device()
     model = MLP().to(dev)
+    saved = _tamper_muon(tamper)
     engine = _engine(case, model, tamper)
     try:
         named = list(engine.module.named_parameters())
@@ -453,5 +567,6 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
                 "reference": reference, "state": state, "state_errors": state_errors,
                 "reference_state": ref.optimizer_state(case.state_keys())}
     finally:
+        _restore_muon(saved)
         engine.destroy()
         del engine

@@ -8,6 +8,11 @@ repetition's bits are compared with the first's on the GPU; the first is hashed 
 bytes), compared bit for bit with rank 0's (a broadcast), and sampled against a CPU float64
 evaluation of the same inputs.
 
+``soak``: the burn-in (``--soak MINUTES``): the known-answer kernels, the ZeRO training cells
+against DDP, a sustained matmul and a slice of the HBM patterns, in a loop on every GPU at once
+until the deadline; each iteration's hashes are held to the GPU's first iteration's and to rank
+0's, and every rank writes its count of iterations and mismatches to a progress file after each.
+
 ``hbm_patterns``: one block of most of the GPU's free memory, written with a pattern and read
 back, for every pattern in turn: walking ones (32 passes, each word one bit set, the bit moving
 with the address and the pass), the word's own byte address and its inverse, and two seeded
@@ -18,7 +23,9 @@ Fault injection for the project's red tests, off by default: ``tamper`` flips on
 element of one kernel's output in one repetition on one rank, after the real kernel computed
 it (``{"rank", "kernel", "rep", "index", "bit"}``; ``rep`` None: every repetition), or
 overwrites one word of the HBM block after the real write of one pattern (``{"rank",
-"pattern", "word"}``).
+"pattern", "word"}``); in ``soak`` either one, or ``"perturb"``: DeepSpeed's loss scaled by that
+factor inside its backward on every rank (the ZeRO suite's fault), in one iteration only
+(``"iteration"``).
 
 Ranks are pooled and reused: every call restores the math settings it changed and frees what
 it allocated.
@@ -30,8 +37,10 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import json
 import math
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,7 +48,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dsconform.suite import collective_calls, device, gpu_health, rank, world
+from dsconform.suite import (
+    collective_calls,
+    compare_rank_results,
+    device,
+    gpu_health,
+    rank,
+    train_zero_and_ddp,
+    world,
+)
 
 SEED = 20261204
 REF_ROWS = 32            # rows of a GEMM / elementwise output held to the CPU reference
@@ -385,3 +402,117 @@ def hbm_patterns(fraction: float, reserve_bytes: int, patterns: list[str],
     dist.barrier()
     return {"identity": me, "serial": board_serial(me["bus_id"]), "free_bytes": free,
             "tested_bytes": 4 * words, "patterns": found}
+
+
+# ------------------------------------------------------------------------------ the soak
+
+SOAK_SHOWN = 4   # problems an iteration reports; the rest are counted
+
+
+def _agree(flag: bool) -> bool:
+    """True where every rank says so: all ranks take the same number of iterations (each one
+    runs collectives)."""
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device())
+    if world() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def sustained_matmul(size: int, seconds: float) -> float:
+    """bf16 (fp32 on the CPU) ``size``^3 products for about ``seconds``: TFLOPS."""
+    dev = device()
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(SEED)
+    a = torch.randn(size, size, generator=g).to(dev, dtype)
+    b = torch.randn(size, size, generator=g).to(dev, dtype)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    torch.matmul(a, b)
+    sync()
+    n, t0 = 0, time.perf_counter()
+    while n == 0 or time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            torch.matmul(a, b)
+        sync()
+        n += 8
+    elapsed = time.perf_counter() - t0
+    del a, b
+    return gpu_health.matmul_flops(size, size, size) * n / elapsed / 1e12
+
+
+def _describe(cmp: Any) -> str:
+    first = cmp.first_divergence
+    return first.describe() if first is not None else "no comparison"
+
+
+def _ka_problems(ka: dict[str, Any], first: dict[str, str] | None) -> list[str]:
+    out = []
+    for name, k in sorted(ka["kernels"].items()):
+        if first is not None and first.get(name) != k["hash"]:
+            out.append(f"{name}: result sha256:{k['hash'][:12]} differs from iteration 0's "
+                       f"sha256:{first.get(name, '')[:12]} (same inputs, same GPU)")
+        if k.get("peer_differ"):
+            out.append(f"{name}: {k['peer_differ']} of {k['elements']} elements differ from "
+                       "rank 0's")
+        if not k["reference"]["used"] <= 1.0:  # NaN fails
+            out.append(f"{name}: element {k['reference']['index']} is "
+                       f"{k['reference']['value']!r}, the CPU float64 reference "
+                       f"{k['reference']['reference']!r}: {k['reference']['used']:.3g} of its "
+                       "bound")
+    return out
+
+
+def soak(seconds: float, kinds: list[str], size: int, tols: dict[str, tuple[float, float]],
+         train: list[tuple[Any, Any]], matmul: tuple[int, float],
+         hbm: tuple[float, int, int | None], patterns_per_iteration: int,
+         progress_dir: str, max_iterations: int | None = None,
+         tamper: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The burn-in loop on this rank's GPU, all ranks at once, for ``seconds`` (at least one
+    iteration; at most ``max_iterations``). ``train``: (ZeroCase, Tol) pairs, each trained with
+    ZeRO and DDP and compared; ``matmul``: (size, seconds); ``hbm``: (fraction, reserve bytes,
+    max bytes), ``patterns_per_iteration`` of PATTERNS in turn. Per iteration: its mismatches,
+    the first of them, and the matmul's TFLOPS."""
+    me = collective_calls.identity()
+    deadline = time.monotonic() + seconds
+    t0 = time.monotonic()
+    first: dict[str, str] | None = None
+    iterations: list[dict[str, Any]] = []
+    mismatches = 0
+    progress = os.path.join(progress_dir, f"rank{rank()}.json")
+    while _agree(not iterations or (time.monotonic() < deadline and (
+            max_iterations is None or len(iterations) < max_iterations))):
+        i = len(iterations)
+        hit = tamper if tamper and tamper.get("iteration") == i else None
+        ka = known_answers(kinds, size, 1, tols,
+                           tamper=hit if hit and "kernel" in hit else None)
+        hashes = {n: k["hash"] for n, k in ka["kernels"].items()}
+        problems = _ka_problems(ka, first)
+        first = first or hashes
+        for case, tol in train:
+            factor = hit.get("perturb", 1.0) if hit else 1.0  # every rank's DeepSpeed side
+            cmp = compare_rank_results([train_zero_and_ddp(case, perturb=factor)], tol,
+                                       label=f"zero-{case.id}")
+            if not cmp.ok:
+                problems.append(f"ZeRO {case.id} off DDP: "
+                                + "; ".join(cmp.problems[:1] or [_describe(cmp)]))
+        tflops = sustained_matmul(*matmul)
+        start = (i * patterns_per_iteration) % len(PATTERNS)
+        names = (PATTERNS * 2)[start:start + patterns_per_iteration]
+        mem = hbm_patterns(hbm[0], hbm[1], names, max_bytes=hbm[2],
+                           tamper=hit if hit and "pattern" in hit else None)
+        for p in mem["patterns"]:
+            if p["errors"]:
+                e = p["first"][0]
+                problems.append(f"HBM {p['name']}: {p['errors']} of {p['words']} words read "
+                                f"back wrong, first at offset {e['offset']:#x} (address "
+                                f"{e['address']:#x})")
+        mismatches += len(problems)
+        iterations.append({"iteration": i, "elapsed_s": round(time.monotonic() - t0, 2),
+                           "tflops": tflops, "mismatches": len(problems),
+                           "problems": problems[:SOAK_SHOWN]})
+        with open(progress + ".tmp", "w") as f:
+            json.dump({"iterations": len(iterations), "mismatches": mismatches,
+                       "bus_id": me["bus_id"]}, f)
+        os.replace(progress + ".tmp", progress)
+    return {"identity": me, "serial": board_serial(me["bus_id"]),
+            "name": torch.cuda.get_device_name(device()) if device().type == "cuda" else "cpu",
+            "iterations": iterations}

@@ -11,8 +11,10 @@ GPU, link or rank of the node MUST lag its peers.
   4096, 2**20 and 129 x 8 x the world size (and 2**24 on GPUs; COLL-EXACT-2), where kernels
   take their vectorised paths and a wrong tail hides from odd sizes. The sweep's timed calls are
   checked through both APIs too. The data of each dtype is exact in it,
-  every partial sum too, and mostly not exact in a narrower type, so a collective that carries
-  fp32 in bf16 or fp16, or fp16 in bf16, fails. Odd sizes, not multiples of the world
+  every partial sum too, and every value a rank receives is exact in no other type it could be
+  carried in (bf16's past fp16's range, fp16's with more bits than bf16 keeps, fp32's with more
+  than fp16 or a tf32-like mantissa keep), so a collective that carries fp32 in bf16 or fp16,
+  fp16 in bf16, or bf16 in fp16, fails at every element. Odd sizes, not multiples of the world
   size, padded as ZeRO pads partitions, all_to_all with uneven splits
   (dsconform/checks/collectives.py).
   gloo (CI) and NCCL (GPUs) both run every collective in every dtype here.

@@ -26,7 +26,9 @@ this file, beside the cells.
   it has one).
 
 A miscount that is DeepSpeed's is a known upstream issue in ``dsconform/gate/known_issues.py``
-(DS-8419-FLOPS-*, DS-3087-FLOPS-OPERATORS, DS-Z3-FLOPS-LINEAR-TWICE), never a looser check.
+(DS-8419-FLOPS-*, DS-3087-FLOPS-OPERATORS, DS-Z3-FLOPS-LINEAR-TWICE, and before 0.19.7
+DS-8246-FLOPS-SDPA-WRAPPERS-PILE-UP and DS-8324-FLOPS-BROADCAST-FROM-FRONT), never a looser
+check.
 
 Upstream: https://www.deepspeed.ai/tutorials/flops-profiler/ ,
 https://www.deepspeed.ai/docs/config-json/#flops-profiler ,

@@ -22,7 +22,8 @@ wrote it. After every optimizer step the ranks note what the engine holds: ``get
 
 The reading and the judgement: ``dsconform/checks/monitor_log.py``; the loss's bound:
 ``dsconform/checks/tolerances.py`` "monitor_loss". DeepSpeed 0.18.3 and later write no loss
-(known issue DS-7665-MONITOR-NO-LOSS).
+(known issue DS-7665-MONITOR-NO-LOSS); earlier releases write it one step early
+(DS-MONITOR-LOSS-STEP-EARLY).
 
 Upstream: https://deepspeed.readthedocs.io/en/latest/monitor.html (what is logged
 automatically), https://www.deepspeed.ai/tutorials/monitor/ ,

@@ -145,7 +145,7 @@ def mismatches(collective: str, accelerator: str,
                perturb: dict[str, int] | None = None) -> list[collectives.Mismatch]:
     """collective_calls.check_exact over the whole job, fp32, at EXACT_SIZES: every rank's wrong
     outputs. ``perturb`` is the collectives suite's fault injection ({"rank", "numel",
-    "index"}: that rank's result off by one there), for the red tests."""
+    "index"}: that rank's result off by one unit there), for the red tests."""
     results = run_ranks(collective_calls.check_exact, None, accelerator=accelerator,
                         args=(collective, "fp32", EXACT_SIZES[accelerator]),
                         kwargs={"perturb": perturb}, timeout_s=TIMEOUT_S)

@@ -13,6 +13,9 @@ reference each is held to (suites/optimizer_ranks.py):
   2023, Algorithm 2);
 - ``lamb``: FusedLamb (GPUs only; no host LAMB, so no offload), against LAMB written out (You et
   al. 2020) with FusedLamb's trust-ratio clamp;
+- ``muon``: MuonWithAuxAdam (Muon on the 2-D weights, its AdamW on the biases; the AdamW a
+  FusedAdam / DeepSpeedCPUAdam), against Muon written out (Keller Jordan 2024: Nesterov
+  momentum, Newton-Schulz 5 with (3.4445, -4.7750, 2.0315), the shape scale) and AdamW;
 - ``client``: a torch ``RAdam`` handed to ``deepspeed.initialize(optimizer=...)``, against
   torch ``RAdam`` itself.
 
@@ -27,7 +30,7 @@ update rule alone: ZeRO's gradients against DDP's are ZERO-EQ-1's.
   for the kind and placement, and after EVERY step every parameter (``safe_get_full_fp32_param``)
   MUST equal the reference's within ``dsconform/checks/tolerances.py`` "optimizer"; after the
   last step every optimizer state tensor (``safe_get_full_optimizer_state``: Adam's moments,
-  Adagrad's sum, Lion's momentum) MUST equal the reference's.
+  Adagrad's sum, Lion's momentum) MUST equal the reference's (Muon: the parameters only).
 - OPT-RESUME-1 (``test_resume_keeps_the_trajectory``): a checkpoint saved after step 3 and loaded
   into a fresh engine (other initial weights) MUST continue on the reference's trajectory, step
   for step, and end with its optimizer state.
@@ -81,6 +84,12 @@ CPU_TIER = {
     ("adam", 1, "opt", "bf16", 1), ("adagrad", 0, "none", "fp32", 4),
     ("adagrad", 2, "none", "bf16", 1), ("client", 3, "none", "fp32", 4),
     ("client", 1, "opt", "bf16", 1), ("lion", 2, "opt", "fp32", 1),
+    # Muon (DeepSpeed compiles its update with torch.compile: minutes on 2 cores, once): every
+    # pair of stage, dtype and accumulation, both placements, with the optimizer offloaded (on
+    # the device its AdamW is FusedAdam: nightly); ZeRO-3 bf16 is a known issue.
+    ("muon", 2, "opt", "fp32", 1), ("muon", 1, "opt", "bf16", 4),
+    ("muon", 3, "param+opt", "bf16", 1), ("muon", 3, "opt", "fp32", 4),
+    ("muon", 1, "opt", "fp32", 1), ("muon", 2, "opt", "bf16", 4),
 }
 
 
@@ -93,9 +102,10 @@ def _axes(case: OptCase) -> dict:
             "dtype": case.dtype, "grad_accum": case.grad_accum}
 
 
-# LAMB's written-out rule has not yet been run against FusedLamb (a CUDA kernel): its cells stay
-# in the nightly tier until a GPU run has measured them.
-NIGHTLY_ONLY = ("lamb",)
+# LAMB's written-out rule has not yet been run against FusedLamb (a CUDA kernel), nor Muon's
+# against its fp16 Newton-Schulz (GPUs): their cells stay in the nightly tier until a GPU run has
+# measured them.
+NIGHTLY_ONLY = ("lamb", "muon")
 # The ops a GPU acceptance run builds (fused_adam, cpu_adam; None: torch's own optimizer): the
 # cells of other ops (Adagrad and Lion on the host, FusedLion) are nightly on GPUs, so that an
 # acceptance run on a fresh node builds no op for them (dsconform/ops/prebuild.py NIGHTLY_ONLY).

@@ -24,31 +24,48 @@ reductions off except for the TF32 GEMM, deterministic algorithms on.
 - SDC-HBM-1 (``test_hbm_patterns``, nightly): walking ones, address-in-address and random
   patterns written over ``HBM_FRACTION`` of each GPU's free memory MUST read back as written.
 
+- SOAK-1 (``test_soak``, only with ``--soak MINUTES``): for MINUTES, every GPU at once loops the
+  known-answer kernels, the ZeRO training cells against DDP (``SOAK_TRAIN``), a sustained bf16
+  matmul and a slice of the HBM patterns, while the hardware gate is read every
+  ``SAMPLE_INTERVAL_S``; no GPU MAY show a mismatch, a gate finding, a slowdown clock event, its
+  slowdown temperature or a matmul drift past ``straggler_pct`` between the first and the last
+  quarter of its iterations (docs/burn-in.md).
+
 The acceptance tier runs the short pass (GEMMs of 4096, 3 repetitions); the nightly tier the
 full pass (8192, 10 repetitions) and the HBM test. Every failure names the GPU (nvidia-smi
 index, PCI bus id, board serial where NVML gives one), the kernel or pattern, and the
 repetition, element count or offset. The judgement: ``dsconform/checks/sdc.py``.
 
-Stable ids: SDC-REPEAT-1, SDC-PEER-1, SDC-CAT-1, SDC-REF-1, SDC-HBM-1; each case id (``short``,
-``full``) names its pass and does not change.
+Stable ids: SDC-REPEAT-1, SDC-PEER-1, SDC-CAT-1, SDC-REF-1, SDC-HBM-1, SOAK-1; each case id
+(``short``, ``full``) names its pass and does not change.
 """
 
 from __future__ import annotations
 
+import json
+import tempfile
+import threading
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from dsconform.suite import (
     GIB,
+    ZeroCase,
     gpu_health,
+    health,
     known_answers,
     requires,
     run_ranks,
+    sampler,
     sdc,
+    soak,
     tolerance,
     worker_gpus,
+    zero_check_name,
 )
 from suites import sdc_ranks
 
@@ -210,4 +227,95 @@ def test_hbm_patterns(node, metrics):
                        who=ident.label, **ident.params())
     problems = sdc.hbm_problems(results, ids, HBM_MIN_FRACTION)
     assert not problems, "a GPU's memory did not hold what was written:\n  " + \
+        "\n  ".join(problems)
+
+
+# ------------------------------------------------------------------------------ the burn-in
+
+#: The hardware gate's reading interval during a soak: NVML reads take milliseconds; a minute's
+#: progress line shows six readings per GPU.
+SAMPLE_INTERVAL_S = 10.0
+PROGRESS_S = 60.0
+#: The ZeRO acceptance cells' training at every GPU of the node: stages 1-3, fp32 and bf16, SGD
+#: (no op to build).
+SOAK_TRAIN = [ZeroCase(stage=s, dtype=d, optimizer="sgd", grad_accum=1, world_size="all")
+              for s in (1, 2, 3) for d in ("fp32", "bf16")]
+#: A sustained bf16 matmul of SOAK_MATMUL[0]^3 for SOAK_MATMUL[1] s each iteration (the rate
+#: whose drift is judged); the HBM patterns over HBM_FRACTION, SOAK_PATTERNS an iteration.
+SOAK_MATMUL = (8192, 10.0)
+SOAK_PATTERNS = 4
+
+
+def soak_args(seconds: float, world_size: int, profile_tolerances: Any, progress_dir: str
+              ) -> tuple:
+    """The rank loop's arguments (suites/sdc_ranks.py ``soak``)."""
+    train = []
+    for case in SOAK_TRAIN:
+        case = case.with_(world_size=world_size)
+        train.append((case, tolerance(zero_check_name(case), case.dtype, case.optimizer,
+                                      profile_tolerances, accelerator="cuda")))
+    tols = reference_tols(profile_tolerances)
+    return (seconds, list(KINDS), PASSES["short"].size,
+            {k: (t.rtol, t.atol) for k, t in tols.items()}, train, SOAK_MATMUL,
+            (HBM_FRACTION, HBM_RESERVE, None), SOAK_PATTERNS, progress_dir)
+
+
+def _progress(progress_dir: Path, watch: sampler.GateSampler, started: float,
+              total_s: float) -> str:
+    """The line of the minute: iterations and mismatches from the ranks' progress files, the
+    temperatures from the sampler's last reading."""
+    latest = watch.latest()
+    rows = []
+    for f in sorted(progress_dir.glob("rank*.json")):
+        try:
+            p = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        s = latest.get(p.get("bus_id"), {})
+        rows.append((f"GPU {s.get('gpu', f.stem)}", p["iterations"], p["mismatches"],
+                     s.get("temperature_c")))
+    return soak.progress_line(time.monotonic() - started, total_s, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.soak
+@requires(min_gpus=1)
+def test_soak(node, profile, run, facts):
+    """SOAK-1: for --soak MINUTES under load, no GPU MAY show a mismatch, a hardware gate
+    finding, a slowdown or a throughput drift past straggler_pct."""
+    total_s = run.soak_minutes * 60.0
+    gpus = len(worker_gpus())
+    pct = gpu_health.straggler_pct(profile.straggler_pct)
+    progress_dir = Path(tempfile.mkdtemp(prefix="soak-", dir=run.scratch))
+    watch = sampler.GateSampler(health.Thresholds.from_profile(profile.health),
+                                SAMPLE_INTERVAL_S).start()
+    started = time.monotonic()
+    say = run.say or (lambda line: None)
+    stop = threading.Event()
+
+    def report_progress() -> None:
+        while not stop.wait(PROGRESS_S):
+            say(_progress(progress_dir, watch, started, total_s))
+
+    ticker = threading.Thread(target=report_progress, name="dsconform-soak-progress",
+                              daemon=True)
+    ticker.start()
+    try:
+        results = run_ranks(sdc_ranks.soak, gpus, timeout_s=total_s + 4 * TIMEOUT_S,
+                            args=soak_args(total_s, gpus, profile.tolerances,
+                                           str(progress_dir)), accelerator="cuda")
+    finally:
+        stop.set()
+        ticker.join()
+        seen = watch.stop()
+    elapsed = time.monotonic() - started
+    ids = gpu_health.identify([r["identity"] for r in results], node.hardware.bus_ids)
+    reports = soak.gpu_reports(results, ids, seen.samples,
+                               [sdc.gpu_label(i, r["serial"]) for r, i in zip(results, ids)])
+    node_findings = soak.attach_findings(reports, seen.findings)
+    problems = soak.verdict(reports, pct, node_findings, seen.could_not)
+    facts.record(soak.FACT, soak.summary(run.soak_minutes, elapsed, SAMPLE_INTERVAL_S, pct,
+                                         reports, problems))
+    say(_progress(progress_dir, watch, started, total_s) + " (end)")
+    assert not problems, f"the {run.soak_minutes:g}-minute burn-in failed:\n  " + \
         "\n  ".join(problems)

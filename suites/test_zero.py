@@ -22,6 +22,7 @@ https://www.deepspeed.ai/tutorials/zero-offload/ , https://www.deepspeed.ai/docs
 https://deepspeed.readthedocs.io/en/latest/zero3.html#debugging (the safe_get_full_* APIs).
 
 Stable ids: ZERO-EQ-1 (matrix), ZERO-EQ-2 (partition padding property), ZERO-DEF-1 (defaults),
+ZERO-DEF-2 (dtypes the engine resolves),
 ZERO-CLIP-1 (gradient clipping);
 each case id (``z3-off_opt-bf16-adam-gas4-ws2``) names its cell and does not change.
 """
@@ -35,6 +36,7 @@ from hypothesis import strategies as st
 from dsconform.suite import (
     ACCELERATORS,
     ASSUMED_DEFAULTS,
+    ASSUMED_RESOLVED,
     KNOWN_ISSUES,
     OPTIMIZER_OPS,
     Comparison,
@@ -58,7 +60,7 @@ from dsconform.suite import (
     train_zero_and_ddp,
     zero_check_name,
 )
-from suites.zero_ranks import l2_matrix, matrix, read_effective_defaults
+from suites.zero_ranks import l2_matrix, matrix, read_effective_defaults, read_resolved_dtypes
 
 CAPABILITY = "zero"
 # Per call. DeepSpeed's FusedAdam/CPU Adam JIT-build inside the first call that uses them
@@ -272,6 +274,27 @@ def test_effective_defaults(facts):
         f"DeepSpeed {deepspeed.__version__} changed defaults the suite assumes "
         f"(dsconform/checks/dsconfig.py ASSUMED_DEFAULTS); configs built by ds_config pin them, "
         f"user configs that omit them now train differently:\n  " + "\n  ".join(mismatches))
+
+
+def resolved_mismatches(found: dict) -> list[str]:
+    """ZERO-DEF-2's judgement: every pinned value of a dtype the accelerator runs."""
+    skipped = tuple(f"{d}." for d in found.get("unsupported", ()))
+    return defaults_mismatches({k: v for k, v in ASSUMED_RESOLVED.items()
+                                if not k.startswith(skipped)}, found)
+
+
+@pytest.mark.anynode
+def test_resolved_dtypes(facts):
+    """ZERO-DEF-2: the communication and gradient accumulation dtypes DeepSpeed resolves inside
+    the engine for configs that leave them out MUST be the ones the suite assumes."""
+    found = run_ranks(read_resolved_dtypes, 1, timeout_s=TIMEOUT_S)[0]
+    for key, value in sorted(found.items()):  # the radar shows a moved one as "default moved"
+        facts.record(f"default.resolved.{key}", value)
+    mismatches = resolved_mismatches(found)
+    assert not mismatches, (
+        "DeepSpeed resolves dtypes otherwise than the suite assumes (dsconform/checks/"
+        "dsconfig.py ASSUMED_RESOLVED); configs that leave them out now reduce or accumulate "
+        "gradients differently:\n  " + "\n  ".join(mismatches))
 
 
 # ------------------------------------------------------------------ gradient clipping

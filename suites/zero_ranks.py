@@ -165,3 +165,68 @@ def _zero_defaults() -> dict[str, Any]:
     offloaded = parsed({"stage": 2, "offload_optimizer": {"device": "cpu"}}).offload_optimizer
     found["zero.offload_optimizer.ratio"] = offloaded.ratio
     return found
+
+
+def _dtype_name(value: Any) -> Any:
+    """A dtype as the facts hold it ("bfloat16"); anything else as it is."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+
+def read_resolved_dtypes(tamper: str | None = None) -> dict[str, Any]:
+    """Rank entry point (world size 1): the values DeepSpeed resolves inside the engine where the
+    parsed config holds None, for configs that name only the batch size, the optimizer, the
+    precision and the ZeRO stage (as users write them), fp32 / bf16 / fp16 x ZeRO 0-3.
+
+    Keys ``<dtype>.z<stage>.<what>``: ``communication_data_type`` (the engine's, and the ZeRO
+    optimizer's own copy, ``zero.communication_data_type``), ``grad_accum_dtype`` (the engine's
+    get_data_types), ``zero.gradient_accumulation_dtype`` (ZeRO 1-3's accumulation buffers),
+    ``wrapper`` (the optimizer class the resolution picks) and
+    ``seq_parallel_communication_data_type`` (parsed; the engine adopts it under Ulysses).
+    ``unsupported``: the dtypes this accelerator does not run (fp16 on most CPUs), not read.
+    ``tamper="comm_fp16"``: the engine carries bf16/fp32 gradients in fp16 (the red test's)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from dsconform.suite import device, seed_everything
+
+    accel = get_accelerator()
+    supported = {"fp32": True, "bf16": accel.is_bf16_supported(),
+                 "fp16": accel.is_fp16_supported()}
+    found: dict[str, Any] = {"unsupported": [d for d, ok in supported.items() if not ok]}
+    for dtype in (d for d, ok in supported.items() if ok):
+        for stage in (0, 1, 2, 3):
+            seed_everything(0)
+            model = nn.Linear(4, 4).to(device())
+            cfg: dict[str, Any] = {
+                "train_micro_batch_size_per_gpu": 1, "steps_per_print": 1 << 30,
+                "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+                "zero_optimization": {"stage": stage}}
+            if dtype != "fp32":
+                cfg[dtype] = {"enabled": True}
+            if tamper == "comm_fp16":
+                cfg["communication_data_type"] = "fp16"
+            engine, _, _, _ = deepspeed.initialize(model=model,
+                                                   model_parameters=model.parameters(),
+                                                   config=cfg)
+            try:
+                at = f"{dtype}.z{stage}"
+                opt = engine.optimizer
+                values = {
+                    "communication_data_type": engine.communication_data_type,
+                    "grad_accum_dtype": engine.get_data_types()[1],
+                    "wrapper": type(opt).__name__,
+                    # "<missing>" on a release without it: a moved fact, not a crash
+                    "seq_parallel_communication_data_type": getattr(
+                        engine._config, "seq_parallel_communication_data_type", "<missing>"),
+                }
+                if stage > 0:
+                    values["zero.communication_data_type"] = getattr(
+                        opt, "communication_data_type", "<missing>")
+                    values["zero.gradient_accumulation_dtype"] = getattr(
+                        opt, "gradient_accumulation_dtype", "<missing>")
+                found.update({f"{at}.{k}": _dtype_name(v) for k, v in values.items()})
+            finally:
+                engine.destroy()
+                del engine
+    gc.collect()
+    return found

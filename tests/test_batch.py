@@ -258,51 +258,14 @@ def test_where_batches_only_the_cells_it_names():
                                           callspec=SimpleNamespace(params={})))
 
 
-def test_batched_tests_take_their_outcomes_in_the_order_the_cells_end():
-    """A cell's cost may depend on its parameters; the batched tests are ordered by when their
-    cells are expected to end (the batch's order, costliest first, over its lanes), not by
-    collection: the long cells started first end after several short ones."""
-    from types import SimpleNamespace
-
-    from dsconform.plugin import batch
-    from dsconform.plugin.order import expected_finish, order_key
-
-    def plan(params, workdir, run):
-        raise AssertionError("not planned here")
-
-    @batch.batched(plan, cost=lambda params: 8.0 if params["long"] else 1.0)
-    def test_fn(long):
-        pass
-
-    def item(name, long):
-        return SimpleNamespace(function=test_fn, name=name, fspath="/x/suites/test_x.py",
-                               stash={}, get_closest_marker=lambda _: None,
-                               callspec=SimpleNamespace(params={"long": long}))
-
-    items = [item("s1", False), item("l1", True), item("s2", False), item("s3", False),
-             item("l2", True)]
-    assert batch.cost(items[1]) == 8.0 and batch.cost(items[0]) == 1.0
-    # Two lanes: l1 and l2 start first and end at 8; the short ones follow, two at a time.
-    ends = expected_finish(items, 2, set())
-    assert [ends[id(it)] for it in items] == [9.0, 8.0, 9.0, 10.0, 8.0]
-    ordered = sorted(items, key=lambda it: order_key(it, 1, finish=ends[id(it)]))
-    assert [it.name for it in ordered] == ["l1", "l2", "s1", "s2", "s3"]
-    # Cells that wait for an op build go after the others, as in the batch.
-    ends = expected_finish(items, 2, {id(items[1])})
-    assert ends[id(items[1])] == 3.0 + 8.0  # on the lane where s1, s2, s3 ran beside l2
-    # Outside phase 1 the expected end does not order anything.
-    assert order_key(items[0], 0, finish=5.0) == order_key(items[0], 0)
-
-
-def test_known_issue_measurements_and_build_waiters_run_after_the_others():
+def test_known_issue_measurements_run_after_the_others():
     """A measurement a known issue covers fails on purpose and stops its ranks; it runs after
-    the other measurements, which would otherwise wait for new ranks. A test beside the batch
-    that waits for an op build runs after the others of its phase. Elsewhere the order
+    the other measurements, which would otherwise wait for new ranks. Elsewhere the order
     stands."""
     from types import SimpleNamespace
 
+    from dsconform.plugin.items import order_key as _order_key
     from dsconform.plugin.keys import COVERED_BY
-    from dsconform.plugin.order import order_key as _order_key
 
     def item(name: str, known: bool):
         stash = {COVERED_BY: ["DS-1"]} if known else {}
@@ -313,11 +276,6 @@ def test_known_issue_measurements_and_build_waiters_run_after_the_others():
     assert sorted([known, plain], key=lambda it: _order_key(it, 2)) == [plain, known]
     assert sorted([known, plain], key=lambda it: _order_key(it, 0)) == [known, plain]
     assert sorted([known, plain], key=lambda it: _order_key(it, 1)) == [known, plain]
-    # Beside the batch, a test waiting for an op this run builds runs after those that do not.
-    assert sorted([plain, known], key=lambda it: _order_key(it, 0, it is plain)) == \
-        [known, plain]
-    assert sorted([plain, known], key=lambda it: _order_key(it, 2, it is plain)) == \
-        [plain, known]
     # A measurement a known issue covers still runs before a `run_last` test.
     last = SimpleNamespace(fspath="/x/suites/test_last.py", stash={}, name="last",
                            get_closest_marker=lambda m: m == "run_last" or None)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from dsconform.plugin import batch
 from dsconform.plugin.order import expected_finish
+
+from dsconform.plugin import batch
 from dsconform.plugin.runstate import STATE
 from dsconform.results import durations
 

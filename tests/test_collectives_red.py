@@ -5,6 +5,9 @@ suites/collective_ranks.py) and its own checking and recording helpers
 (suites/test_collectives.py) with a fault injected in one rank:
 - one element of one rank's deepspeed.comm result off by one: the exactness check names rank,
   collective, dtype, size and index (COLL-EXACT-1);
+- every rank carrying the collective in another dtype (its tensors cast down, the real gloo
+  collective run in it, the result cast back): bf16 in fp16, fp16 in bf16, fp32 in either
+  (COLL-EXACT-1's data is exact in no other dtype);
 - one rank late to every collective call: the recorder fails ``<collective>.waited_for_pct``
   for that rank only (COLL-STRAG-1);
 - one rank's sends delayed: the link from it fails ``p2p.pct_of_peer_median`` (COLL-P2P-1);
@@ -21,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dsconform.checks import collectives
 from dsconform.harness.api import run_ranks
 from dsconform.node import gpu_health
 from dsconform.results.records import MetricsRecorder
@@ -61,7 +65,7 @@ def test_one_wrong_element_fails_naming_rank_collective_dtype_size_index(collect
     [m] = check_exact(collective, dtype, "cpu", WORLD, _Node, perturb=perturb)
     assert (m.rank, m.collective, m.dtype, m.numel, m.index, m.wrong) == (
         1, collective, dtype, 53, 17, 1)
-    assert m.found == m.expected + 1
+    assert m.found == m.expected + collectives.unit(dtype)  # one unit of the data
     text = m.describe()
     assert text.startswith(f"{collective} {dtype} numel=53 (")
     assert f"rank 1 on rank 1 (cpu): element 17 is {m.found:.9g}, expected {m.expected:.9g}" \
@@ -79,6 +83,22 @@ def test_data_carried_in_a_narrower_type_fails(collective, dtype, narrow):
                       perturb={"rank": 1, "numel": 53, "narrow": narrow})
     assert (m.rank, m.collective, m.dtype, m.numel) == (1, collective, dtype, 53)
     assert m.wrong > m.total // 4, m.describe()
+
+
+@pytest.mark.parametrize("collective, dtype, carrier", [
+    ("all_reduce", "bf16", "fp16"), ("all_reduce", "fp16", "bf16"),
+    ("all_reduce", "fp32", "bf16"), ("all_reduce", "fp32", "fp16"),
+    ("reduce_scatter", "bf16", "fp16"), ("all_gather", "fp16", "bf16")])
+def test_collective_carried_in_another_dtype_fails(collective, dtype, carrier):
+    """A collective carried in another dtype than its data's, cast down and back around the
+    real gloo collective on every rank, MUST fail on every rank, at every element."""
+    found = check_exact(collective, dtype, "cpu", WORLD, _Node,
+                        perturb={"numel": 53, "carry": carrier})
+    assert {m.rank for m in found} == {0, 1}, [m.describe() for m in found]
+    for m in found:
+        assert (m.collective, m.dtype, m.numel) == (collective, dtype, 53)
+        padding = {"reduce_scatter": m.rank == 1, "all_gather": 1}.get(collective, 0)
+        assert m.wrong == m.total - padding, m.describe()  # all but ZeRO's padding (zeros)
 
 
 def test_a_fault_only_in_large_messages_is_found_on_cpu_too():
@@ -170,6 +190,7 @@ def test_slow_gpu_matmul_and_a_floor_above_the_machine_fail():
 
 
 SUITE_LIKE = '''
+from dsconform.checks import collectives
 from dsconform.suite import collective_calls, gpu_health, run_ranks
 from suites.test_collectives import record_point
 

@@ -1,4 +1,4 @@
-"""Lanes (dsconform.harness.lanes.run_concurrently): independent calls at once over several pools.
+"""Lanes (dsconform.harness.lanes.run_concurrently): independent calls at once over several groups.
 
 Run on the CPU accelerator with two lanes forced ("auto" gives one lane on this 2-core machine).
 """
@@ -13,6 +13,7 @@ import pytest
 from dsconform.harness import api as dist
 from dsconform.harness import lanes as harness_lanes
 from dsconform.harness import pool
+from dsconform.harness.groups import GROUPS
 from dsconform.harness.lanes import RankCall
 
 try:
@@ -128,7 +129,7 @@ def test_one_rank_lanes_take_the_gpus_in_turn(monkeypatch):
 def test_idle_lane_ranks_outlive_the_batch_thread(clean):
     """Ranks die with the thread that started them (PR_SET_PDEATHSIG): a lane that replaces
     its failed ranks inside its own thread would leave dead ranks behind when it ends. The
-    batch's thread starts them instead, so idle lanes are alive for the next batch."""
+    owner's starter thread starts them instead, so idle lanes are alive for the next batch."""
     harness_lanes.start_lanes([1], "cpu", lanes=2)
     dist.settle_spares()
     # The failing lane starts new ranks for the third call while the other lane sleeps.
@@ -137,7 +138,7 @@ def test_idle_lane_ranks_outlive_the_batch_thread(clean):
     out = harness_lanes.run_concurrently(calls, lanes=2)
     assert [o[0] for o in out] == ["raise", "ok", "ok"]
     time.sleep(1.0)
-    idle = [p for pools in pool.LANE_POOLS.values() for p in pools]
+    idle = GROUPS.idle((1, "cpu", (), "lane"))
     assert len(idle) == 2 and all(p.alive() for p in idle), [
         [pr.exitcode for pr in p.procs] for p in idle]
 
@@ -264,48 +265,8 @@ def test_a_fresh_step_may_change_the_world_size(clean, lanes):
         assert (len(first), len(second)) == (ws_first, ws_second)
         assert [(c, w) for _, c, w in second] == [(1, False)] * ws_second, second
         assert not {p for p, _, _ in second} & {p for p, _ in first}
-    assert all(p.world_size == key[0] for key, pools in pool.LANE_POOLS.items() for p in pools), \
-        {key: [p.world_size for p in pools] for key, pools in pool.LANE_POOLS.items()}
+    kept = [key for key, _ in GROUPS.table.values()]  # one lane of 1 rank, two of 2 ranks
+    assert kept.count((1, "cpu", (), "lane")) <= 1 and kept.count((2, "cpu", (), "lane")) <= 2, \
+        f"a fresh step's group of another world size was kept as a lane's: {kept}"
 
 
-def test_calls_that_load_an_op_gather_on_few_lanes():
-    """Loading a DeepSpeed op costs each rank seconds: each op gets as many lanes as its share
-    of the work calls for, claimed from the start; a lane whose ranks loaded an op takes its
-    calls first; the calls that need no op go to the other lanes; a lane takes a call of an op
-    it has not loaded only when nothing else is left."""
-    aio, adam, none = frozenset({"async_io"}), frozenset({"cpu_adam"}), frozenset()
-    # 4 lanes; async_io is a tenth of the work (one lane), cpu_adam half of it (two lanes).
-    ops = [adam] * 5 + [none] * 4 + [aio] * 4
-    costs = [2.0] * 5 + [2.5] * 4 + [0.5] * 4
-    queue = harness_lanes._Queue(list(range(len(ops))), ops, costs, 4)
-    assert queue.limits == {"async_io": 1, "cpu_adam": 2}
-    loaded = {lane: set() for lane in range(4)}
-
-    def take(lane: int) -> int:
-        i = queue.take(lane, loaded[lane])
-        loaded[lane] |= ops[i]
-        return i
-
-    # Lanes 0 and 1 claim cpu_adam, lane 2 async_io (its calls come last in the order, but
-    # start now), lane 3 takes what needs no op.
-    assert [take(0), take(1), take(2), take(3)] == [0, 1, 9, 5]
-    assert [take(2), take(3), take(0), take(1)] == [10, 6, 2, 3]
-    assert [take(2), take(2), take(3), take(3)] == [11, 12, 7, 8]
-    # Only cpu_adam's last call is left: lane 2 has nothing else to do, and takes it.
-    assert take(2) == 4 and "cpu_adam" in loaded[2]
-    assert queue.take(0, loaded[0]) is None
-
-
-def test_a_call_whose_op_is_still_being_built_waits_while_others_run():
-    """A call whose op the run still builds is not taken (its rank would wait for the build,
-    or build the op itself, unseen by the build scheduler): the others are, and when only such
-    calls are left, the lane waits."""
-    aio, none = frozenset({"async_io"}), frozenset()
-    built: set[str] = set()
-    queue = harness_lanes._Queue([0, 1, 2], [aio, none, aio], [1.0, 1.0, 1.0], 2,
-                                 ready=lambda ops: ops <= built)
-    assert queue.take(0, set()) == 1
-    assert queue.take(0, set()) == queue.WAIT
-    built.add("async_io")
-    assert queue.take(0, set()) == 0 and queue.take(1, set()) == 2
-    assert queue.take(1, set()) is None

@@ -1,4 +1,5 @@
-"""Standby rank pools (dsconform.harness.standby): fresh processes without waiting for them.
+"""Standby ranks (dsconform.harness.groups, kind "standby"/"fresh"): fresh processes without
+waiting for them.
 
 Run on the CPU accelerator with spares forced on (on this 2-core machine "auto" leaves them off).
 """
@@ -12,7 +13,8 @@ import psutil
 import pytest
 
 from dsconform.harness import api as dist
-from dsconform.harness import standby
+from dsconform.harness import groups
+from dsconform.harness.groups import GROUPS
 
 try:
     from tests import rank_fns
@@ -33,8 +35,8 @@ TIMEOUT_S = 60.0
 def spares(monkeypatch):
     """Spares on, and no pool or spare left from an earlier test (nor after this one)."""
     dist.shutdown_pools()
-    monkeypatch.setattr(standby, "SPARE_POOLS", "1")
-    monkeypatch.setattr(standby, "_SPARE_ENV", None)
+    monkeypatch.setattr(groups, "SPARE_POOLS", "1")
+    monkeypatch.setattr(GROUPS, "env", None)
     yield
     dist.shutdown_pools()
     assert_no_leftovers()
@@ -46,7 +48,9 @@ def _key(ws: int = 2) -> tuple:
 
 def _spare(ws: int = 2, *, fresh: bool = False):
     """The standby pool for pooled calls (fresh: for fresh-process calls), or None."""
-    return standby.SPARES.get(standby.spare_key(ws, "cpu", (), fresh))
+    idle = GROUPS.idle((ws, "cpu", (), "fresh" if fresh else "standby"))
+    assert len(idle) <= 1, idle
+    return idle[0] if idle else None
 
 
 def _spare_pids(ws: int = 2, *, fresh: bool = False) -> list[int]:
@@ -58,12 +62,12 @@ def _any_spare(ws: int) -> bool:
 
 
 def test_auto_keeps_spares_for_cuda_on_big_machines_only(monkeypatch):
-    monkeypatch.setattr(standby, "SPARE_POOLS", "auto")
+    monkeypatch.setattr(groups, "SPARE_POOLS", "auto")
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
     assert dist.spares_enabled("cuda") and not dist.spares_enabled("cpu")
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert not dist.spares_enabled("cuda")
-    monkeypatch.setattr(standby, "SPARE_POOLS", "0")
+    monkeypatch.setattr(groups, "SPARE_POOLS", "0")
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
     assert not dist.spares_enabled("cuda")
 
@@ -158,7 +162,7 @@ def test_standby_ranks_have_built_an_engine_and_a_tests_first_call_is_cheaper(sp
     timings = {}
     for label, warm in (("cold", False), ("warm", True)):
         dist.shutdown_pools()
-        monkeypatch.setattr(standby, "RANK_WARMUP", warm)
+        monkeypatch.setattr(groups, "RANK_WARMUP", warm)
         dist.start_spares([2], "cpu")
         dist.settle_spares()  # start-up (and warm-up) done: only the call is timed
         t0 = time.monotonic()
@@ -193,7 +197,7 @@ def test_fresh_standby_ranks_import_ahead_but_build_no_engine(spares, monkeypatc
     assert dist.run_ranks(rank_fns.fresh_state, 2, timeout_s=TIMEOUT_S, reuse=False,
                           accelerator="cpu") == [(False, True), (False, True)]  # the standby
     dist.shutdown_pools()
-    monkeypatch.setattr(standby, "RANK_WARMUP", False)
+    monkeypatch.setattr(groups, "RANK_WARMUP", False)
     dist.run_ranks(rank_fns.fresh_state, 2, timeout_s=TIMEOUT_S, reuse=False, accelerator="cpu")
     dist.settle_spares()
     assert dist.run_ranks(rank_fns.fresh_state, 2, timeout_s=TIMEOUT_S, reuse=False,
@@ -204,8 +208,8 @@ def test_fresh_standby_ranks_import_ahead_but_build_no_engine(spares, monkeypatc
     ("gpu", True), ("gpu and not slow", True), ("anynode or gpu", True), ("not gpu", False),
     ("not gpu and not slow", False), ("", False), ("multigpu", False), ("gpu_x", False)])
 def test_ranks_start_before_collection_only_under_a_gpu_selection(markexpr, selects):
-    """The standby ranks and lanes start at configure (before collection) only when -m selects
-    GPU tests: `-m "not gpu"` on a GPU node starts none early."""
-    from dsconform.plugin.early import selects_gpu_tests as _selects_gpu_tests
+    """The fork server starts at configure (before collection) only when -m selects GPU tests:
+    `-m "not gpu"` on a GPU node starts none early."""
+    from dsconform.profile.select import selects_gpu_tests as _selects_gpu_tests
 
     assert _selects_gpu_tests(markexpr) is selects

@@ -52,7 +52,8 @@ GPU = "nvidia.com/gpu"
 HOSTNAME = "kubernetes.io/hostname"
 #: The recipes whose pods run the suite on GPU nodes (the promises below hold for each);
 #: aggregate-cronjob.yaml's pod only reads the results.
-GPU_PODS = ("acceptance-job.yaml", "multinode-job.yaml", "nightly-cronjob.yaml")
+GPU_PODS = ("acceptance-job.yaml", "burn-in-job.yaml", "multinode-job.yaml",
+            "nightly-cronjob.yaml")
 
 _LIST = re.compile(r"^(?:List\[|list\[)(.+)\]$")
 _DICT = re.compile(r"^(?:Dict\[str, |dict\(str, )(.+)[\])]$")
@@ -284,12 +285,12 @@ def test_every_manifest_is_strictly_valid_and_keeps_the_promises():
     docs = documents()
     kinds = sorted({(w.split("#")[0], d["kind"]) for w, d in docs})
     assert kinds == [("acceptance-job.yaml", "Job"), ("aggregate-cronjob.yaml", "CronJob"),
-                     ("multinode-job.yaml", "Job"), ("multinode-job.yaml", "Service"),
-                     ("nightly-cronjob.yaml", "CronJob"),
+                     ("burn-in-job.yaml", "Job"), ("multinode-job.yaml", "Job"),
+                     ("multinode-job.yaml", "Service"), ("nightly-cronjob.yaml", "CronJob"),
                      ("results-pvc.yaml", "PersistentVolumeClaim")]
     pods = [w for w, d in docs if pod_templates(d)]
-    assert pods == ["acceptance-job.yaml#0", "aggregate-cronjob.yaml#0", "multinode-job.yaml#1",
-                    "nightly-cronjob.yaml#0"]
+    assert pods == ["acceptance-job.yaml#0", "aggregate-cronjob.yaml#0", "burn-in-job.yaml#0",
+                    "multinode-job.yaml#1", "nightly-cronjob.yaml#0"]
     assert all_problems(docs) == []
 
 

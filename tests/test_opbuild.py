@@ -1,6 +1,6 @@
 """Op builds at run start: results per op, failures carried to the op's test, the awaited build
-first with the cores, the next ones started as cores go idle at a lower priority, the order
-derived from the collected tests."""
+first with the cores, the next ones started as cores go idle at a lower priority, longest
+first."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from dsconform.ops import prebuild as opbuild
-from dsconform.ops.prebuild import ParallelBuilds, build_order
+from dsconform.ops.prebuild import ParallelBuilds
 
 
 def test_parallel_builds_report_each_op():
@@ -153,121 +153,6 @@ def test_a_build_that_keeps_every_core_busy_holds_the_next_until_it_ends(monkeyp
         opbuild.summary_line(builds.timings())
 
 
-def test_builds_started_before_collection_take_the_runs_order_at_its_end(monkeypatch,
-                                                                        tmp_path):
-    """Started with a guess (a, b, c): a builds, keeping the cores busy; at collection's end the
-    run's order is d, c, a (b not needed, d new, e in the cache): b never starts, d starts
-    before c, a goes on; a build added after every build ended still starts."""
-    (tmp_path / "e").mkdir()
-    (tmp_path / "e" / "e.so").write_bytes(b"")
-    monkeypatch.setattr(opbuild, "POLL_S", 0.1)
-    monkeypatch.setenv("FAKE_BUILDS", json.dumps({op: {"seconds": 0.5} for op in "abcdf"}))
-    busy = _ScriptedMeter({op: [(0.3, 2.0), (99, 0.0)] for op in "abcdf"})
-    events = []
-    run = ParallelBuilds.start(["a", "b", "c"], 2, skip_cached=True, ext_dir=tmp_path,
-                               command=_fake_command, meter=busy,
-                               on_event=lambda op, what, info: events.append((op, what)))
-    try:
-        run.extend(["d", "c", "a", "e"], ext_dir=tmp_path)
-        assert run.order == ["a", "d", "c"] and run.wait("b") is None
-        r = run.wait_all(timeout_s=30)
-        assert [op for op, what in events if what == "start"] == ["a", "d", "c"]
-        assert r["d"]["t_start"] <= r["c"]["t_start"] and r["a"]["loaded"]
-        assert run.timings()["cached"] == ["e"]
-        time.sleep(0.5)  # the scheduler has nothing left and ends
-        run.extend(["f"], ext_dir=tmp_path)
-        assert run.wait("f", timeout_s=30)["loaded"]
-    finally:
-        run.close()
-
-
-def test_builds_started_before_the_profile_keep_only_the_runs_ops(monkeypatch, tmp_path):
-    """Started at load with a guess (a running, b running, c pending): the run's ops are c, d
-    (a incompatible here, b not needed): a and b are stopped and forgotten (the results do not
-    list them), c and d build."""
-    monkeypatch.setattr(opbuild, "POLL_S", 0.1)
-    monkeypatch.setenv("FAKE_BUILDS", json.dumps({"a": {"seconds": 30.0}, "b": {"seconds": 30.0},
-                                                  "c": {"seconds": 0.3}, "d": {"seconds": 0.3}}))
-    busy = _ScriptedMeter({op: [(99, 0.0)] for op in "abcd"})
-    run = ParallelBuilds.start(["a", "b", "c"], 4, skip_cached=True, ext_dir=tmp_path,
-                               command=_fake_command, meter=busy)
-    try:
-        deadline = time.monotonic() + 10
-        while len(run.builds) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        procs = [run.builds[op].proc for op in ("a", "b")]
-        run.retain(["c", "d"], ext_dir=tmp_path)
-        assert all(p.poll() is not None for p in procs), "a dropped build still runs"
-        r = run.wait_all(timeout_s=30)
-        assert set(r) == {"c", "d"} and r["c"]["loaded"] and r["d"]["loaded"]
-        assert [b["op"] for b in run.timings()["builds"]] == ["c", "d"]
-        assert run.wait("a") is None and run.finished("a")
-        line = opbuild.summary_line(run.timings())
-        assert "a " not in line.replace("op builds: ", " ") and "FAILED" not in line
-    finally:
-        run.close()
-
-
-def test_a_gpu_run_starts_the_acceptance_builds_at_load_and_configure_adopts_them(
-        monkeypatch, tmp_path):
-    """start_at_load on a GPU node with a cold cache starts the ops every acceptance run loads,
-    longest first (without waiting for py-cpuinfo); configure keeps those the run needs and
-    starts no builds of its own; where it needs none they are stopped."""
-    from argparse import Namespace
-    from types import SimpleNamespace
-
-    from dsconform.ops import cache
-    from dsconform.plugin import early
-
-    monkeypatch.setattr(cache, "ensure_extensions_dir", lambda: tmp_path)
-    monkeypatch.setattr(early, "gpu_device_files", lambda: True)
-    monkeypatch.setattr(early.zygote, "start_ahead", lambda: None)
-    monkeypatch.setattr(early.zygote, "enabled", lambda: True)
-    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
-    monkeypatch.setattr(early, "_LOG_AT_LOAD", [])
-    monkeypatch.setattr(early, "_BUILDS_AT_LOAD", [])
-    (tmp_path / "utils").mkdir()
-    (tmp_path / "utils" / "utils.so").write_bytes(b"")
-
-    class Builds:
-        def __init__(self, ops, kw):
-            self.ops, self.kw, self.kept, self.closed = list(ops), kw, None, False
-
-        def retain(self, ops):
-            self.kept = list(ops)
-
-        def close(self):
-            self.closed = True
-
-    made = []
-    monkeypatch.setattr(opbuild.ParallelBuilds, "start", classmethod(
-        lambda cls, ops, **kw: made.append(Builds(ops, kw)) or made[-1]))
-    config = SimpleNamespace(known_args_namespace=Namespace(
-        collectonly=False, markexpr="gpu", results=str(tmp_path / "results")))
-    early.start_at_load(config)
-    assert [b.ops for b in made] == [["async_io", "fused_adam", "cpu_adam"]]
-    assert made[0].kw["share_cpu_info"] is False
-    state = _run_state(1, ("fused_adam", "cpu_adam"), dict(fused_adam=True, cpu_adam=True,
-                                                           gds=True, utils=True, async_io=False))
-    monkeypatch.setattr(early, "early_ranks_wanted", lambda config: True)
-    ranks = []
-    monkeypatch.setattr(early, "start_cuda_pools", lambda sizes, lanes: ranks.append(sizes))
-    early.start_ranks_early(object(), state)
-    assert made[0].kept == ["fused_adam", "cpu_adam"] and state.op_builds is made[0]
-    assert len(made) == 1 and ranks == [], "configure started builds or ranks of its own"
-    # Every op the run needs is in the cache: what started at load is stopped, ranks start.
-    for op in ("fused_adam", "cpu_adam"):
-        (tmp_path / op).mkdir()
-        (tmp_path / op / f"{op}.so").write_bytes(b"")
-    stale = Builds(["async_io"], {})
-    early._BUILDS_AT_LOAD.append(stale)
-    state.op_builds = None
-    early.start_ranks_early(object(), state)
-    early.join_early()
-    assert early._BUILDS_AT_LOAD == [] and state.op_builds is None
-    assert stale.kept == [] and stale.closed and ranks == [[1]]
-
-
 def test_ops_in_the_cache_are_left_out_of_a_run_or_only_load_at_once(monkeypatch, tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "b.so").write_bytes(b"")
@@ -322,16 +207,6 @@ def test_the_tree_meter_counts_a_builds_busy_children():
         proc.wait()
 
 
-def test_build_order_puts_the_first_needed_first():
-    ops = ["fused_adam", "cpu_adam", "async_io"]
-    needs = [(5.0, ["async_io"], 4.0), (10.0, ["cpu_adam"], 1.0), (20.0, ["async_io"], 1.0)]
-    assert build_order(ops, needs) == ["async_io", "cpu_adam", "fused_adam"]
-    # Needed at the same moment: the op more work waits on first.
-    assert build_order(ops, [(0.0, ["cpu_adam"], 1.0), (0.0, ["async_io"], 3.0)]) == \
-        ["async_io", "cpu_adam", "fused_adam"]
-    assert build_order(ops, []) == ops
-
-
 class _Item:
     """Just enough of a collected test for ops_to_build, build_needs and the batch."""
 
@@ -354,59 +229,6 @@ class _Item:
         return (m for m in self._marks if name is None or m.name == name)
 
 
-def test_the_build_order_comes_from_the_collected_tests(monkeypatch):
-    """The batch runs its cells that need no op first (8 s of cells over 2 lanes: 4 s), then
-    the DeepNVMe cell that needs async_io; the main thread reaches a test needing cpu_adam
-    after 3 tests (3 s): cpu_adam first. Three more tests before it (6 s): async_io first."""
-    from types import SimpleNamespace
-
-    from dsconform.gate.requires import requires
-    from dsconform.harness import lanes
-    from dsconform.plugin.hooks import build_needs
-
-    monkeypatch.setattr(lanes, "LANES", "2")
-    plan = object()
-    cells = [_Item("suites/test_zero.py", plan=plan, cost=4.0),
-             _Item("suites/test_zero.py", plan=plan, cost=4.0),
-             _Item("suites/test_deepnvme.py", requires(op="async_io"), plan=plan, cost=2.0)]
-    state = SimpleNamespace(profile=SimpleNamespace(ops=["cpu_adam", "async_io"]),
-                            node=SimpleNamespace(gpu_count=1))
-    ops = ["cpu_adam", "async_io"]
-
-    def main(before: int) -> list:
-        return ([_Item("suites/test_collectives.py") for _ in range(before)]
-                + [_Item("suites/test_checkpoint.py", requires(op="cpu_adam"))])
-    early = main(3) + cells
-    assert build_order(ops, build_needs(early, state, cells)) == ["cpu_adam", "async_io"]
-    late = main(6) + cells
-    assert build_order(ops, build_needs(late, state, cells)) == ["async_io", "cpu_adam"]
-    # A measuring test runs after the batch (10 s of cells over 2 lanes): async_io first.
-    measuring = [_Item("suites/test_checkpoint.py", requires(op="cpu_adam"), measures=True)]
-    assert build_order(ops, build_needs(measuring + cells, state, cells)) == \
-        ["async_io", "cpu_adam"]
-
-
-def test_the_batch_runs_the_cells_of_the_op_built_first_first():
-    """Cells that need no unfinished build first; then by the place of their op in the build
-    order (a cell needing two ops goes by the later one); finished builds count as none."""
-    from types import SimpleNamespace
-
-    from dsconform.gate.requires import requires
-    from dsconform.plugin.batch import _build_rank
-
-    order, done = ["async_io", "fused_adam", "cpu_adam"], {"cpu_adam"}
-    builds = SimpleNamespace(rank=lambda op: order.index(op) if op in order else -1,
-                             finished=lambda op: op in done or op not in order)
-    rs = SimpleNamespace(op_builds=builds)
-    cell = {name: _Item("suites/test_x.py", *marks) for name, marks in {
-        "free": (), "aio": (requires(op="async_io"),), "adam": (requires(op="fused_adam"),),
-        "both": (requires(op=["async_io", "fused_adam"]),), "built": (requires(op="cpu_adam"),),
-    }.items()}
-    ranks = {name: _build_rank(item, rs) for name, item in cell.items()}
-    assert ranks == {"free": 0, "aio": 1, "adam": 2, "both": 2, "built": 0}
-    assert _build_rank(cell["aio"], SimpleNamespace(op_builds=None)) == 0
-
-
 def _run_state(gpus: int, ops: tuple[str, ...], compatible: dict[str, bool]):
     """A RunState on a fake node of ``gpus`` GPUs whose profile promises ``ops``; the ops'
     compatibility as given (the gate's probe is not run)."""
@@ -425,7 +247,7 @@ def _run_state(gpus: int, ops: tuple[str, ...], compatible: dict[str, bool]):
 
 def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
     from dsconform.gate.requires import requires
-    from dsconform.plugin.hooks import ops_to_build
+    from dsconform.plugin.items import ops_to_build
 
     items = [_Item("suites/test_ops.py"),
              _Item("suites/test_checkpoint.py", pytest.mark.gpu,
@@ -441,32 +263,6 @@ def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
 
 def test_available_cores_is_this_process_share():
     assert 1 <= opbuild.available_cores() <= (os.cpu_count() or 1)
-
-
-def test_tests_waiting_for_a_build_are_the_gpu_tests_of_uncached_ops(monkeypatch, tmp_path):
-    """On a GPU node, a gpu test that loads an op the cache lacks waits for its build (it runs
-    after the others beside the batch); one whose op is cached, one needing no op and a CPU
-    test do not; off GPU nodes nothing does."""
-    from types import SimpleNamespace
-
-    import pytest
-
-    from dsconform.gate.requires import requires
-    from dsconform.plugin.order import waits_for_a_build as _waits_for_a_build
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    (tmp_path / "cpu_adam").mkdir()
-    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
-    gpu = pytest.mark.gpu
-    waiting = _Item("suites/test_deepnvme.py", gpu, requires(op="async_io"))
-    cached = _Item("suites/test_checkpoint.py", gpu, requires(op="cpu_adam"))
-    no_op = _Item("suites/test_schedules.py", gpu)
-    cpu = _Item("suites/test_deepnvme.py", requires(op="async_io"))
-    items = [waiting, cached, no_op, cpu]
-    state = SimpleNamespace(profile=SimpleNamespace(ops=[]), node=SimpleNamespace(gpu_count=1))
-    assert _waits_for_a_build(items, state) == {id(waiting)}
-    state.node.gpu_count = 0
-    assert _waits_for_a_build(items, state) == set()
 
 
 def test_a_test_waits_at_setup_for_the_builds_of_the_ops_it_loads(monkeypatch):
@@ -496,7 +292,7 @@ def test_ops_of_gpu_tests_that_will_skip_are_not_built():
     unmet need other than its ops (two GPUs on a one-GPU node) loads nothing: its ops are not
     built for it. One whose only unmet need is its op is built: its failure is the test's."""
     from dsconform.gate.requires import requires
-    from dsconform.plugin.hooks import ops_to_build
+    from dsconform.plugin.items import ops_to_build
 
     state = _run_state(1, ("cpu_adam",), dict(gds=True, utils=True, async_io=True,
                                               fused_adam=False))
@@ -510,42 +306,3 @@ def test_ops_of_gpu_tests_that_will_skip_are_not_built():
         ["async_io", "fused_adam"]
 
 
-def test_under_m_gpu_a_cold_cache_starts_its_builds_before_collection(monkeypatch, tmp_path):
-    """pytest_configure on a GPU node under -m gpu (early.start_ranks_early): ops the run loads
-    that the cache lacks start building at once, and no rank starts beside them; with every
-    such op cached, the ranks start instead. gds, not promised, is not built, nor async_io,
-    which DeepSpeed calls incompatible here."""
-    from dsconform.ops import cache
-    from dsconform.plugin import early
-
-    state = _run_state(1, ("fused_adam", "cpu_adam"), dict(fused_adam=True, cpu_adam=True,
-                                                           gds=True, utils=True, async_io=False))
-    monkeypatch.setattr(cache, "ensure_extensions_dir", lambda: tmp_path)
-    monkeypatch.setattr(early, "early_ranks_wanted", lambda config: True)
-    monkeypatch.setattr(early.zygote, "start_ahead", lambda: None)
-    monkeypatch.setattr(early.zygote, "enabled", lambda: False)
-    started: dict[str, list] = {"builds": [], "ranks": []}
-    monkeypatch.setattr(opbuild.ParallelBuilds, "start", classmethod(
-        lambda cls, ops, **kw: started["builds"].append(list(ops)) or "builds"))
-    monkeypatch.setattr(early, "start_cuda_pools",
-                        lambda sizes, lanes: started["ranks"].append(sizes))
-    (tmp_path / "cpu_adam").mkdir()
-    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
-    early.start_ranks_early(object(), state)
-    assert started == {"builds": [["fused_adam", "utils"]], "ranks": []}
-    state.op_builds, started["builds"] = None, []
-    (tmp_path / "cpu_adam" / "cpu_adam.so").unlink()  # two to build: the longest first
-    state.op_cache["async_io"] = True
-    early.start_ranks_early(object(), state)
-    assert started["builds"] == [["async_io", "fused_adam", "cpu_adam", "utils"]]
-    (tmp_path / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
-    state.op_cache["async_io"] = False
-    started["builds"] = [["fused_adam", "utils"]]
-    assert state.op_builds == "builds"
-    for op in ("fused_adam", "utils"):
-        (tmp_path / op).mkdir()
-        (tmp_path / op / f"{op}.so").write_bytes(b"")
-    state.op_builds = None
-    early.start_ranks_early(object(), state)
-    assert started == {"builds": [["fused_adam", "utils"]], "ranks": [[1]]}
-    assert state.op_builds is None

@@ -6,7 +6,9 @@ the rank functions' ``tamper`` argument:
   is 2% off;
 - ``drop_group_weight_decay``: the first parameter group reaches DeepSpeed without its own
   weight decay (0.1), so the config's 0 applies;
-- ``wrong_norm_type``: DeepSpeed's norm helpers are handed the 2-norm whatever was asked.
+- ``wrong_norm_type``: DeepSpeed's norm helpers are handed the 2-norm whatever was asked;
+- ``muon_no_momentum`` / ``muon_wrong_ns_coefficient``: DeepSpeed's Muon updates without its
+  momentum, or orthogonalise with a Newton-Schulz coefficient a = 3.0 for 3.4445.
 """
 
 from __future__ import annotations
@@ -46,6 +48,28 @@ def test_tampered_optimizer_fails_at_once(tamper: str):
     if tamper == "drop_group_weight_decay":  # only the first group's parameter moved otherwise
         assert {d.name for d in cmp.failures} == {"fc1.weight", "fc1.weight/exp_avg",
                                                   "fc1.weight/exp_avg_sq"}, cmp.report()
+
+
+# Muon on ZeRO-2 with the optimizer offloaded (its AdamW a DeepSpeedCPUAdam): the CPU tier's cell.
+MUON = OptCase("muon", 2, "opt", "fp32", 1, 2)
+
+
+@pytest.mark.parametrize("tamper", [None, "muon_no_momentum", "muon_wrong_ns_coefficient"])
+def test_perturbed_muon_fails(tamper: str | None):
+    results = run_ranks(train_optimizer, MUON.world_size, timeout_s=600, args=(MUON,),
+                        kwargs={"tamper": tamper}, accelerator="cpu")
+    cmp = judge(results, MUON, "cpu")
+    if tamper is None:
+        assert cmp.ok, cmp.report()
+        return
+    assert not cmp.ok
+    first = cmp.first_divergence
+    # momentum shows from the second step on (the first update is the normalised gradient
+    # either way); a wrong coefficient at the first
+    assert first is not None and first.step <= (tamper == "muon_no_momentum"), cmp.report()
+    assert first.max_abs > 2 * (cmp.tol.atol + cmp.tol.rtol), cmp.report()
+    # only the matrices Muon takes move; the biases' AdamW is untouched
+    assert {d.name for d in cmp.failures} <= {"fc1.weight", "fc2.weight"}, cmp.report()
 
 
 @pytest.mark.parametrize("norm", ["1", "inf"])

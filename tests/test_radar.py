@@ -145,45 +145,104 @@ TIER = [
 ]
 
 
-def test_the_radar_tier_covers_every_zero_stage_with_the_cheapest_cells():
-    chosen = radar.radar_selection(TIER)
-    zero = [c for c in chosen if "test_zero_matches_ddp" in c]
-    assert {c.split("-")[1] for c in zero} == {"z0", "z1", "z2", "z3"}  # every stage, once
-    assert len(zero) == 4
-    assert TIER[4] in chosen and TIER[3] not in chosen  # the one-rank twin is cheaper
-    assert TIER[6] in chosen and TIER[5] not in chosen  # cpu_adam's op compiles for minutes
-    assert "suites/test_profile.py::test_cpu_cores" in chosen
+NIGHTLY = [f"suites/test_zero.py::test_zero_matches_ddp[cpu-z{s}-{off}-{dt}-{opt}-gas{g}-ws{w}]"
+           for s in range(4) for off in ("off_none", "off_opt") for dt in ("fp32", "bf16")
+           for opt in ("sgd", "adam") for g in (1, 4) for w in (1, 2)]
+
+
+def test_the_radar_tier_is_the_cpu_tier_with_a_three_way_zero_array():
+    chosen = radar.radar_selection(TIER, NIGHTLY)
+    # every CPU-tier cell but the property test left out for its budget
+    assert chosen[:len(TIER) - 1] == [t for t in TIER if not t.endswith("follows_model")]
     assert "suites/test_loss_scaler.py::test_scaler_follows_model" not in chosen
-    assert TIER[-1] in chosen  # the deterministic sequences of that check stay
-    # a test without a stage axis gets one cell, its first one-rank cell
-    other = ["suites/test_collectives.py::test_collective_is_exact[cpu-all_reduce-fp32]",
-             "suites/test_collectives.py::test_collective_is_exact[cpu-all_gather-ws1]"]
-    assert radar.radar_selection(other) == other[1:]
+    added = chosen[len(TIER) - 1:]
+    assert added and all(c in NIGHTLY and c.endswith("ws2]") for c in added)
+    # every triple of (stage, offload, dtype, optimizer, GAS) values the nightly matrix has is
+    # in a chosen cell, and far fewer cells than the full product do it
+    zero = [c for c in chosen if "test_zero_matches_ddp" in c]
+    def parts(c):
+        return c.split("[")[1].rstrip("]").split("-")[1:6]
+    import itertools
+    for combo in itertools.combinations(range(5), 3):
+        want = {tuple(parts(c)[i] for i in combo) for c in NIGHTLY}
+        have = {tuple(parts(c)[i] for i in combo) for c in zero}
+        assert want <= have, combo
+    assert len(added) < len(NIGHTLY) // 4
+    assert radar.radar_selection(TIER[:1]) == TIER[:1]  # no nightly matrix: the tier alone
+
+
+def test_three_way_takes_only_what_the_given_cells_miss():
+    assert radar.three_way(NIGHTLY, NIGHTLY) == []  # all given: nothing to add
+    alone = radar.three_way(NIGHTLY)
+    assert len(radar.three_way(NIGHTLY, alone[:3])) < len(alone)
+    assert radar.three_way(["suites/test_zero.py::test_zero_matches_ddp[cpu-z0-ws2]"]) == []
 
 
 # ------------------------------------------------------------------ releases
 
 def test_releases_are_ordered_as_versions_and_say_where_they_come_from(tmp_path):
-    rs = radar.releases(["0.19.10", "0.19.9"], [f"0.16.9={tmp_path}"], [f"0.18.9={tmp_path}"])
-    assert [r.version for r in rs] == ["0.16.9", "0.18.9", "0.19.9", "0.19.10"]
+    rs = radar.releases(["0.19.8", "0.18.9@2.13"], [f"0.16.9={tmp_path}"], [f"0.17.6={tmp_path}"])
+    assert [(r.version, r.torch) for r in rs] == [("0.16.9", None), ("0.17.6", None),
+                                                  ("0.18.9", "2.13.0"), ("0.19.8", "2.14.1")]
     assert rs[0].results == tmp_path and rs[1].python == tmp_path / "bin" / "python"
-    for bad, message in ((["x.y", "0.19.8"], "not a DeepSpeed version"), (["0.19.8"], "two")):
+    assert [r.label for r in rs] == ["0.16.9", "0.17.6", "0.18.9", "0.19.8"]
+    for bad, message in ((["x.y", "0.19.8"], "not a DeepSpeed version"), (["0.19.8"], "two"),
+                         (["0.99.1", "0.19.8"], "0.99.1@TORCH"),
+                         (["0.19.8@two", "0.19.6"], "expected a torch release")):
         with pytest.raises(radar.RadarError, match=message):
             radar.releases(bad)
     with pytest.raises(radar.RadarError, match="VERSION=PATH"):
         radar.releases(["0.19.8"], ["0.19.6"])
-    assert radar.venv_dir(tmp_path, "0.19.8", ">=2.11,<2.12").name == \
-        "deepspeed-0.19.8-torch-2.11_2.12"
 
 
-def test_a_cached_venv_is_reused_without_installing(tmp_path):
-    where = radar.venv_dir(tmp_path, "0.18.9", None)
+def test_each_release_gets_the_torch_of_its_time_unless_given():
+    from dsconform.tools.periods import period_torch
+    # the newest torch on PyPI before each release (Python 3.11 wheels)
+    assert {v: period_torch(v, 11) for v in ("0.16.9", "0.17.6", "0.18.9", "0.19.2", "0.19.8")} \
+        == {"0.16.9": "2.7.0", "0.17.6": "2.8.0", "0.18.9": "2.11.0", "0.19.2": "2.12.0",
+            "0.19.8": "2.14.1"}
+    assert period_torch("0.16.0", 13) == "2.5.1"  # torch 2.4 had no Python 3.13 wheel
+    rs = radar.releases(["0.19.6", "0.19.8"], torches=["2.13"])
+    assert [(r.version, r.torch, r.label) for r in rs] == [("0.19.6", "2.13.0", "0.19.6"),
+                                                          ("0.19.8", "2.13.0", "0.19.8")]
+
+
+def test_several_torches_with_one_release_are_a_torch_axis():
+    rs = radar.releases(["0.19.8"], torches=["2.14.1", "2.13"])
+    assert [(r.torch, r.label, r.folder) for r in rs] == [
+        ("2.13.0", "torch 2.13.0", "ds-0.19.8-torch-2.13.0"),
+        ("2.14.1", "torch 2.14.1", "ds-0.19.8-torch-2.14.1")]
+    with pytest.raises(radar.RadarError, match="exactly one DeepSpeed"):
+        radar.releases(["0.19.6", "0.19.8"], torches=["2.13", "2.14.1"])
+    rs = radar.releases(["0.19.8@2.13.0", "0.19.8@2.14.1", "0.19.6"])
+    assert [r.label for r in rs] == ["0.19.6", "0.19.8@2.13.0", "0.19.8@2.14.1"]
+
+
+def test_a_ready_venv_is_reused_without_installing(tmp_path, monkeypatch):
+    from dsconform.tools import radar_envs
+    where = radar_envs.venv_dir(tmp_path, "2.13.0")
     (where / "bin").mkdir(parents=True)
     (where / "bin" / "python").write_text("")
-    (where / radar.READY).write_text("0.18.9\n")
+    checkout = Path(__file__).resolve().parents[1]
+    (where / radar_envs.READY).write_text(json.dumps({"torch": "2.13.0",
+                                                      "suite": str(checkout)}))
+    monkeypatch.setattr(radar_envs, "installed_deepspeed", lambda python: "0.18.9")
     said = []
-    assert radar.ensure_venv(tmp_path, "0.18.9", None, said.append) == where / "bin" / "python"
+    assert radar_envs.ensure_env(tmp_path, "2.13.0", "0.18.9", checkout, said.append) == \
+        where / "bin" / "python"
     assert said == [f"venv {where} (cached)"]
+
+
+def test_the_radar_constraints_leave_torch_and_deepspeed_free(tmp_path):
+    from dsconform.tools import radar_envs
+    checkout = Path(__file__).resolve().parents[1]
+    where = tmp_path / "torch-2.13.0"  # not made yet: the venv step makes (and clears) it
+    [_, path] = radar_envs._constraints(checkout, where)
+    assert not Path(path).is_relative_to(where)
+    lines = Path(path).read_text().splitlines()
+    assert not [ln for ln in lines if ln.startswith(("deepspeed", "torch", "triton"))]
+    assert any(ln.startswith("pytest==") for ln in lines)
+    assert any(ln.startswith("nvidia-ml-py") for ln in lines)
 
 
 # ------------------------------------------------------------------ end to end
@@ -234,7 +293,7 @@ def test_the_radar_end_to_end_prints_progress_and_keeps_each_run(tmp_path, capsy
             "--suites", str(Path(__file__).resolve().parents[1] / "suites")]
     assert main(args) == 1
     printed = capsys.readouterr().out
-    assert "dsconform radar: 5 releases (0.16.9, 0.18.9, 0.19.0, 0.19.6, 0.19.8)" in printed
+    assert "dsconform radar: 5 columns (0.16.9, 0.18.9, 0.19.0, 0.19.6, 0.19.8)" in printed
     assert "[2/5] 0.18.9: running pytest -m gpu" in printed
     assert "[2/5] 0.18.9: done in 0 s: 3 passed, 1 failed (pytest exit 1)" in printed
     for v in runs:
@@ -252,7 +311,7 @@ def test_a_release_that_ran_nothing_is_named_and_exits_2(tmp_path, capsys, monke
             str(Path(__file__).resolve().parents[1] / "suites")]
     assert main(args) == 2
     err = capsys.readouterr().err
-    assert "DeepSpeed 0.18.9 is not on the timeline: its run wrote no benchmarks.json (pytest " \
+    assert "0.18.9 is not on the timeline: its run wrote no benchmarks.json (pytest " \
            "exit 4" in err
     assert (tmp_path / "r" / "timeline.md").is_file()  # the other two still compared
 
@@ -266,12 +325,14 @@ def test_the_radar_tier_runs_its_selection_only(tmp_path, capsys, monkeypatch):
     args = ["radar", *_fake_envs(tmp_path, ["0.19.0", "0.19.6"]), "--tier", "radar", "--out",
             str(tmp_path / "r"), "--no-plot", "--suites", str(suites)]
     assert main(args) == 1  # DS-5104 appeared from 0.19.0 to 0.19.6
-    chosen = radar.radar_selection(TIER)
+    chosen = radar.radar_selection(TIER, TIER)  # the stand-in collects TIER both times
     assert (tmp_path / "r" / "radar-tier.txt").read_text().split() == chosen
-    assert f"radar tier: {len(chosen)} of the CPU tier's {len(TIER)} tests" in \
+    assert f"radar tier: the CPU tier's {len(TIER)} tests less 4 left out, and 0 ZeRO cells " \
+           f"of the nightly matrix for 3-way coverage: {len(chosen)} tests" in \
         capsys.readouterr().out
     ran = (tmp_path / "r" / "ds-0.19.6" / "pytest.log").read_text().splitlines()[0]
     assert chosen[1] in ran and f" {suites} " not in ran  # the folder would add the tier back
+    assert "-m 'not gpu' --nightly" in ran  # its nightly ZeRO cells are `slow`
 
 
 def test_an_environment_that_cannot_see_the_suite_is_named(tmp_path, capsys, monkeypatch):
@@ -305,10 +366,10 @@ def test_finished_runs_are_named_by_what_they_ran_on(tmp_path):
     node and profile, never this machine's tier."""
     from dsconform.tools.radar import Release, finished_runs_words
     ref = Path(__file__).resolve().parents[1] / "results" / "reference" / "h200-x1"
-    words = finished_runs_words([Release("0.19.6", ref / "ds-0.19.6"),
-                                 Release("0.19.8", ref / "ds-0.19.8")])
+    words = finished_runs_words([Release("0.19.6", results=ref / "ds-0.19.6"),
+                                 Release("0.19.8", results=ref / "ds-0.19.8")])
     assert words == ("the finished runs given with --from-results (1x NVIDIA H200, profile "
                      "auto-h200-x1)")
     assert "CPU tier" not in words
-    assert finished_runs_words([Release("0.19.6", tmp_path)]) == \
+    assert finished_runs_words([Release("0.19.6", results=tmp_path)]) == \
         "the finished runs given with --from-results"

@@ -154,3 +154,24 @@ def test_one_layers_gradient_off_fails_its_tensor_gain():
     failed = {(d.name, d.where) for d in cmp.failures if d.quantity == "tensor_gain"}
     assert failed == {("fc1.weight", "rank 0"), ("fc1.weight", "rank 1")}, cmp.report()
     assert "gain of 'fc1.weight' (rank 0): its update is 0.898" in cmp.report()
+
+
+@pytest.mark.parametrize("tamper", [None, "comm_fp16"])
+def test_changed_dtype_resolution_fails_zero_def_2(tamper):
+    """ZERO-DEF-2 MUST go red when the engine carries gradients in another dtype than it
+    resolves today: every fp32 and bf16 config here forced to communicate in fp16, read from a
+    real engine and its ZeRO optimizer. The control (no tamper) passes."""
+    from suites.test_zero import resolved_mismatches
+    from suites.zero_ranks import read_resolved_dtypes
+
+    found = run_ranks(read_resolved_dtypes, 1, timeout_s=180, kwargs={"tamper": tamper},
+                      accelerator="cpu")[0]
+    mismatches = resolved_mismatches(found)
+    if tamper is None:
+        assert not mismatches, mismatches
+        return
+    assert mismatches
+    assert all("communication_data_type: expected" in m for m in mismatches), mismatches
+    # the engine's and ZeRO's copies, every stage, both dtypes read here
+    assert any(m.startswith("bf16.z3.zero.communication_data_type") for m in mismatches)
+    assert any(m.startswith("fp32.z0.communication_data_type") for m in mismatches)

@@ -45,6 +45,7 @@ STAGE0_BF16 = "stage0_bf16"
 AIO_HANDLE = "aio_handle"
 PRECISION_CONFIG = "precision_config"
 AIO_WAIT = "aio_wait"
+MUON = "muon"
 ADDITIONS: dict[str, Addition] = {
     # Before it, bf16 without ZeRO was refused unless gradients accumulate in fp32
     # (NotImplementedError "Bfloat16 wrapper must use a gradient accumulation type of fp32,
@@ -68,6 +69,9 @@ ADDITIONS: dict[str, Addition] = {
     PRECISION_CONFIG: Addition("DeepSpeedConfig.float16_config / bfloat16_config and the "
                                "loss-scale profiles", "0.17.1",
                                "https://github.com/deepspeedai/DeepSpeed/pull/6976"),
+    # 0.16.9 has no deepspeed/runtime/zero/muon; 0.17.6 has it (the optimizer suite's Muon).
+    MUON: Addition("the Muon optimizer (\"type\": \"Muon\")", "0.17.6",
+                   "https://github.com/deepspeedai/DeepSpeed/pull/7509"),
 }
 
 
@@ -230,3 +234,19 @@ def stage0_scaler(optimizer: Any) -> tuple[float, bool] | None:
     if hasattr(optimizer, "cur_scale") and hasattr(optimizer, "dynamic_loss_scale"):
         return float(optimizer.cur_scale), bool(optimizer.dynamic_loss_scale)
     return None
+
+
+def moe_gate_routes(gate: Any, x: Any) -> tuple[int, set[tuple[int, int]]]:
+    """(capacity, the (token, expert) routes that kept a slot) as an MoE ``TopKGate`` decides
+    them for the tokens ``x``. From 0.19.4 the gate returns its routes sparsely
+    (``sparse_routes=True``: per route the expert, or -1 where it was dropped); before, only as
+    the dense dispatch mask ``[tokens, experts, capacity]``, which holds the same routes."""
+    import inspect
+
+    if "sparse_routes" in inspect.signature(gate.forward).parameters:
+        _, capacity, _, indices, _, _, _ = gate(x, None, True, False)
+        kept = {(t, int(indices[c, t])) for c in range(indices.shape[0])
+                for t in range(indices.shape[1]) if int(indices[c, t]) >= 0}
+        return int(capacity), kept
+    _, _, dispatch, _ = gate(x, None, False)
+    return int(dispatch.shape[2]), {(int(t), int(e)) for t, e in dispatch.any(dim=2).nonzero()}

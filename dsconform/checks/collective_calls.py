@@ -8,8 +8,11 @@ on the CPU accelerator, NCCL on GPUs), and returns plain data for the parent to 
 (the reference: dsconform/checks/collectives.py). Fault injection for the project's own red
 tests, off by default:
 - ``check_exact(..., perturb={"rank": r, "numel": m, "index": i})``: on rank r, the
-  deepspeed.comm call for size m returns its output with element i off by one (a wrapper around
-  the real call); ``{"rank": r, "numel": m, "narrow": "bf16"}`` rounds it through bf16 instead.
+  deepspeed.comm call for size m returns its output with element i off by one unit of the
+  data (a wrapper around the real call); ``{"rank": r, "numel": m, "narrow": "bf16"}`` rounds
+  it through bf16 instead;
+  ``{"numel": m, "carry": "fp16"}``: every rank carries the collective in fp16 (its tensors
+  cast down, the real collective run in fp16, the result cast back).
 - ``measure(..., delay_rank=r, delay_s=d)``: rank r sleeps d seconds before every call it starts
   (it arrives late); ``partial_rank=r``: the output of rank r's checked calls has its last
   quarter zeroed (a collective that did only part of the work).
@@ -59,12 +62,13 @@ def identity() -> dict[str, Any]:
 
 # ------------------------------------------------------------------ exactness
 
-def _with_fault(call: Callable, index: int) -> Callable:
+def _with_fault(call: Callable, index: int, by: float) -> Callable:
     """The real deepspeed.comm call, then element ``index`` of its output (the first argument,
-    as in every call used here) off by one: a rank whose collective returns one wrong value."""
+    as in every call used here) off by ``by`` (one unit of the dtype's data, which the dtype
+    holds at every value of it): a rank whose collective returns one wrong value."""
     def faulty(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         result = call(out, *args, **kwargs)
-        out.view(-1)[index] += 1
+        out.view(-1)[index] += by
         return result
     return faulty
 
@@ -77,6 +81,18 @@ def _narrowed(call: Callable, narrow: torch.dtype) -> Callable:
         out.copy_(out.to(narrow).to(out.dtype))
         return result
     return faulty
+
+
+def _carried(call: Callable, carrier: torch.dtype) -> Callable:
+    """The real deepspeed.comm call run on copies of its tensors cast to ``carrier``, the
+    result cast back into the output: a collective carried in another dtype."""
+    def carried(out: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        low = out.to(carrier)
+        args = tuple(a.to(carrier) if isinstance(a, torch.Tensor) else a for a in args)
+        result = call(low, *args, **kwargs)
+        out.copy_(low.to(out.dtype))
+        return result
+    return carried
 
 
 def _ds_calls() -> dict[str, Callable]:
@@ -130,10 +146,13 @@ def check_exact(collective: str, dtype: str, sizes: Sequence[int],
     for numel in sizes:
         for api in apis:
             call = APIS[api]()[collective]
-            if api == "deepspeed.comm" and perturb and perturb["rank"] == me \
-                    and perturb["numel"] == numel:
-                call = (_narrowed(call, DTYPES[perturb["narrow"]]) if "narrow" in perturb
-                        else _with_fault(call, perturb["index"]))
+            if api == "deepspeed.comm" and perturb and perturb["numel"] == numel:
+                if "carry" in perturb:  # every rank, or the collective would not match
+                    call = _carried(call, DTYPES[perturb["carry"]])
+                elif perturb["rank"] == me:
+                    call = (_narrowed(call, DTYPES[perturb["narrow"]]) if "narrow" in perturb
+                            else _with_fault(call, perturb["index"],
+                                             collectives.unit(dtype)))
             case = collectives.exact_case(collective, me, n, numel, dev, dtype)
             out = _run_exact(collective, case, DTYPES[dtype], call, dev)
             found = collectives.find_mismatch(out, case.as_float(case.expected, DTYPES[dtype]))

@@ -1,13 +1,19 @@
 """Collectives: what each one must return on known data, which sizes a bandwidth sweep visits,
 and how bandwidth is named (nccl-tests' definitions).
 
-Exactness. Every rank's input is a known function of (rank, element index): integer units m in
-[-span, span] times a power-of-two unit, chosen per dtype so that every partial sum of a
-reduction is exact in that dtype, in any order, and most values are NOT exact in a narrower one:
-bf16 integers of magnitude <= 127 (8 significant bits); fp16 integers <= 2047 (11 bits), which
-bf16 does not hold; fp32 multiples of 2**-10 with units <= 2**24 - 1, which neither bf16 nor
-fp16 holds. So any backend must reproduce the expected output exactly, and one that carries or
-reduces the data in a narrower type (a compression hook, a wrong NCCL datatype) is caught. Values
+Exactness. Every rank's input is a known function of (rank, element index): integer units
+times a power-of-two unit, chosen per dtype so that every partial sum of a reduction is exact in
+that dtype, in any order, and every value a rank receives is NOT exact in any other dtype the
+collective could be carried in. With M the dtype's significant bits (bf16 8, fp16 11, fp32 24):
+one rank (rank 0 of a reduction, every rank otherwise) sends odd units of magnitude in
+[2**(M-2), 2**(M-1)), M - 1 significant bits; the others add even units whose sum stays below
+2**(M-3), so every sum is odd, of magnitude in (2**(M-3), 2**(M-1) + 2**(M-3)): at least M - 2
+significant bits and below 2**M. fp16 data (unit 1) so needs 9 or more bits, which bf16 does not
+keep; fp32 data (unit 2**-10, magnitudes 2048 to 10240) 22 or more, which bf16, fp16 and a
+tf32-like 10-bit mantissa do not; bf16 data (unit 2**20) is >= 2**21 wherever it is not zero,
+past fp16's largest finite value (65504). So any backend must reproduce the expected output
+exactly, and one that carries or reduces the data in another type (a compression hook, a wrong
+NCCL datatype) is caught. Values
 depend on the position, so an output in the wrong order or from the wrong rank is caught, not
 only a wrong sum. Sizes that are not a multiple of the world size are laid out the way DeepSpeed
 lays them out: all_gather and reduce_scatter pad the flat buffer to a multiple of the world size
@@ -118,24 +124,26 @@ def sweep_sizes(collective: str, top: int, *, accelerator: str, full: bool) -> t
 
 # ------------------------------------------------------------------ exact data
 
-# dtype -> (the largest |sum| of units every partial sum stays within, exact in the dtype; the
-# value of one unit). bf16 keeps the original small integers.
-_UNITS = {"bf16": (127, 1.0), "fp16": (2047, 1.0), "fp32": ((1 << 24) - 1, 2.0 ** -10)}
+# dtype -> (the significant bits M its data uses, the value of one unit). bf16's unit puts every
+# nonzero value past fp16's range; fp32's keeps its values within fp16's normal range, so fp16
+# rounding there is a tf32-like 11-bit rounding.
+_UNITS = {"bf16": (8, 2.0 ** 20), "fp16": (11, 1.0), "fp32": (24, 2.0 ** -10)}
+
+
+def _carries(n: int, rank: int, reduces: bool) -> bool:
+    """Whether ``rank`` sends the full-precision values (rank 0 of a reduction, every rank of a
+    collective that does not add)."""
+    return not reduces or n == 1 or rank == 0
 
 
 def span(n: int, dtype: str = "bf16", rank: int = 0, reduces: bool = True) -> int:
-    """Largest |units| of rank ``rank``'s input. The dtype's budget (bf16: 127, so sums stay
-    exact in bf16; fp16: 2047; fp32: 2**24 - 1 units of 2**-10) bounds every partial sum: a
-    reduction gives half of it to rank 0 and shares the rest among the others, so the sums stay
-    exact and still mostly need the dtype's full precision (they follow rank 0's values) however
-    many ranks there are. A collective that does not add (all_gather, broadcast, all_to_all)
-    gives every rank the whole budget."""
-    budget = _UNITS[dtype][0]
-    if not reduces or n == 1:
-        return budget
-    if rank == 0:
-        return budget // 2
-    return max(1, (budget - budget // 2) // (n - 1))
+    """Largest |units| of rank ``rank``'s input: 2**(M-1) - 1 where it carries the precision;
+    for the other ranks of a reduction, even units whose sum over the n - 1 of them stays below
+    2**(M-3) (0 where that leaves no room, e.g. bf16 on more than 16 ranks)."""
+    bits = _UNITS[dtype][0]
+    if _carries(n, rank, reduces):
+        return (1 << (bits - 1)) - 1
+    return 2 * (((1 << (bits - 3)) - 1) // (2 * (n - 1)))
 
 
 def unit(dtype: str) -> float:
@@ -145,9 +153,16 @@ def unit(dtype: str) -> float:
 
 def _unit_values(rank: int, index: Any, n: int, dtype: str = "bf16",
                  reduces: bool = True) -> Any:
-    """Rank ``rank``'s input units at flat positions ``index`` (an int64 tensor)."""
-    k = span(n, dtype, rank, reduces)
-    return (index * 7 + rank * 13) % (2 * k + 1) - k
+    """Rank ``rank``'s input units at flat positions ``index`` (an int64 tensor): odd, of
+    magnitude in [2**(M-2), 2**(M-1)), where it carries the precision; even, in [-span, span],
+    otherwise. Both depend on the position and the rank, signs mixed."""
+    bits = _UNITS[dtype][0]
+    mix = index * 7 + rank * 13
+    if _carries(n, rank, reduces):
+        sign = 1 - 2 * ((index + rank) % 3 == 0).to(index.dtype)
+        return sign * ((1 << (bits - 2)) + 2 * (mix % (1 << (bits - 3))) + 1)
+    half = span(n, dtype, rank, reduces) // 2
+    return 2 * (mix % (2 * half + 1) - half)
 
 
 def _splits(rank: int, n: int, numel: int) -> list[int]:

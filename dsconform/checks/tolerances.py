@@ -59,7 +59,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dsconform.checks import sdc_bounds, tolerances_moe, tolerances_optimizers
+from dsconform.checks import (
+    sdc_bounds,
+    tolerances_moe,
+    tolerances_optimizers,
+    tolerances_state,
+)
 
 ACCELERATORS = ("cpu", "cuda")
 # What a profile's [tolerances."check.dtype.optimizer"] table may set.
@@ -524,7 +529,7 @@ for _dtype in ("fp32", "fp16"):
     TABLE[("monitor_loss", _dtype, "sgd")] = {"cpu": _MONITOR_LOSS, "cuda": _MONITOR_LOSS}
 
 for _key, (_rtol, _atol, _why) in (tolerances_moe.ENTRIES | tolerances_optimizers.ENTRIES
-                                  | sdc_bounds.ENTRIES).items():
+                                  | tolerances_state.ENTRIES | sdc_bounds.ENTRIES).items():
     TABLE[_key] = dict.fromkeys(ACCELERATORS, Tol(_rtol, _atol, _why))
 
 

@@ -44,11 +44,13 @@ from dsconform.gate.known_issue import (
 )
 from dsconform.gate.registry import (
     checkpoint,
+    clipping,
     deepnvme,
     moe,
     observability,
     onebit,
     optimizers,
+    state,
     training,
 )
 
@@ -59,7 +61,7 @@ __all__ = ["KINDS", "KNOWN_ISSUES", "TORCH", "UPSTREAM", "KnownIssue", "KnownIss
 
 KNOWN_ISSUES: tuple[KnownIssue, ...] = (
     training.ISSUES + checkpoint.ISSUES + deepnvme.ISSUES + onebit.ISSUES
-    + observability.ISSUES + moe.ISSUES + optimizers.ISSUES
+    + observability.ISSUES + moe.ISSUES + optimizers.ISSUES + state.ISSUES + clipping.ISSUES
 )
 
 def case_name(path_name: str, test_name: str) -> str:

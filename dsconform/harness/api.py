@@ -3,14 +3,13 @@ by DeepSpeed (``run_ranks``), and the helpers fn uses inside a rank.
 
 Every distributed test in the suite goes through `run_ranks`. Two modes:
 
-* Spawned (the default on one node): `world_size` rank processes started with the
-  multiprocessing *spawn* context, kept alive between calls (a pool per world size,
-  accelerator and GPU slice: dsconform.harness.pool) so only the first call pays for importing
+* Spawned (the default on one node): `world_size` rank processes (forks of the fork server,
+  dsconform.harness.zygote), kept alive between calls (a group per world size, accelerator and
+  GPU slice, leased from dsconform.harness.groups) so only the first call pays for importing
   deepspeed and initialising the process group. A failing, dying or hanging rank fails that
-  one call and tears its pool down; the next call starts fresh processes. Standby ranks
-  (dsconform.harness.standby) are started in the background so a call that needs new
-  processes does not wait for them; lanes (dsconform.harness.lanes) run independent calls at
-  once.
+  one call and tears its group down; the next call starts fresh processes. Standby ranks are
+  kept started so a call that needs new processes does not wait for them; lanes
+  (dsconform.harness.lanes) run independent calls at once.
 * External (under torchrun, the DeepSpeed launcher or Slurm, see `external_rendezvous` and
   dsconform.harness.launcher): the current process is one rank of a job that already has a
   rendezvous; fn runs in-process and the ranks exchange outcomes so that every rank returns,
@@ -20,17 +19,15 @@ Inside fn, use the helpers re-exported here: rank(), world(), device(), seed_eve
 gather(), all_agree().
 
 Call `shutdown_pools()` at the end of a pytest session (an atexit hook also does it).
-run_ranks calls are serialised (one lock per process); a pytest-xdist worker has its own pools,
-ports and GPUs (see dsconform.harness.xdist).
+Calls from several threads each lease their own group; a pytest-xdist worker has its own
+groups, ports and GPUs (see dsconform.harness.xdist).
 """
 
 from __future__ import annotations
 
 import atexit
-import time
 from collections.abc import Callable
 
-from dsconform.harness import standby
 from dsconform.harness.errors import (
     RankError,
     RankTimeout,
@@ -40,26 +37,10 @@ from dsconform.harness.errors import (
     check_world_size,
     resolve,
 )
+from dsconform.harness.groups import GROUPS, spares_enabled
 from dsconform.harness.launcher import external_rendezvous, run_external
-from dsconform.harness.pool import (
-    CALLS_LOCK,
-    LANE_POOLS,
-    MAX_POOLS,
-    POOLS,
-    STATS,
-    TABLES_LOCK,
-    close_idle,
-    gpus_for,
-    pg_timeout_for,
-    pickle_call,
-    replies_healthy,
-    send_and_collect,
-    start_pool,
-    startup_phases,
-    startup_stats,
-)
+from dsconform.harness.pool import gpus_for, pg_timeout_for, pickle_call, replies_healthy
 from dsconform.harness.rank import all_agree, device, gather, rank, seed_everything, world
-from dsconform.harness.standby import hold_spares, settle_spares, spares_enabled, start_spares
 from dsconform.harness.xdist import (
     InsufficientGPUs,
     free_port,
@@ -80,73 +61,70 @@ __all__ = [
     "visible_gpus", "worker_gpus", "world", "xdist_worker",
 ]
 
-
-def shutdown_pools() -> None:
-    """Stop every pooled rank process, all at once (pooled, standby and lane pools). The pytest
-    plugin calls this at session end."""
-    with TABLES_LOCK:
-        pools = list(POOLS.values()) + list(standby.SPARES.values()) \
-            + [p for lane in LANE_POOLS.values() for p in lane]
-        POOLS.clear()
-        standby.SPARES.clear()
-        LANE_POOLS.clear()
-        close_idle(pools)
-
-
+#: The owner's operations under the names the plugin and fixtures use.
+shutdown_pools = GROUPS.shutdown  # every rank group, at session end (and at exit)
+hold_spares = GROUPS.quiet  # `with hold_spares():` nothing starts beside a measurement
+settle_spares = GROUPS.settle  # wait for the groups still starting
+startup_phases = GROUPS.startup_phases
 atexit.register(shutdown_pools)
+
+
+def startup_stats() -> dict[str, float]:
+    """Groups started for run_ranks calls (pools; from_standby of them), the seconds calls
+    waited for start-up (waited_s); lane groups started (lanes), calls run on lanes
+    (lane_calls) and the seconds lanes waited for their ranks (lane_waited_s)."""
+    with GROUPS.lock:
+        return dict(GROUPS.stats)
+
+
+def start_spares(world_sizes: list[int], accelerator: str = "cuda", *,
+                 fresh: bool = False) -> list[tuple]:
+    """Start standby ranks for these world sizes now (fresh: the never-warmed ones that
+    fresh-process calls take); returns the keys kept, leaving out world sizes this xdist
+    worker has too few GPUs for."""
+    kept = []
+    for ws in world_sizes:
+        try:
+            base = (ws, accelerator, gpus_for(ws, accelerator))
+        except InsufficientGPUs:
+            continue
+        if spares_enabled(accelerator):
+            GROUPS.keep((*base, "fresh" if fresh else "standby"), 1)
+            if GROUPS.idle((*base, "fresh" if fresh else "standby")):
+                kept.append(base)
+    return kept
+
+
+def _keep_standby(base: tuple, kind: str) -> None:
+    if spares_enabled(base[1]):
+        GROUPS.keep((*base, kind), 1)
 
 
 def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, kwargs: dict,
                  accelerator: str, reuse: bool) -> list:
     call = pickle_call(fn, args, kwargs)
-    gpus = gpus_for(world_size, accelerator)
-    key = (world_size, accelerator, gpus)
-    # CALLS_LOCK serialises run_ranks calls; TABLES_LOCK only guards the pool tables, so a
-    # background cell batch (dsconform.plugin.batch) can take and start its lanes meanwhile.
-    with CALLS_LOCK:
-        with TABLES_LOCK:
-            pool = POOLS.pop(key, None) if reuse else None
-            spare = None
-            if pool is not None and (not pool.alive() or pool.pg_timeout_s < timeout_s + 60):
-                pool.close()
-                pool = None
-            started = pool is None
-            pg_timeout_s = pg_timeout_for(timeout_s) if reuse else timeout_s + 60
-            if pool is None:
-                spare_key = standby.spare_key(world_size, accelerator, gpus, not reuse)
-                spare = standby.pop_spare(spare_key, pg_timeout_s)
-        if pool is None:
-            t0 = time.monotonic()
-            pool = standby.started_spare(spare)
-            STATS["from_standby"] += pool is not None
-            pool = pool or start_pool(world_size, accelerator, gpus, pg_timeout_s)
-            STATS["pools"] += 1
-            STATS["waited_s"] += time.monotonic() - t0
-            if not reuse:
-                # A fresh-process call is often followed by another (save, then load in new
-                # processes): its replacement starts now. Held off during measurements.
-                with TABLES_LOCK:
-                    standby.start_spare(world_size, accelerator, gpus, fresh=True)
-        healthy = False
-        try:
-            replies = send_and_collect(pool, fn, call, timeout_s)
-            healthy = replies_healthy(replies)
-            return resolve(replies)
-        finally:
-            # Anything else (an exception, a timeout, Ctrl-C) leaves ranks mid-call: never reuse.
-            if not healthy:
-                pool.kill()
-            elif not reuse:
-                pool.close()
-            with TABLES_LOCK:
-                if healthy and reuse:
-                    POOLS[key] = pool
-                    while len(POOLS) > MAX_POOLS:
-                        POOLS.popitem(last=False)[1].close()
-                if reuse and (started or not healthy):
-                    # After the call, not during it: the replacement must not share the node
-                    # with what the call measured. (A fresh-process call started its own before.)
-                    standby.start_spare(world_size, accelerator, gpus)
+    base = (world_size, accelerator, gpus_for(world_size, accelerator))
+    token = object()
+    if reuse:
+        pool = GROUPS.lease(base, ("pooled", "standby"), "plain", pg_timeout_for(timeout_s),
+                            token)
+    else:
+        pool = GROUPS.lease(base, ("fresh",), "plain", timeout_s + 60, token)
+        # A fresh-process call is often followed by another (save, then load in new
+        # processes): its replacement starts now.
+        _keep_standby(base, "fresh")
+    healthy = False
+    try:
+        replies = pool.call(fn, call, timeout_s)
+        healthy = replies_healthy(replies)
+        return resolve(replies)
+    finally:
+        # Anything else (an exception, a timeout, Ctrl-C) leaves ranks mid-call: never reuse.
+        GROUPS.release(pool, healthy, "pooled" if reuse else None)
+        if reuse:
+            # After the call, not during it: the replacement must not share the node with
+            # what the call measured.
+            _keep_standby(base, "standby")
 
 
 def run_ranks(fn: Callable, world_size: int | None, *, timeout_s: float, args: tuple = (),

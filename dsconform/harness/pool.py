@@ -1,5 +1,5 @@
-"""Pools of spawned rank processes: starting them, sending a call, collecting the replies, and
-the tables of live pools (pooled, standby and lane pools) with their lock.
+"""A rank group ("pool"): world_size live rank processes, started together, sent a call,
+their replies collected. Which groups exist and who uses them: dsconform.harness.groups.
 
 A failing, dying or hanging rank fails its call and tears its pool down (Pool.collect); the
 next call starts fresh processes. Ranks reply in plain pickle bytes (no tensor travels as a
@@ -15,12 +15,11 @@ import os
 import pickle
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from multiprocessing.connection import wait as _wait_any
 
@@ -58,10 +57,6 @@ EXIT_WAIT_S = 2.0
 #: Python traceback).
 TAIL_LINES = 20
 
-#: Pools kept alive at once (least recently used is closed first). Each holds world_size
-#: processes and, on GPUs, a CUDA context per rank.
-MAX_POOLS = settings.get("DSCONFORM_MAX_POOLS")
-
 #: Process-group timeout of pooled ranks: the parent enforces each call's timeout_s, so this
 #: only has to outlast the longest call; a call asking for more respawns the pool.
 POOL_PG_TIMEOUT_S = 3600.0
@@ -86,7 +81,7 @@ class Pool:
         self.pg_timeout_s = pg_timeout_s
         self.owner_pid = os.getpid()
         # What the output read next was printed for: the test that started the pool (label:
-        # ranks started in the background), then the test of each call (send_and_collect).
+        # ranks started in the background), then the test of each call (Pool.call).
         self.label = label or output.current_label()
         # The group's store, held here for the pool's life: the ranks connect to it.
         self.store, self.port = bind_rendezvous_store(
@@ -102,7 +97,8 @@ class Pool:
         self.conns: list = []
         self.pids: list[int] = []
         self.closed = False
-        self.ready = False  # every rank said "ready" (see await_start)
+        self.ready = False  # every rank said "ready" (start_up)
+        self.phases: list[dict[str, float]] = []  # each rank's start-up phases (seconds)
         self.started = time.monotonic()
         # What the ranks inherited; each call forwards the parent's changes since (see env_delta).
         self.spawn_env = dict(os.environ)
@@ -270,6 +266,56 @@ class Pool:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         self.store = None  # the port is free again once no rank is left to use it
 
+    def start_up(self) -> Pool:
+        """Wait for every rank to report ready (STARTUP_TIMEOUT_S after the start); a group
+        that cannot start is killed and its RankError raised."""
+        if self.ready:
+            return self
+        try:
+            replies = self.collect(self.started + STARTUP_TIMEOUT_S,
+                                   "while starting (import deepspeed, init_distributed)",
+                                   f"STARTUP_TIMEOUT_S={STARTUP_TIMEOUT_S:g} s "
+                                   "(env DSCONFORM_STARTUP_TIMEOUT_S)")
+        except BaseException:
+            self.kill()
+            raise
+        # r[2]: the phases of rank.rank_main ("python", "import torch", ... "warm-up");
+        # r[3]: when each ended, for the run's start-up line (dsconform.harness.timeline).
+        self.phases = [r[2] for r in replies if len(r) > 2 and isinstance(r[2], dict)]
+        for r in replies:
+            if len(r) > 3 and isinstance(r[3], dict):
+                timeline.mark_rank(r[3])
+        self.ready = True
+        self.drain()
+        return self
+
+    def started_now(self) -> bool:
+        """Whether every rank answered by now (started up, not waiting); False if it failed."""
+        if not self.ready and all(conn.poll() for conn in self.conns):
+            try:
+                self.start_up()
+            except RankError:
+                return False
+        return self.ready
+
+    def call(self, fn: Callable, call: bytes, timeout_s: float,
+             context: tuple[list, dict] | None = None) -> list[tuple]:
+        """Run one pickled call; every rank's reply (collect kills the group and raises when a
+        rank fails, dies or runs past timeout_s). context: (sys.path, environment) to send, as
+        the caller's batch saw them when it started; else the parent's current ones."""
+        path, environ = context if context is not None else (list(sys.path), None)
+        payload = pickle.dumps((list(path), self.env_delta(environ), call))
+        self.drain()  # what the ranks printed since their last reply is the last call's
+        self.label = output.current_label()
+        for conn in self.conns:
+            conn.send_bytes(payload)
+        try:
+            return self.collect(time.monotonic() + timeout_s, f"in {fn_name(fn)}",
+                                f"timeout_s={timeout_s:g} s")
+        finally:
+            if not self.closed:  # a failing call killed the group, which logged its output
+                self.drain()
+
     def read_stacks(self, ranks: list[int]) -> dict[int, str]:
         stacks = {}
         for index in ranks:
@@ -399,19 +445,10 @@ class Pool:
             stacks=stacks)
 
 
-POOLS: OrderedDict[tuple, Pool] = OrderedDict()
-
-
-TABLES_LOCK = threading.RLock()  # the pool tables (POOLS, SPARES, LANE_POOLS, _HOLD)
-
-
-CALLS_LOCK = threading.RLock()  # one run_ranks call at a time in this process
-
-
 def close_pools(pools: list[Pool]) -> None:
-    """Stop pools together: ask every started rank to exit, kill the ranks still starting, give
-    them all EXIT_WAIT_S at once, kill what is left, reap them (a CUDA rank takes a moment to
-    exit; one after another, a session's end waited for their sum)."""
+    """Stop groups together: ask every started rank to exit, kill those still starting, give
+    them all EXIT_WAIT_S at once, kill what is left, reap them (one after another, a session's
+    end waited for the sum of the CUDA ranks' exits)."""
     mine = [p for p in pools if not p.closed and p.owner_pid == os.getpid()]
     for pool in mine:
         if pool.ready:
@@ -429,11 +466,6 @@ def close_pools(pools: list[Pool]) -> None:
         pool.reap()
 
 
-def close_idle(pools: list[Pool]) -> None:
-    """Stop idle pools (started or still starting), together."""
-    close_pools(pools)
-
-
 def clear_build_locks() -> None:
     """Ranks build DeepSpeed ops (shm_comm inside init_distributed on CPU) in the extensions
     cache they inherit: a lock left there by a killed build would hold them until
@@ -447,73 +479,6 @@ def clear_build_locks() -> None:
             output.record(output.current_label(), "dsconform.harness", line)
     except StaleBuildLock as exc:
         raise RankError(f"ranks not started: {exc}") from None
-
-
-def await_start(pool: Pool) -> Pool:
-    """Wait for every rank of a starting pool to report ready (STARTUP_TIMEOUT_S after it was
-    started); a pool that cannot start is killed and its RankError raised."""
-    if pool.ready:
-        return pool
-    try:
-        replies = pool.collect(pool.started + STARTUP_TIMEOUT_S,
-                     "while starting (import deepspeed, init_distributed)",
-                     f"STARTUP_TIMEOUT_S={STARTUP_TIMEOUT_S:g} s "
-                     "(env DSCONFORM_STARTUP_TIMEOUT_S)")
-    except BaseException:
-        pool.kill()
-        raise
-    else:
-        record_startup(replies)
-    pool.ready = True
-    pool.drain()
-    return pool
-
-
-#: Per rank start-up: the seconds each phase took (dsconform.harness.rank.rank_main: "python"
-#: from the spawn to the rank's code, "import torch", "import deepspeed", "CUDA",
-#: "init_distributed", "warm-up" or "prime"); startup_phases() sums them up for the summary.
-STARTUP_PHASES: list[dict[str, float]] = []
-_PHASES_LOCK = threading.Lock()
-
-
-def record_startup(replies: list) -> None:
-    with _PHASES_LOCK:
-        STARTUP_PHASES.extend(r[2] for r in replies
-                              if isinstance(r, tuple) and len(r) > 2 and isinstance(r[2], dict))
-    for r in replies:  # when (rank._start_facts): the run's start-up line
-        if isinstance(r, tuple) and len(r) > 3 and isinstance(r[3], dict):
-            timeline.mark_rank(r[3])
-
-
-def startup_phases() -> tuple[int, dict[str, float]]:
-    """How many ranks started in this process, and each start-up phase's median seconds over
-    the ranks that had it, in the order of a start-up."""
-    with _PHASES_LOCK:
-        phases = list(STARTUP_PHASES)
-    order: list[str] = []
-    for ph in phases:
-        order += [k for k in ph if k not in order]
-    return len(phases), {k: statistics.median(ph[k] for ph in phases if k in ph) for k in order}
-
-
-def start_pool(world_size: int, accelerator: str, gpus: tuple[str, ...],
-               pg_timeout_s: float) -> Pool:
-    clear_build_locks()
-    return await_start(Pool(world_size, accelerator, gpus, pg_timeout_s))
-
-
-#: Rank start-ups this process waited for: how many pools, how many of them were standbys, and
-#: the seconds calls spent waiting for ranks to become ready (see startup_stats).
-STATS = {"pools": 0, "from_standby": 0, "waited_s": 0.0}
-
-
-def startup_stats() -> dict[str, float]:
-    """Rank pools started for calls in this process, how many came from standby, and the
-    seconds calls waited for start-up; lane pools started (lanes), the calls run on lanes
-    (lane_calls) and the seconds lanes waited for their ranks to start (lane_waited_s). The
-    plugin prints them after a run."""
-    return {**STATS, "lanes": LANE_STATS["started"], "lane_calls": LANE_STATS["calls"],
-            "lane_waited_s": LANE_STATS["waited_s"]}
 
 
 def my_gpus() -> tuple[int, int, list[str], list[str]]:
@@ -548,43 +513,13 @@ def pickle_call(fn: Callable, args: tuple, kwargs: dict) -> bytes:
         ) from exc
 
 
-def send_and_collect(pool: Pool, fn: Callable, call: bytes, timeout_s: float,
-                      context: tuple[list, dict] | None = None) -> list[tuple]:
-    """Run one pickled call on a started pool; every rank's reply (collect kills the pool and
-    raises when a rank fails, dies or runs past timeout_s). context: (sys.path, environment)
-    to send, as the caller saw them when its batch started; else the parent's current ones."""
-    path, environ = context if context is not None else (list(sys.path), None)
-    payload = pickle.dumps((list(path), pool.env_delta(environ), call))
-    pool.drain()  # what the ranks printed since (after their last reply) is the last call's
-    pool.label = output.current_label()
-    for conn in pool.conns:
-        conn.send_bytes(payload)
-    try:
-        return pool.collect(time.monotonic() + timeout_s, f"in {fn_name(fn)}",
-                            f"timeout_s={timeout_s:g} s")
-    finally:
-        if not pool.closed:  # a failing call killed the pool, which logged its output
-            pool.drain()
-
-
 def replies_healthy(replies: list[tuple]) -> bool:
-    """Only a clean result or a unanimous skip keeps a pool: after any failure a rank's state
+    """Only a clean result or a unanimous skip keeps a group: after any failure a rank's state
     (half-built engines, a process group out of step) must not reach the next test."""
     kinds = {r[0] for r in replies}
     return kinds == {"ok"} or (kinds == {"skip"} and len({r[1] for r in replies}) == 1)
 
 
-#: Idle lane pools by (world size, accelerator, GPUs), kept between batches (shutdown_pools
-#: closes them); several per key.
-LANE_POOLS: dict[tuple, list[Pool]] = {}
-
-
-LANE_STATS = {"started": 0, "calls": 0, "waited_s": 0.0}
-
-
-LANE_STATS_LOCK = threading.Lock()  # lanes update them from their threads
-
-
 def pg_timeout_for(timeout_s: float) -> float:
-    """The process-group timeout a reusable pool needs for a call of timeout_s."""
+    """The process-group timeout a reusable group needs for a call of timeout_s."""
     return max(POOL_PG_TIMEOUT_S, timeout_s + 60)

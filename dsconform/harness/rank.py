@@ -367,7 +367,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
     _exit_when_orphaned(watched)
 
     # When each start-up phase ended (time.time(): the parent's spawn time is on the same
-    # clock); the "ready" reply carries them (dsconform.harness.pool.STARTUP_PHASES).
+    # clock); the "ready" reply carries them (dsconform.harness.pool.Pool.start_up).
     marks = [("spawn", float(env.get(SPAWNED_AT_ENV) or time.time())), ("python", time.time())]
     try:
         import torch

@@ -102,7 +102,7 @@ def _warm_up_rank(accel: str, said: list[str]) -> None:
     beside the builds and needs no op; a failure only leaves that cache colder. What it has to
     say goes to ``said``."""
     from dsconform.harness import output
-    from dsconform.harness.pool import POOL_PG_TIMEOUT_S, Pool, await_start, gpus_for
+    from dsconform.harness.pool import POOL_PG_TIMEOUT_S, Pool, gpus_for
 
     t0 = time.monotonic()
     sink = output.configure(None)  # DeepSpeed's start-up lines: only an error quotes them
@@ -110,7 +110,7 @@ def _warm_up_rank(accel: str, said: list[str]) -> None:
         pool = Pool(1, accel, gpus_for(1, accel), POOL_PG_TIMEOUT_S, warm=True,
                     label="(build-ops warm-up)")
         try:
-            await_start(pool)
+            pool.start_up()
         finally:
             pool.close()
     except Exception as exc:

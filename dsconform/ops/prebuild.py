@@ -3,10 +3,9 @@
 A cold run's time goes to JIT builds its tests wait for. Built all at once with the cores shared
 out, each took about twice its time alone (1xH200, 16 cores: async_io 52 s alone with 16 jobs,
 117 s beside three others with 4 each; docs/performance.md#op-builds), and the tests waiting
-for async_io waited for that. So the ops are built in the order the run needs them
-(``build_order``: the plugin derives it from the collected tests, the first-scheduled cells
-first), one process per op, the first with every core (MAX_JOBS), the others started while it
-leaves cores idle (an op of three source files keeps three busy), each at a lower priority
+for async_io waited for that. So the ops are built longest first (``longest_first``), one
+process per op, the first with every core (MAX_JOBS), the others started while it leaves cores
+idle (an op of three source files keeps three busy), each at a lower priority
 than the builds already running (nice), with every core too: they take what the awaited build
 leaves, and all of it once it is done. Ops already in the extensions cache are not built again
 (``skip_cached``: the run's warm start costs nothing).
@@ -27,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,24 +97,6 @@ def acceptance_ops(accelerator: str, promised: Sequence[str]) -> list[str]:
     return list(dict.fromkeys([*promised, *(
         op for op in RUN_OPS.get(accelerator, ())
         if op not in PROMISED_ONLY + NIGHTLY_ONLY or op in promised)]))
-
-
-def build_order(ops: Sequence[str], needs: Iterable[tuple[float, Sequence[str], float]]
-                ) -> list[str]:
-    """``ops`` in the order a run waits for them. needs: (seconds from the run's start at which
-    something needs these ops, the ops, how much work waits on them); an op is built earlier
-    the earlier it is first needed, then the more work waits on it; ops nothing needs keep their
-    given order, last."""
-    first: dict[str, float] = {}
-    work: dict[str, float] = {}
-    for at, needed, weight in needs:
-        for op in needed:
-            if op in ops:
-                first[op] = min(first.get(op, at), at)
-                work[op] = work.get(op, 0.0) + weight
-    index = {op: i for i, op in enumerate(ops)}
-    return sorted(dict.fromkeys(ops), key=lambda op: (
-        op not in first, first.get(op, 0.0), -work.get(op, 0.0), index[op]))
 
 
 def available_cores() -> int:
@@ -456,59 +437,12 @@ class ParallelBuilds:
             b.reader.join(timeout=10)  # the pipe closes when the process (group) has exited
         return "".join(b.chunks)
 
-    def extend(self, order: Sequence[str], *, ext_dir: Path | None = None) -> None:
-        """The run's build order, known once its tests are (builds started before collection
-        took a guess): the ops of ``order`` neither built, building nor in the cache join the
-        pending ones; pending ops not in ``order`` are dropped; the pending ones then start in
-        its order. Running builds go on."""
-        if ext_dir is None:
-            from dsconform.ops.cache import ensure_extensions_dir
-            ext_dir = ensure_extensions_dir()
-        wanted = list(dict.fromkeys(order))
-        with self.lock:
-            if self.closed:
-                return
-            unknown = [op for op in wanted if op not in self.builds and op not in self.pending]
-            in_cache = [op for op in unknown if is_cached(op, ext_dir)]
-            new = [op for op in unknown if op not in in_cache]
-            self.cached += [op for op in in_cache if op not in self.cached]
-            place = {op: i for i, op in enumerate(wanted)}
-            self.pending = sorted([op for op in self.pending if op in place] + new,
-                                  key=place.__getitem__)
-            self.order = [op for op in self.order if op in self.builds] + self.pending
-            if self.pending and self.thread is None:
-                if not self.builds:
-                    self.t0 = time.monotonic()
-                self._launch()
-        with self.changed:
-            self.changed.notify_all()
-
-    def retain(self, order: Sequence[str], *, ext_dir: Path | None = None) -> None:
-        """The ops this run builds, known once its profile is (builds started before it took a
-        guess): builds of any other op, running or ended, are stopped and forgotten (the run's
-        results do not list them), then ``extend(order)``."""
-        wanted = set(order)
-        with self.lock:
-            dropped = [b for op, b in self.builds.items() if op not in wanted]
-            for b in dropped:
-                del self.builds[b.op]
-            self.pending = [op for op in self.pending if op in wanted]
-            self.order = [op for op in self.order if op in wanted]
-        for b in dropped:
-            if b.result is None:
-                self._kill(b)
-        self.extend(order, ext_dir=ext_dir)
-
     def finished(self, op: str) -> bool:
         """Whether ``wait(op)`` would return at once (no build of op, or it has ended)."""
         if op in self.pending:
             return False
         b = self.builds.get(op)
         return b is None or b.result is not None or b.proc.poll() is not None
-
-    def rank(self, op: str) -> int:
-        """Where ``op`` comes in this run's build order (0 first; -1: not built here)."""
-        return self.order.index(op) if op in self.order else -1
 
     def wait_all(self, timeout_s: float = 3600) -> dict[str, dict[str, Any]]:
         """Every build's result (dsconform build-ops)."""

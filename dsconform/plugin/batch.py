@@ -5,10 +5,9 @@ its second on Python, kernel launches and engine set-up, not on the GPUs. A test
 ``@batched(plan)`` hands its rank call to the run's cell batch: once collection ends, every
 selected, runnable cell of every batched test function is planned (``plan(params, workdir,
 run) -> RankCall``) and their calls start in a background thread through
-``dsconform.harness.lanes.run_concurrently`` (several rank pools per world size; one-rank cells on
-every
-GPU in turn). Each test then takes its own outcome with ``cell_results(request)``, waiting for
-it if need be, and checks it exactly as it would have checked a run_ranks call: the same
+``dsconform.harness.lanes.run_concurrently`` (several rank groups per world size; one-rank cells
+on every GPU in turn). Each test then takes its own outcome with ``cell_results(request)``,
+waiting for it if need be, and checks it exactly as it would have checked a run_ranks call: the same
 results, the same RankError, RankTimeout or skip, raised in that test, and the same tolerance
 and known-issue handling.
 
@@ -30,6 +29,7 @@ What it changes:
 * A cell may be several steps (a plan returning a list of RankCalls): they run in turn on one
   lane, and a ``fresh=True`` step on new, never warmed-up ranks, started while the step before
   it runs (the resume in a fresh process).
+* A cell that loads an op the run still builds waits for that build, and such cells go last.
 
 Batches are off (every cell runs its call in its own test, in the usual order) with one lane
 (``DSCONFORM_LANES``, "auto": only on cuda machines with >= 16 cores), under pytest-xdist
@@ -223,14 +223,10 @@ def _split(planned: Any) -> tuple[RankCall | list[RankCall], Callable[[], Any] |
     return planned, None
 
 
-def _build_rank(item: pytest.Item, rs: RunState) -> int:
-    """0 when the cell needs no op that this run's builds have not finished; else 1 + the place
-    in the build order of the last such op it needs (its cell can run once that one is built)."""
-    builds = rs.op_builds
-    if builds is None:
-        return 0
-    waiting = [builds.rank(op) for op in gating.item_ops(item) if not builds.finished(op)]
-    return 1 + max(waiting) if waiting else 0
+def _waits_for_a_build(item: pytest.Item, rs: RunState) -> bool:
+    """Whether the cell loads an op this run's builds have not finished."""
+    return rs.op_builds is not None and \
+        not all(rs.op_builds.finished(op) for op in gating.item_ops(item))
 
 
 def _params(item: pytest.Item) -> dict:
@@ -239,8 +235,7 @@ def _params(item: pytest.Item) -> dict:
 
 
 def select(session: pytest.Session, rs: RunState) -> list[pytest.Item]:
-    """The selected cells the gate will run: what start() batches (the plugin derives the op
-    build order from them before it starts the builds)."""
+    """The selected cells the gate will run: what start() batches."""
     return [it for it in session.items if _plan_of(it) is not None and _will_run(it, rs)]
 
 
@@ -256,9 +251,9 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None
     cells = list(select(session, rs) if cells is None else cells)
     if len(cells) < 2:
         return 0
-    # Cells that load an op still building (cold cache) last, those of the op built first
-    # before the others: the rest run meanwhile; the costliest first otherwise.
-    cells.sort(key=lambda it: (_build_rank(it, rs), -_batched_of(it)[1]))
+    # Cells that load an op still building (cold cache) last: the rest run meanwhile; the
+    # costliest first otherwise.
+    cells.sort(key=lambda it: (_waits_for_a_build(it, rs), -_batched_of(it)[1]))
     calls: list[RankCall | list[RankCall]] = []
     owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]] = []
     for it in cells:
@@ -279,12 +274,13 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None
     lanes = lanes_for("cuda" if rs.node.gpu_count else "cpu")
     builds = rs.op_builds
 
-    def ready(ops: frozenset[str]) -> bool:
-        """Whether the run's builds of these ops ended (a rank that loads an op still building
-        waits for the build's lock, or builds it itself where the build has not started)."""
-        return builds is None or all(builds.finished(op) for op in ops)
+    def before(index: int) -> None:
+        """A rank that loads an op the run still builds would wait for the build's lock, or
+        build it itself, unseen by the build scheduler: the cell waits for the build."""
+        for op in gating.item_ops(owners[index][0]) if builds is not None else ():
+            builds.wait(op)
 
-    state.thread = threading.Thread(target=_run, args=(state, calls, owners, lanes, ready),
+    state.thread = threading.Thread(target=_run, args=(state, calls, owners, lanes, before),
                                     name="dsconform-cell-batch", daemon=True)
     state.thread.start()
     return len(calls)
@@ -292,7 +288,7 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None
 
 def _run(state: _State, calls: list[RankCall | list[RankCall]],
          owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]], lanes: int,
-         ready: Callable[[frozenset[str]], bool]) -> None:
+         before: Callable[[int], None]) -> None:
     """The batch's thread: run the calls, hand each outcome to its test as it ends."""
     t0 = time.monotonic()
 
@@ -321,9 +317,7 @@ def _run(state: _State, calls: list[RankCall | list[RankCall]],
     try:
         # Each call's rank output is logged as its cell's test (dsconform.harness.output).
         run_concurrently(calls, lanes=lanes, on_done=done, cancel=state.cancel,
-                         labels=[it.nodeid for it, _, _ in owners],
-                         ops=[gating.item_ops(it) for it, _, _ in owners],
-                         costs=[cost(it) for it, _, _ in owners], ready=ready)
+                         labels=[it.nodeid for it, _, _ in owners], before=before)
     except BaseException as exc:  # the harness failed: each waiting cell says so
         with state.cond:
             for it, _, _ in owners:

@@ -24,7 +24,7 @@ import pytest
 
 import dsconform
 from dsconform.harness import output as rank_output
-from dsconform.plugin.early import RANK_LOG_NAME, is_xdist_worker
+from dsconform.plugin.items import is_xdist_worker
 
 #: Frames of these folders are the harness's and the test runner's, not the check's.
 INTERNAL = tuple(str(folder) + "/" for folder in (
@@ -62,7 +62,7 @@ def rank_lines(text: str, *, short: bool) -> str:
     if not short or len(lines) <= RANK_LINES_SHOWN:
         return text
     return "\n".join([f"(the last {RANK_LINES_SHOWN} of {len(lines)} lines; all of them: "
-                      f"{RANK_LOG_NAME} in --results, or -v)",
+                      f"ranks.log in --results, or -v)",
                       *lines[-RANK_LINES_SHOWN:]]) + "\n"
 
 
@@ -97,6 +97,22 @@ class Console:
         self.config = config
         self.short = shortens_failures(config)
         self.progress = BuildProgress(config)
+        self._say_lock = threading.Lock()
+
+    def say(self, line: str) -> None:
+        """``dsconform: LINE`` on the terminal from any thread (the soak's sampler thread while
+        the test waits for its ranks), with the output capture suspended; nothing in an xdist
+        worker."""
+        plugins = self.config.pluginmanager
+        reporter = plugins.get_plugin("terminalreporter")
+        if reporter is None or is_xdist_worker(self.config):
+            return
+        capture = plugins.get_plugin("capturemanager")
+        with self._say_lock, (capture.global_and_fixture_disabled() if capture
+                              else contextlib.nullcontext()):
+            reporter.ensure_newline()
+            reporter.write_line(f"dsconform: {line}")
+        self.progress.wrote = True
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,19 +27,12 @@ from dsconform.gate import requires as gating
 from dsconform.harness import output as rank_output
 from dsconform.harness import timeline, zygote
 from dsconform.node import nccl_env
-from dsconform.plugin import early, refusal
+from dsconform.plugin import refusal
 from dsconform.plugin.console import Console
 from dsconform.plugin.hypothesis_profiles import register as _register_hypothesis_profiles
+from dsconform.plugin.items import is_xdist_worker, ops_to_build, order_key, selects_ops_suite
 from dsconform.plugin.keys import BROKEN_PROMISE, COVERED_BY, ITEM_CAPABILITY, RECORDER
 from dsconform.plugin.options import add_options
-from dsconform.plugin.order import (
-    build_needs,
-    expected_finish,
-    ops_to_build,
-    order_key,
-    selects_ops_suite,
-    waits_for_a_build,
-)
 from dsconform.plugin.recorder import Recorder, capability_from_nodeid, case_facts
 from dsconform.plugin.runstate import STATE, RunState, run_state
 from dsconform.profile.select import (
@@ -47,6 +41,7 @@ from dsconform.profile.select import (
     rendezvous_nodes,
     run_kind,
     select_profile,
+    selects_gpu_tests,
 )
 from dsconform.results import durations
 from dsconform.results.records import CASE_PROPERTY
@@ -59,7 +54,7 @@ pytest_plugins = ["dsconform.plugin.refusal"]
 
 #: Where a pytest run's rank output goes (dsconform.harness.output): --results/ranks.log.
 RANK_LOG = pytest.StashKey[object]()
-RANK_LOG_NAME = early.RANK_LOG_NAME
+RANK_LOG_NAME = "ranks.log"
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     # Normally the installed entry point registered them already, before argument parsing. With
@@ -79,21 +74,21 @@ def pytest_configure(config: pytest.Config) -> None:
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     # Before any check can refuse the run: the last run's verdict must not outlive a refusal
     # (a refusal's own verdict: dsconform.plugin.refusal's pytest_cmdline_main).
-    refusal.begin(config, started=started, is_worker=early.is_xdist_worker(config))
+    refusal.begin(config, started=started, is_worker=is_xdist_worker(config))
     # --collect-only (or --help, --fixtures, ...) runs no test: writing results would replace
     # the last real run's with an empty one.
     runs = refusal.runs_tests(config)
     results = refusal.check_results(config.getoption("--results")) if runs else None
     refusal.results_ready(config, results)
     scratch, scratch_is_temp = refusal.check_scratch(config.getoption("--scratch"))
-    if results is not None and not early.is_xdist_worker(config) and not config.option.xmlpath:
+    if results is not None and not is_xdist_worker(config) and not config.option.xmlpath:
         config.option.xmlpath = str(results / "junit.xml")
     # Every rank's stdout and stderr, by test (dsconform.harness.output): the controller starts
     # the file, xdist workers append to it.
     worker = getattr(config, "workerinput", {}).get("workerid", "")
     log = results / RANK_LOG_NAME if results is not None else None
     config.stash[RANK_LOG] = rank_output.configure(
-        log, worker=worker, truncate=not worker and not early.log_started_at_load(log))
+        log, worker=worker, truncate=not worker)
     if not config.option.collectonly:
         # DeepSpeed asks py-cpuinfo about the CPU (a second each time) in every process that
         # loads an op or builds CPU Adam: asked once, beside the start-up, and shared.
@@ -104,14 +99,15 @@ def pytest_configure(config: pytest.Config) -> None:
             # process's exit (semaphores a killed rank left) goes to the rank log.
             from multiprocessing import resource_tracker
             resource_tracker.ensure_running()
-            if early.early_ranks_wanted(config) and early.gpu_device_files():
-                # Its imports (torch, inductor: about 4 s on 1xH200) overlap this process's
-                # own, which finding the node and the profile begin with.
+            if _gpu_run(config) and any(Path("/dev").glob("nvidia[0-9]*")):
+                # Its imports (torch, inductor) overlap this process's own, which finding
+                # the node and the profile begin with.
                 zygote.start_ahead()
     try:
         notices = _use_stable_extension_cache()
         selection = select_profile(config.getoption("--profile"), named=_profile_named(config))
         timeline.mark("node and profile found")
+        soak = _soak_minutes(config, selection.node, runs)
     except (ValueError, RuntimeError) as e:  # ProfileError, StaleBuildLock: name what to fix
         if scratch_is_temp:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -127,18 +123,45 @@ def pytest_configure(config: pytest.Config) -> None:
     if selection.node.unusable_gpus():
         state.notices.append(f"GPUs not usable: {selection.node.unusable_gpus()}")
     config.stash[STATE] = state
-    if early.selects_gpu_tests(config.option.markexpr) and not config.getoption("--nightly"):
+    if selects_gpu_tests(config.option.markexpr) and not config.getoption("--nightly"):
         from dsconform.plugin.hypothesis_profiles import use_for_acceptance
         use_for_acceptance(config)
     if selection.node.is_gpu_node and not config.option.collectonly:
         from dsconform.node.neighbours import NeighbourWatch
         state.neighbours = NeighbourWatch.on_this_node().start()
-    if not early.is_xdist_worker(config):
+    if not is_xdist_worker(config):
         config.pluginmanager.register(Recorder(state), "dsconform-recorder")
-    config.pluginmanager.register(Console(config), "dsconform-console")
-    early.start_ranks_early(config, state)
-    early.drop_builds_at_load()  # none adopted: this run does not build them
+    console = Console(config)
+    config.pluginmanager.register(console, "dsconform-console")
+    state.say = console.say
+    state.soak_minutes = soak
     timeline.mark("configured")
+
+
+def _soak_minutes(config: pytest.Config, node: Any, runs: bool) -> float | None:
+    """--soak MINUTES, checked: a positive number, and a node with GPUs when tests run (a
+    burn-in that finds no GPU is refused, never a pass or "no tests ran"). Raises ValueError
+    (a usage error naming the option)."""
+    minutes = config.getoption("--soak", None)
+    if minutes is None:
+        return None
+    if not minutes > 0:
+        raise ValueError(f"--soak {minutes:g}: MINUTES must be a number above 0")
+    if runs and not node.is_gpu_node:
+        raise ValueError(f"--soak {minutes:g}: a burn-in runs on GPUs and this node has none "
+                            "(NVML, /proc/driver/nvidia and the PCI bus show no NVIDIA GPU)")
+    return minutes
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(collector: Any, name: str, obj: Any) -> Any:
+    """A test marked ``soak`` exists only with --soak: without it no item is made, so the
+    collected ids (and their count) are those of a suite without the soak."""
+    marks = getattr(obj, "pytestmark", None) if callable(obj) else None
+    if marks and any(getattr(m, "name", "") == "soak" for m in marks) \
+            and collector.config.getoption("--soak", None) is None:
+        return []
+    return None
 
 
 def _profile_named(config: pytest.Config) -> str:
@@ -184,6 +207,8 @@ _MARKERS = {
                          "compatible",
     "run_first": "runs before every other test (the hardware gate before the run)",
     "run_last": "runs after every other test (the hardware gate after the run)",
+    "soak": "the burn-in: collected only with --soak MINUTES, runs after every other test but "
+            "the hardware gate's end",
 }
 
 
@@ -204,7 +229,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def _owns_process(config: pytest.Config) -> bool:
     """Whether this pytest run is the one the process runs for (not a pytester run inside
     another, not an xdist worker): the process ends with it."""
-    return not early.is_xdist_worker(config) and \
+    return not is_xdist_worker(config) and \
         tuple(map(str, config.invocation_params.args)) == tuple(sys.argv[1:])
 
 
@@ -221,7 +246,6 @@ def _stop_everything(config: pytest.Config) -> None:
         state.op_builds.close()
     if "dsconform.plugin.batch" in sys.modules:
         sys.modules["dsconform.plugin.batch"].stop(config)
-    early.join_early()  # a collection error can end the run while it still starts ranks
     if "dsconform.harness.api" in sys.modules:  # only if some test started ranks
         sys.modules["dsconform.harness.api"].shutdown_pools()
     zygote.stop()  # started at load even where no test started ranks
@@ -280,15 +304,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     # The profile's promises are checked first: a node that breaks one is known at once. With a
     # background cell batch, the rest goes in its phases (dsconform.plugin.batch.phases): what runs
     # beside the batch, the batched cells, then the measurements on a quiet node.
-    from dsconform.harness.lanes import lanes_for
     from dsconform.plugin import batch
     phase = batch.phases(items) if batch.enabled(state) else {}
-    waits = waits_for_a_build(items, state) if phase else set()
-    finish = expected_finish([it for it in items if phase.get(id(it)) == 1],
-                             lanes_for("cuda" if state.node.gpu_count else "cpu"),
-                             waits) if phase else {}
-    items.sort(key=lambda it: order_key(it, phase.get(id(it), 0), id(it) in waits,
-                                        finish.get(id(it), 0.0)))
+    items.sort(key=lambda it: order_key(it, phase.get(id(it), 0)))
 
 
 def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -347,8 +365,8 @@ def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the ops' builds (ops_to_build) once the selection is known, in the order the run
-    needs them (build_needs), those the cache holds left out: they overlap with the tests that
+    """Start the ops' builds (ops_to_build) once the selection is known, longest first, those
+    the cache holds left out: they overlap with the tests that
     need no op (dsconform.ops.prebuild). Under xdist every worker starts them; torch's build
     lock makes the later ones wait and load. What this prints (DeepSpeed's probes, compilers)
     goes to the rank log, not between pytest's lines."""
@@ -366,19 +384,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         t0 = time.monotonic()
 
     with rank_output.capture("(collection)"):
-        early.start_standby_ranks(session, state)
+        _start_standby_ranks(session, state)
         step("standby ranks")
         from dsconform.plugin import batch
         cells = batch.select(session, state) if batch.enabled(state) else []
         step("the batch's cells")
         ops = ops_to_build(session.items, state)
-        if ops or state.op_builds is not None:
-            from dsconform.ops.prebuild import ParallelBuilds, build_order
-            order = build_order(ops, build_needs(session.items, state, cells)) if ops else []
-            if state.op_builds is not None:  # started before collection (early.py)
-                state.op_builds.extend(order)
-            else:
-                state.op_builds = ParallelBuilds.start(order, skip_cached=True)
+        if ops:
+            from dsconform.ops.prebuild import ParallelBuilds, longest_first
+            state.op_builds = ParallelBuilds.start(longest_first(ops), skip_cached=True)
             state.op_builds.on_progress = session.config.pluginmanager.get_plugin(
                 "dsconform-console").progress
         step("op builds")
@@ -395,6 +409,32 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         reporter.write_line(
             f"cell batch: {started} cells started in the background ({lanes} lanes per world "
             "size); the tests that measure wait for it to end")
+
+
+def _gpu_run(config: pytest.Config) -> bool:
+    """A run of the GPU tests (-m gpu) by this process, not an xdist worker or --collect-only:
+    the fork server starts as it configures."""
+    return (not config.option.collectonly and not is_xdist_worker(config)
+            and selects_gpu_tests(config.option.markexpr))
+
+
+def _start_standby_ranks(session: pytest.Session, state: RunState) -> None:
+    """On a GPU node whose selection has GPU tests, keep the cuda standby ranks started (one
+    GPU, and two when a multi-GPU test is selected; warmed and never-warmed) and, with a cell
+    batch, its lanes: their start-up overlaps the op builds and the promise tests."""
+    from dsconform.harness import api as dist
+    gpu_items = [it for it in session.items if it.get_closest_marker("gpu")]
+    if not gpu_items or state.node.gpu_count < 1 or dist.external_rendezvous() \
+            or not dist.spares_enabled("cuda"):
+        return
+    sizes = [1, 2] if state.node.gpu_count >= 2 and any(
+        it.get_closest_marker("multigpu") for it in gpu_items) else [1]
+    dist.start_spares(sizes, "cuda")
+    dist.start_spares(sizes, "cuda", fresh=True)
+    from dsconform.plugin import batch
+    if batch.enabled(state) and any(batch.has_plan(it) for it in gpu_items):
+        from dsconform.harness.lanes import start_lanes
+        start_lanes(sizes, "cuda")
 
 
 def _start_cell_batch(session: pytest.Session, state: RunState, cells: list) -> int:

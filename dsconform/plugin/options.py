@@ -7,7 +7,7 @@ tox.ini or conftest.py. Options registered here, from the installed package, are
 
 This module is loaded by every pytest run of an environment where dsconform is installed, so it
 MUST stay inert outside the suite: it registers options and does nothing else until the conftest
-files have loaded the suite's plugin (then it starts the fork server early). Outside the suite:
+files have loaded the suite's plugin. Outside the suite:
 no import of torch or DeepSpeed, no header, no summary, no results directory, no hypothesis
 profile. The suite itself (markers, gating, fixtures, results) is ``fixtures/plugin.py``, loaded
 by the checkout's conftest.py.
@@ -53,18 +53,13 @@ def add_options(parser: pytest.Parser) -> None:
                 help="the nightly tier: also run the tests marked `slow` (the full matrices) "
                      "that -m selects. Without it `slow` tests run only when -m names them "
                      "(-m slow, -m 'gpu and slow'). Env: DSCONFORM_NIGHTLY=1")
+    g.addoption("--soak", metavar="MINUTES", type=float, default=None,
+                help="burn-in: after the selected tests (pytest suites -m gpu --soak 60), loop "
+                     "the known-answer checks, ZeRO training cells, sustained matmul and HBM "
+                     "patterns on every GPU at once for MINUTES while the hardware gate is "
+                     "sampled (SOAK-1, docs/burn-in.md). Needs GPUs: refused on a node "
+                     "without. Without it the soak test is not collected")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_load_initial_conftests(early_config: pytest.Config):
-    """Once the conftest files are loaded, and only if they loaded the suite's plugin: start
-    what the run's first ranks wait for (dsconform.plugin.early.start_at_load)."""
-    result = yield
-    if early_config.pluginmanager.has_plugin("dsconform.plugin.hooks"):
-        from dsconform.plugin.early import start_at_load
-        start_at_load(early_config)
-    return result

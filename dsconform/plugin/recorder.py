@@ -25,6 +25,7 @@ from dsconform.profile.select import (
     rendezvous_info,
 )
 from dsconform.results import aggregate, durations, prometheus, records, summary, verdict
+from dsconform.results import format as results_format
 from dsconform.results.node_folder import node_from_summary
 from dsconform.results.run_files import write_atomically
 
@@ -305,6 +306,9 @@ class Recorder:
                       rendezvous=rdzv.to_dict() if rdzv else None, ops=ops,
                       collection_errors=[{"nodeid": n, "error": e}
                                          for n, e in self.collection_errors])
+        soak = next((f.value for f in state.facts if f.name == results_format.SOAK_SECTION), None)
+        if soak is not None:  # a --soak run: its burn-in's per-GPU report (docs/burn-in.md)
+            result["soak"] = soak
         write_atomically(state.results / "benchmarks.json",
                          json.dumps(doc, indent=2, default=str))
         write_atomically(state.results / "summary.json",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,10 @@ class RunState:
     # Each test's seconds in the last run with this --results folder (node id -> seconds,
     # dsconform.results.durations), read before this run's journal starts: the batch's order.
     last_seconds: dict[str, float] = field(default_factory=dict)
+    # --soak MINUTES (None: no burn-in), and a line to the console from any thread (the soak's
+    # progress once a minute: dsconform.plugin.console.Console.say).
+    soak_minutes: float | None = None
+    say: Callable[[str], None] | None = None
 
     @property
     def node(self) -> NodeFacts:

@@ -16,6 +16,9 @@ RECORDS_JSONL = "records.jsonl"  # one line per test as it ends: what survives a
 JUNIT_XML = "junit.xml"
 DS_REPORT_JSON = "ds_report.json"  # written by the ops suite
 PROM_FILE = "dsconform.prom"  # the verdict in node_exporter's textfile format
+#: summary.json's section of a --soak run (the burn-in's per-GPU report), and the fact of
+#: benchmarks.json it comes from (dsconform/checks/soak.py ``summary``).
+SOAK_SECTION = "soak"
 #: What aggregate reads of a node's folder, in the order it prefers them.
 RESULT_FILES = (SUMMARY_JSON, BENCHMARKS_JSON, RECORDS_JSONL)
 #: Every file a reader may take for a run's verdict. A run sets the previous run's aside before

@@ -15,7 +15,10 @@ The series (docs/fleet.md lists them with their labels):
 - the hardware error gate's counters per GPU and its findings per action, at the start and the
   end of the run (the facts ``health.start.*`` and ``health.end.*``), and of a
   ``dsconform health --json`` saved beside the results as ``health.json``;
-- the run's start and end, the versions and the profile.
+- the run's start and end, the versions and the profile;
+- a ``--soak`` run's burn-in per GPU (``dsconform_soak_*{gpu="0",bus_id=...}``): iterations,
+  mismatches, throughput drift, matmul rate per window, highest temperature, slowdown clock
+  events, gate findings; the soak's verdict and length.
 
 The families are plain prometheus_client metric families in a registry of their own;
 ``write`` puts them in a file atomically (prometheus_client's ``write_to_textfile``: a temporary
@@ -404,8 +407,9 @@ def node_families(folder: Path, started: str | None = None) -> list[Metric]:
     check = _read_json(folder / HEALTH_JSON)
     summ = _read_json(folder / results_format.SUMMARY_JSON)
     summ = summ if isinstance(summ, dict) else {}
-    return result_families(node, doc, check, started=started or summ.get("started"),
-                           ended=summ.get("ended"))
+    return [*result_families(node, doc, check, started=started or summ.get("started"),
+                             ended=summ.get("ended")),
+            *soak_families(summ.get(results_format.SOAK_SECTION))]
 
 
 def result_families(node: node_folder.NodeResult, doc: Mapping[str, Any] | None = None,
@@ -416,6 +420,62 @@ def result_families(node: node_folder.NodeResult, doc: Mapping[str, Any] | None 
     return [*verdict_families(node), capability_family([({}, node.capabilities)]),
             *rate_families(node), *health_families(health_readings(doc, check)),
             *run_families(doc, started, ended)]
+
+
+#: The soak's per-GPU series: (the report's field, the series, its help, the factor to base units).
+_SOAK_SERIES = (
+    ("iterations", "soak_iterations", "Iterations of the burn-in loop the GPU completed", 1.0),
+    ("mismatches", "soak_mismatches", "Wrong results the burn-in found on the GPU (hashes, "
+     "peers, float64 reference, ZeRO against DDP, HBM words)", 1.0),
+    ("drift_pct", "soak_throughput_drift_ratio", "How much the sustained matmul rate of the last "
+     "window of iterations is below the first's (0.05: 5% slower)", 0.01),
+    ("max_temperature_c", "soak_temperature_max_celsius", "The GPU's highest temperature during "
+     "the burn-in", 1.0),
+    ("slowdown_temperature_c", "soak_slowdown_temperature_celsius", "The temperature at which "
+     "the GPU slows itself down (NVML's threshold)", 1.0),
+    ("samples", "soak_gate_samples", "Readings of the GPU by the hardware gate's sampler", 1.0),
+)
+
+
+def soak_families(section: Any) -> list[Metric]:
+    """A --soak run's series (summary.json's ``soak``): per GPU its iterations, mismatches,
+    throughput drift, matmul rate of the first and last windows, highest temperature, slowdown
+    clock events by reason and gate findings; the soak's verdict and length. None without one."""
+    if not isinstance(section, Mapping) or not isinstance(section.get("gpus"), list):
+        return []
+    labels = ("gpu", "bus_id")
+    fams = [_gauge(name, doc, labels) for _, name, doc, _ in _SOAK_SERIES]
+    rate = _gauge("soak_matmul_flop_per_second", "The sustained bf16 matmul rate, median of the "
+                  "first and of the last window of iterations, " + RATE_UNITS["TFLOPS"][2],
+                  [*labels, "window"])
+    throttle = _gauge("soak_throttle_samples", "Sampler readings that showed a slowdown clock "
+                      "event (NVML's reason)", [*labels, "reason"])
+    findings = _gauge("soak_gate_findings", "Hardware gate findings (ISOLATE, REBOOT, RESET) "
+                      "during the burn-in", labels)
+    for g in section["gpus"]:
+        if not isinstance(g, Mapping):
+            continue
+        at = [_label(g.get("gpu")), _label(g.get("bus_id"))]
+        for (key, _, _, factor), fam in zip(_SOAK_SERIES, fams):
+            v = _number(g.get(key))
+            if v is not None:
+                fam.add_metric(at, v * factor)
+        for window in ("first", "last"):
+            v = _number(g.get(f"tflops_{window}"))
+            if v is not None:
+                rate.add_metric([*at, window], v * RATE_UNITS["TFLOPS"][1])
+        for reason, n in (g.get("throttle") or {}).items():
+            throttle.add_metric([*at, str(reason)], float(n))
+        findings.add_metric(at, float(len(g.get("findings") or [])))
+    passed = _gauge("soak_passed", "1: the burn-in found nothing wrong on any GPU")
+    passed.add_metric([], 1.0 if section.get("passed") else 0.0)
+    length = _gauge("soak_duration_seconds", "How long the burn-in ran, and how long it was asked "
+                    "to (--soak MINUTES)", ["kind"])
+    for kind, v in (("ran", _number(section.get("elapsed_s"))),
+                    ("asked", (_number(section.get("minutes")) or 0.0) * 60.0)):
+        if v is not None:
+            length.add_metric([kind], v)
+    return [*fams, rate, throttle, findings, passed, length]
 
 
 def write(families: Iterable[Metric], path: Path) -> Path:

@@ -1,27 +1,28 @@
 """The upgrade radar: ``dsconform radar VERSION...`` runs the suite under many DeepSpeed releases
-and puts the runs side by side.
+(or one release under many torch releases) and puts the runs side by side.
 
-For each release, in version order:
+Each column is a (DeepSpeed, torch) pair. By default a release runs with the torch of its time
+(``tools/periods.py``: the newest torch published before it), because users ran it so and a
+period's bugs show only there; ``VERSION@TORCH`` or ``--torch`` choose another, and several
+``--torch`` values with one release make a torch axis (which torch release changed what). For
+each column, in order:
 
-1. **a virtualenv** under ``--venvs`` (``deepspeed-VERSION``, reused when present): created
-   with ``--system-site-packages``, so this machine's torch and this dsconform (an editable
-   install) are seen, with ``deepspeed==VERSION`` installed into it (a PyPI sdist builds as a
-   pure-Python wheel, ``DS_BUILD_OPS=0``, against the machine's torch: ``--no-build-isolation``),
-   and ``--torch SPEC`` installed there too when given (``deepspeed-VERSION-torch-SPEC``). A
-   venv is ready once its marker file names the DeepSpeed it holds;
+1. **its environment**: the venv of its torch under ``--venvs``, with the release swapped in
+   (``tools/radar_envs.py``);
 2. **a warm-up** on CPU machines: DeepSpeed's CPU accelerator JIT-builds its shm comm op inside
-   ``init_distributed``, and the DeepNVMe suite loads async_io; both are built once per venv
-   into the suite's op cache, before any rank waits for them;
-3. **the tier**, into ``--out/ds-VERSION`` (the run's --results folder, its pytest log beside
-   it): ``-m "not gpu and not slow"`` on a CPU machine, ``-m gpu`` where a GPU is present,
-   ``--tier radar`` for the radar's own selection (``radar_selection``), or ``--pytest-args``.
+   ``init_distributed``, and the DeepNVMe suite loads async_io; both are built once per release
+   and torch into the suite's op cache, before any rank waits for them;
+3. **the tier**, into ``--out/ds-VERSION`` (``ds-VERSION-torch-T`` on a torch axis; the run's
+   --results folder, its pytest log beside it): ``-m "not gpu and not slow"`` on a CPU machine,
+   ``-m gpu`` where a GPU is present, ``--tier radar`` for the radar's own selection
+   (``radar_selection``), or ``--pytest-args``.
 
 ``--from-results VERSION=DIR`` takes a finished run's folder for a release instead (a node with
 no package index), ``--venv VERSION=PATH`` an environment already holding that release. The
-timeline, the changes by release and the verdict are the results layer's
+timeline, the changes by column and the verdict are the results layer's
 (``dsconform.results.render.timeline.report``, handed in by the CLI).
 
-Exit codes as ``dsconform compare``: 0 no regression from the first release to the last, 1 a
+Exit codes as ``dsconform compare``: 0 no regression from the first column to the last, 1 a
 regression, 2 unusable input (a release that did not install or whose run recorded nothing;
 the timeline of the others is still written).
 """
@@ -29,70 +30,70 @@ the timeline of the others is still written).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import re
 import shlex
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from packaging.version import InvalidVersion, Version
 
-READY = ".dsconform-radar-ready"  # in a venv: the DeepSpeed version it holds
-WARM = ".dsconform-radar-warm"  # in a venv: its CPU comm op is built
+from dsconform.tools.periods import UnknownRelease, period_torch
+from dsconform.tools.radar_envs import (
+    INSTALL_TIMEOUT_S,
+    RadarError,
+    ensure_env,
+    has_gpu,
+    installed_deepspeed,
+    run_logged,
+    sees_the_suite,
+    torch_release,
+    warm_up,
+)
+
+__all__ = ["RadarError", "Release", "add_cli", "main", "radar_selection", "releases"]
+
 CPU_TIER = ("-m", "not gpu and not slow")
 GPU_TIER = ("-m", "gpu")
+RADAR_RUN = ("-m", "not gpu", "--nightly")
 #: Left out of the radar tier: property-based tests whose budget, not DeepSpeed, sets their
-#: cost (the scaler state machine: 143 s of a 10-minute CPU tier on the CPU machine; the
-#: DeepNVMe size and getter properties start a rank per example, and an older release's handle
-#: that hangs is started again for every example hypothesis shrinks). The deterministic checks
-#: of the same things stay (LOSS-SCALE-1's _on_sequence cells, NVME-IO-1 and NVME-IO-3).
-#: And the ops suite's check of the profile's promised ops: DeepNVMe's and the ZeRO suite's
-#: cells load them already, and on 0.17.6 its 64 MiB async_io round trip hangs in
-#: aio_handle.wait() (DeepSpeed #7727, fixed in 0.18.4; #8196 in 0.19.4) until its 900 s
-#: timeout: a hang is no strict xfail (docs/known-issues.md). The ops capability keeps its
-#: two ds_report tests.
+#: cost (the scaler state machine; the DeepNVMe size and getter properties start a rank per
+#: example, and an older release's handle that hangs is started again for every example
+#: hypothesis shrinks: docs/radar.md#the-radar-tier). The deterministic checks of the same
+#: things stay (LOSS-SCALE-1's _on_sequence cells, NVME-IO-1 and NVME-IO-3). And the ops
+#: suite's check of the profile's promised ops: a hang in an older release's async_io is no
+#: strict xfail (docs/known-issues.md); DeepNVMe's and the ZeRO suite's cells load the ops.
 RADAR_LEAVES_OUT = ("test_scaler_follows_model", "test_aio_offsets_and_sizes",
                     "test_aio_handle_getters", "test_promised_op")
-#: Cells whose parameters name an op that compiles on first use in each release (cpu_adam's
-#: -O3 AVX-512 build: minutes; fused_adam, which the CPU accelerator JIT-builds too: about 100 s
-#: on the 2-core CPU machine): the radar tier takes their test's other cells.
-RADAR_SLOW_OPS = ("cpu_adam", "cpu_adam_l2", "fused_adam")
-#: The axis the radar tier covers in full: the ZeRO stage, where releases differ the most (each
-#: stage has its own optimizer wrapper and partitioning code); other axes get one cell.
-RADAR_AXIS = re.compile(r"^z?[0-3]$")
-INSTALL_TIMEOUT_S = 1800
-WARM_UP = r"""
-import sys
-from dsconform.ops.cache import ensure_extensions_dir
-print(ensure_extensions_dir())
-from deepspeed.accelerator import get_accelerator
-acc = get_accelerator()
-if acc.device_name() == "cpu":
-    for name in ("ShareMemCommBuilder", "AsyncIOBuilder"):
-        builder = acc.create_op_builder(name)
-        if builder is not None and builder.is_compatible(verbose=False):
-            builder.load()
-            print(name, "built")
-"""
-
-
-class RadarError(RuntimeError):
-    """One line that says what could not be done and how to fix it."""
+#: The ZeRO matrix the radar covers 3-way: every combination of three of its axes' values that
+#: the nightly matrix has, on two ranks (partitioning needs a peer).
+THREE_WAY_TEST = "test_zero_matches_ddp"
+#: The positions of stage, offload, dtype, optimizer and GAS in that test's case ids
+#: (``cpu-z1-off_none-fp32-adam-gas1-ws2``).
+THREE_WAY_AXES = (1, 2, 3, 4, 5)
+THREE_WAY_RANKS = "ws2"
 
 
 @dataclass
 class Release:
+    """One column: a DeepSpeed release and the torch it runs with."""
     version: str
+    torch: str | None = None  # installed for the run (None: the run's own, --from-results/--venv)
     results: Path | None = None  # a finished run (--from-results)
     python: Path | None = None  # an environment holding this release (--venv, or installed)
-    note: str = ""  # why this release is missing from the timeline
+    note: str = ""  # why this column is missing from the timeline
+    label: str = ""  # the column's name on the timeline
+
+    @property
+    def folder(self) -> str:
+        return f"ds-{self.version}" + (f"-torch-{self.torch}" if self.label.startswith("torch")
+                                       else "")
 
 
 def parse_version(text: str) -> Version:
@@ -102,7 +103,7 @@ def parse_version(text: str) -> Version:
         raise RadarError(f"{text!r} is not a DeepSpeed version such as 0.19.8") from None
 
 
-def _pairs(items: Iterable[str], option: str) -> dict[str, Path]:
+def _pairs(items: Sequence[str], option: str) -> dict[str, Path]:
     out = {}
     for item in items:
         version, sep, path = item.partition("=")
@@ -113,179 +114,102 @@ def _pairs(items: Iterable[str], option: str) -> dict[str, Path]:
     return out
 
 
+def _with_torch(item: str, torches: Sequence[str]) -> list[tuple[str, str]]:
+    """``0.18.9`` or ``0.18.9@2.11.0`` -> [(release, torch)], the torch of its time by default."""
+    version, at, torch = item.partition("@")
+    parse_version(version)
+    if at:
+        return [(version, torch_release(torch))]
+    if torches:
+        return [(version, torch_release(t)) for t in torches]
+    try:
+        return [(version, period_torch(version))]
+    except UnknownRelease as e:
+        raise RadarError(str(e)) from None
+
+
 def releases(versions: Sequence[str], from_results: Sequence[str] = (),
-             venvs: Sequence[str] = ()) -> list[Release]:
-    """Every release asked for, in version order, each with where its run comes from."""
+             venvs: Sequence[str] = (), torches: Sequence[str] = ()) -> list[Release]:
+    """Every column asked for, in (DeepSpeed, torch) version order, each with where its run
+    comes from and its label: the release, or ``torch T`` on a torch axis (one release, several
+    ``--torch``), or ``RELEASE@T`` where one release appears with several torches otherwise."""
     made, envs = _pairs(from_results, "--from-results"), _pairs(venvs, "--venv")
     both = sorted(set(made) & set(envs))
     if both:
         raise RadarError(f"{', '.join(both)}: given both --from-results and --venv")
-    for v in versions:
-        parse_version(v)
-    every = sorted(set(versions) | set(made) | set(envs), key=parse_version)
-    if len(every) < 2:
-        raise RadarError(f"a radar needs at least two releases, got {every or 'none'}")
-    out = []
-    for v in every:
+    if len(torches) > 1 and len({v.partition("@")[0] for v in versions}) != 1:
+        raise RadarError("several --torch values make a torch axis: give exactly one DeepSpeed "
+                         "release (dsconform radar 0.19.8 --torch 2.13 2.14.1), or pair each "
+                         "release with its torch as VERSION@TORCH")
+    pairs = sorted({p for v in versions for p in _with_torch(v, torches)},
+                   key=lambda p: (parse_version(p[0]), Version(p[1])))
+    out = [Release(v, t) for v, t in pairs if v not in made and v not in envs]
+    for v in sorted(set(made) | set(envs), key=parse_version):
         python = envs.get(v)
         if python is not None and python.is_dir():
             python = python / "bin" / "python"
-        out.append(Release(v, made.get(v), python))
+        out.append(Release(v, None, made.get(v), python))
+    out.sort(key=lambda r: (parse_version(r.version), Version(r.torch or "0")))
+    if len(out) < 2:
+        raise RadarError(f"a radar needs at least two columns, got "
+                         f"{[r.version for r in out] or 'none'}")
+    names = [r.version for r in out]
+    for r in out:
+        if len(set(names)) == 1:
+            r.label = f"torch {r.torch}"
+        elif names.count(r.version) > 1:
+            r.label = f"{r.version}@{r.torch}"
+        else:
+            r.label = r.version
     return out
-
-
-def venv_dir(cache: Path, version: str, torch_spec: str | None) -> Path:
-    name = f"deepspeed-{version}"
-    if torch_spec:
-        name += "-torch-" + re.sub(r"[^A-Za-z0-9.]+", "_", torch_spec).strip("_")
-    return cache / name
-
-
-def _run(cmd: Sequence[str], log: Path, *, timeout_s: float, env: dict[str, str] | None = None,
-         cwd: Path | None = None) -> int:
-    """Run ``cmd`` with its output appended to ``log``; kill its process group at the timeout
-    (exit 124)."""
-    with open(log, "a") as out:
-        out.write(f"$ {shlex.join(cmd)}\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                start_new_session=True)
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            out.write(f"\n[dsconform radar: killed after {timeout_s:g} s]\n")
-            return 124
-
-
-def installed_deepspeed(python: Path) -> str | None:
-    """The DeepSpeed version ``python`` imports (from its metadata: no import of torch)."""
-    try:
-        out = subprocess.run([str(python), "-c", "import importlib.metadata as m; "
-                              "print(m.version('deepspeed'))"], capture_output=True, text=True,
-                             timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def sees_the_suite(python: Path) -> bool:
-    """``python`` finds dsconform and its pytest entry point (the options --results needs)."""
-    code = ("import importlib.metadata as m, dsconform; "
-            "print(any(e.value.startswith('dsconform') "
-            "for e in m.entry_points(group='pytest11')))")
-    try:
-        out = subprocess.run([str(python), "-c", code], capture_output=True, text=True,
-                             timeout=120)
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-    return out.returncode == 0 and out.stdout.strip() == "True"
-
-
-def ensure_venv(cache: Path, version: str, torch_spec: str | None,
-                say: Callable[[str], None]) -> Path:
-    """The venv of ``version`` (its python), created and installed unless its marker says it
-    is ready. RadarError when the install fails, naming its log."""
-    where = venv_dir(cache, version, torch_spec)
-    python = where / "bin" / "python"
-    marker = where / READY
-    if marker.is_file() and marker.read_text().strip() == version and python.exists():
-        say(f"venv {where} (cached)")
-        return python
-    cache.mkdir(parents=True, exist_ok=True)
-    log = where.with_name(where.name + ".install.log")
-    log.write_text("")
-    say(f"installing deepspeed=={version}" + (f" with torch {torch_spec}" if torch_spec else "")
-        + f" into {where} (log {log})")
-    started = time.monotonic()
-    env = {**os.environ, "DS_BUILD_OPS": "0"}
-    steps = [[sys.executable, "-m", "venv", "--clear", "--system-site-packages", str(where)],
-             # the sdist builds with the venv's setuptools: bdist_wheel needs `wheel` there
-             [str(python), "-m", "pip", "install", "wheel"]]
-    if torch_spec:
-        steps.append([str(python), "-m", "pip", "install", f"torch{_spec(torch_spec)}"])
-    steps.append([str(python), "-m", "pip", "install", "--no-build-isolation",
-                  f"deepspeed=={version}"])
-    for cmd in steps:
-        rc = _run(cmd, log, timeout_s=INSTALL_TIMEOUT_S, env=env)
-        if rc != 0:
-            raise RadarError(f"deepspeed=={version}: `{shlex.join(cmd[-3:])}` exited {rc} "
-                             f"(see {log}): {_tail(log)}")
-    found = installed_deepspeed(python)
-    if found != version:
-        raise RadarError(f"{where} imports deepspeed {found}, not {version} (see {log})")
-    marker.write_text(version + "\n")
-    say(f"installed in {time.monotonic() - started:.0f} s")
-    return python
-
-
-def _spec(torch_spec: str) -> str:
-    """``2.11.0`` -> ``==2.11.0``; a specifier (``>=2.11,<2.12``) as given."""
-    return torch_spec if re.match(r"^[<>=!~]", torch_spec) else f"=={torch_spec}"
-
-
-def _tail(log: Path, lines: int = 1) -> str:
-    text = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-    return " | ".join(text[-lines:])[-300:] if text else "no output"
-
-
-def has_gpu() -> bool:
-    """An NVIDIA GPU is present (the driver's own listing; no torch import)."""
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return gpus.is_dir() and any(gpus.iterdir())
-
-
-def warm_up(python: Path, log: Path, say: Callable[[str], None], env: dict[str, str]) -> None:
-    """Build the CPU accelerator's shm comm op and async_io once per venv, into the suite's op
-    cache."""
-    marker = python.parent.parent / WARM
-    if marker.is_file() or has_gpu():
-        return
-    say("building DeepSpeed's CPU comm and async_io ops (once per venv)")
-    rc = _run([str(python), "-c", WARM_UP], log, timeout_s=INSTALL_TIMEOUT_S, env=env)
-    if rc == 0:
-        marker.write_text("ok\n")
-    else:  # the suite's rank start-up reports it, with its diagnosis
-        say(f"warning: the ops did not build (exit {rc}, see {log})")
 
 
 # ------------------------------------------------------------------ the radar tier
 
-def radar_selection(nodeids: Sequence[str]) -> list[str]:
-    """The radar tier from a CPU tier's node ids: for each test, the fewest cells that carry
-    every ZeRO stage its cells have (``RADAR_AXIS``: the parts ``z0``..``z3``, or ``0``..``3``,
-    of the case ids), else one cell; one-rank cells (``ws1``) first, then in collection order;
-    no cell that builds an op of ``RADAR_SLOW_OPS``; none of ``RADAR_LEAVES_OUT``. A test
-    without parameters is kept."""
-    tests: dict[str, list[str]] = {}
-    for nodeid in nodeids:
-        test, _, case = nodeid.partition("[")
-        if test.rsplit("::", 1)[-1] in RADAR_LEAVES_OUT:
-            continue
-        tests.setdefault(test, []).append(case[:-1] if case else "")
-    chosen = []
-    for test, cases in tests.items():
-        if cases == [""]:
-            chosen.append(test)
-            continue
-        cases = [c for c in cases if not set(c.split("-")) & set(RADAR_SLOW_OPS)]
-        if not cases:
-            continue
-        need = {part for c in cases for part in c.split("-") if RADAR_AXIS.match(part)}
-        picked = [_cheapest(cases, need)]
-        need -= set(picked[0].split("-"))
-        while need:
-            picked.append(_cheapest(cases, need))
-            need -= set(picked[-1].split("-"))
-        chosen += [f"{test}[{c}]" for c in sorted(picked, key=cases.index)]
-    return chosen
+def radar_selection(tier: Sequence[str], nightly: Sequence[str] = ()) -> list[str]:
+    """The radar tier: the CPU tier's node ids ``tier`` (every suite's acceptance covering
+    arrays) less ``RADAR_LEAVES_OUT``, and, from ``nightly`` (the nightly tier's full ZeRO
+    matrix), the cells of ``THREE_WAY_TEST`` that complete a 3-way covering array of its stage,
+    offload, dtype, optimizer and GAS (``three_way``)."""
+    chosen = [n for n in tier if n.partition("[")[0].rsplit("::", 1)[-1] not in RADAR_LEAVES_OUT]
+    zero = [n for n in nightly if n.partition("[")[0].endswith("::" + THREE_WAY_TEST)]
+    have = set(chosen)
+    return chosen + [n for n in three_way(zero, [n for n in chosen if n in set(zero)] or
+                                          [n for n in chosen if THREE_WAY_TEST in n])
+                     if n not in have]
 
 
-def _cheapest(cases: list[str], need: set[str]) -> str:
-    """The case that carries the most values still needed, one-rank first, then the first."""
-    return max(cases, key=lambda c: (len(need & set(c.split("-"))), "ws1" in c.split("-"),
-                                     -cases.index(c)))
+def _axes(nodeid: str) -> tuple[str, ...] | None:
+    parts = nodeid.partition("[")[2].rstrip("]").split("-")
+    if len(parts) <= max(THREE_WAY_AXES):
+        return None
+    return tuple(parts[i] for i in THREE_WAY_AXES)
+
+
+def three_way(cells: Sequence[str], given: Sequence[str] = ()) -> list[str]:
+    """Cells of ``cells`` (node ids of one test), picked greedily, so that with ``given`` every
+    combination of values of three axes that some cell of ``cells`` has is in a picked or given
+    cell; two-rank cells only (``THREE_WAY_RANKS``). In the order of ``cells``."""
+    def triples(nodeid: str) -> set[tuple]:
+        axes = _axes(nodeid)
+        if axes is None:
+            return set()
+        return {tuple((i, axes[i]) for i in combo)
+                for combo in itertools.combinations(range(len(axes)), 3)}
+
+    pool = [c for c in cells if THREE_WAY_RANKS in c.partition("[")[2].split("-")
+            or THREE_WAY_RANKS + "]" in c]
+    need = set().union(*(triples(c) for c in pool)) if pool else set()
+    for c in given:
+        need -= triples(c)
+    picked: list[str] = []
+    while need:
+        best = max(pool, key=lambda c: len(need & triples(c)))
+        if not need & triples(best):
+            break
+        picked.append(best)
+        need -= triples(best)
+    return sorted(picked, key=cells.index)
 
 
 def collect(python: Path, suites: Path, tier: Sequence[str], log: Path,
@@ -293,7 +217,8 @@ def collect(python: Path, suites: Path, tier: Sequence[str], log: Path,
     """The node ids ``tier`` selects, collected by ``python``."""
     cmd = [str(python), "-m", "pytest", str(suites), *tier, "--collect-only", "-q",
            "-p", "no:cacheprovider"]
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=suites.parent,
+    checkout = suites.parent if suites.is_dir() else suites.parent.parent
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=checkout,
                          timeout=INSTALL_TIMEOUT_S)
     log.write_text(out.stdout + out.stderr)
     ids = [ln.strip() for ln in out.stdout.splitlines() if "::" in ln and " " not in ln.strip()]
@@ -312,7 +237,9 @@ def tier_args(tier: str, pytest_args: str | None) -> tuple[list[str], str]:
     if tier == "gpu":
         return [*GPU_TIER, *extra], "the GPU tier (-m gpu)"
     if tier == "radar":
-        return [*CPU_TIER, *extra], "the radar tier (docs/radar.md)"
+        # its node ids name nightly (`slow`) ZeRO cells, which -m "not gpu and not slow" and the
+        # acceptance tier's selection would drop
+        return [*RADAR_RUN, *extra], "the radar tier (docs/radar.md)"
     if tier == "args":
         if not extra:
             raise RadarError("--tier args needs --pytest-args")
@@ -364,7 +291,9 @@ def run_release(release: Release, *, index: int, total: int, args: argparse.Name
                 env: dict[str, str]) -> Path | None:
     """Install (unless given), warm up and run one release; its results folder, or None with
     ``release.note`` saying why there is none."""
-    tag = f"[{index}/{total}] {release.version}"
+    tag = f"[{index}/{total}] " + (release.label if release.label.startswith("torch")
+                                   else f"{release.version}"
+                                   + (f" (torch {release.torch})" if release.torch else ""))
 
     def say(text: str) -> None:
         print(f"{tag}: {text}", flush=True)
@@ -372,26 +301,25 @@ def run_release(release: Release, *, index: int, total: int, args: argparse.Name
     if release.results is not None:
         say(f"results from {release.results}")
         return release.results
-    out = Path(args.out) / f"ds-{release.version}"
+    out = Path(args.out) / release.folder
     out.mkdir(parents=True, exist_ok=True)
     log = out / "pytest.log"
     log.write_text("")
     try:
-        python = release.python or ensure_venv(Path(args.venvs), release.version, args.torch,
-                                               say)
+        python = release.python or ensure_env(Path(args.venvs), release.torch or "",
+                                              release.version, suites.parent, say)
         found = installed_deepspeed(python)
         if found != release.version:
             raise RadarError(f"{python} imports deepspeed {found}, not {release.version}")
         if not sees_the_suite(python):
-            raise RadarError(f"{python} cannot import dsconform: the venvs see the suite "
-                             "through the system site-packages (pip install -e . with the "
-                             "interpreter that created them), or give --venv VERSION=PATH of "
-                             "an environment that has both")
+            raise RadarError(f"{python} cannot import dsconform and its pytest plugin: "
+                             "install the suite there (pip install -e CHECKOUT), or give "
+                             "--venv VERSION=PATH of an environment that has both")
     except RadarError as e:
         release.note = str(e)
         say(f"NOT RUN: {e}")
         return None
-    warm_up(python, log, say, env)
+    warm_up(python, log, say, env, gpu=has_gpu())
     # The selection's node ids name their files (suites/...): the folder itself would add the
     # whole tier back.
     cmd = [str(python), "-m", "pytest", *(selection or [str(suites)]), "-p", "no:cacheprovider",
@@ -399,7 +327,7 @@ def run_release(release: Release, *, index: int, total: int, args: argparse.Name
     shown = shlex.join([*tier]) + (f" + {len(selection)} selected tests" if selection else "")
     say(f"running pytest {shown} (log {log})")
     started = time.monotonic()
-    rc = _run(cmd, log, timeout_s=args.timeout_s, env=env, cwd=suites.parent)
+    rc = run_logged(cmd, log, timeout_s=args.timeout_s, env=env, cwd=suites.parent)
     took = time.monotonic() - started
     counts = outcome_counts(out)
     say(f"done in {took:.0f} s: {counts} (pytest exit {rc})")
@@ -431,7 +359,7 @@ def finished_runs_words(every: Sequence[Release]) -> str:
 def main(args: argparse.Namespace, report: Callable[..., int]) -> int:
     """``dsconform radar``: every release's run, then ``report`` (the timeline and verdict)."""
     try:
-        every = releases(args.versions, args.from_results, args.venv)
+        every = releases(args.versions, args.from_results, args.venv, args.torch or ())
         tier, words = tier_args(args.tier, args.pytest_args)
         need_runs = any(r.results is None for r in every)
         if not need_runs:  # nothing runs here: the tier is whatever those runs were
@@ -445,30 +373,39 @@ def main(args: argparse.Namespace, report: Callable[..., int]) -> int:
     # The property tests' ci budget (derandomized, few examples): the same examples in every
     # release, so a change on the timeline is DeepSpeed's, not a new example's.
     env = {"HYPOTHESIS_PROFILE": "ci", **os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
-    print(f"dsconform radar: {len(every)} releases ({', '.join(r.version for r in every)}), "
+    shown = ", ".join(r.label + (f" (torch {r.torch})" if r.torch and r.label == r.version
+                                  else "") for r in every)
+    print(f"dsconform radar: {len(every)} columns ({shown}), "
           f"{words}, into {out}", flush=True)
     selection: list[str] = []
     if args.tier == "radar" and need_runs:
         first = next(r for r in reversed(every) if r.results is None)
         try:
-            python = first.python or ensure_venv(Path(args.venvs), first.version, args.torch,
-                                                 lambda t: print(f"tier: {t}", flush=True))
-            ids = collect(python, suites, tier, out / "collect.log", env)
+            python = first.python or ensure_env(Path(args.venvs), first.torch or "",
+                                                first.version, suites.parent,
+                                                lambda t: print(f"tier: {t}", flush=True))
+            ids = collect(python, suites, [*CPU_TIER, *shlex.split(args.pytest_args or "")],
+                          out / "collect.log", env)
+            nightly = collect(python, suites / "test_zero.py",
+                              ["-m", "not gpu", "--nightly", "-k", THREE_WAY_TEST],
+                              out / "collect-nightly.log", env)
         except RadarError as e:
             print(f"dsconform radar: {e}", file=sys.stderr)
             return 2
-        selection = radar_selection(ids)
+        selection = radar_selection(ids, nightly)
         (out / "radar-tier.txt").write_text("\n".join(selection) + "\n")
-        print(f"radar tier: {len(selection)} of the CPU tier's {len(ids)} tests "
+        print(f"radar tier: the CPU tier's {len(ids)} tests less {len(RADAR_LEAVES_OUT)} "
+              f"left out, and {len(selection) - len([i for i in ids if i in selection])} "
+              f"ZeRO cells of the nightly matrix for 3-way coverage: {len(selection)} tests "
               f"({out / 'radar-tier.txt'})", flush=True)
     columns, missing = [], []
     for i, release in enumerate(every, start=1):
         folder = run_release(release, index=i, total=len(every), args=args, suites=suites,
                              tier=tier, selection=selection, env=env)
         if folder is None:
-            missing.append(f"DeepSpeed {release.version} is not on the timeline: {release.note}")
+            missing.append(f"{release.label} is not on the timeline: {release.note}")
         else:
-            columns.append((release.version, str(folder)))
+            columns.append((release.label, str(folder)))
     for line in missing:
         print(f"dsconform radar: {line}", file=sys.stderr)
     if len(columns) < 2:
@@ -487,19 +424,21 @@ def add_cli(sub: Any, report: Callable[..., int]) -> None:
     r = sub.add_parser("radar", help="run the suite under several DeepSpeed releases and show "
                                      "when each behaviour changed: exit 0 no regression from "
                                      "the first to the last, 1 regression, 2 unusable input")
-    r.add_argument("versions", nargs="*", metavar="VERSION",
-                   help="a DeepSpeed release to install into its own venv and run (e.g. 0.18.9)")
+    r.add_argument("versions", nargs="*", metavar="VERSION[@TORCH]",
+                   help="a DeepSpeed release to run (0.18.9), with the torch of its time unless "
+                        "one is given (0.18.9@2.11.0)")
     r.add_argument("--from-results", action="append", default=[], metavar="VERSION=DIR",
                    help="a finished run's --results folder for that release (repeatable)")
     r.add_argument("--venv", action="append", default=[], metavar="VERSION=PATH",
                    help="an environment (venv folder or python) already holding that release "
                         "(repeatable)")
     r.add_argument("--venvs", default=str(Path.home() / ".cache" / "dsconform" / "radar-venvs"),
-                   metavar="DIR", help="where the releases' venvs are cached (default "
+                   metavar="DIR", help="where the venvs are kept, one per torch (default "
                                        "~/.cache/dsconform/radar-venvs)")
-    r.add_argument("--torch", metavar="SPEC",
-                   help="install this torch into each venv (2.11.0 or a specifier) instead of "
-                        "using the machine's")
+    r.add_argument("--torch", nargs="+", metavar="TORCH",
+                   help="run every release with this torch (2.14.1, or 2.13 for its newest "
+                        "2.13.x) instead of the torch of its time; several values with one "
+                        "release: a torch axis")
     r.add_argument("--tier", default="auto", choices=("auto", "cpu", "gpu", "radar", "args"),
                    help="auto (default): the CPU tier on a CPU machine, -m gpu where a GPU is; "
                         "radar: the CPU tier's cheapest cells (docs/radar.md); args: only "

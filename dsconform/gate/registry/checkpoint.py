@@ -23,6 +23,23 @@ ISSUES: tuple[KnownIssue, ...] = (
              "and bf16; stages 1-2 load the weights. Kept in the suite as its own strict xfail "
              "until 2026-12-01, when it moved here",
     ),
+    KnownIssue(
+        id="DS-7786-Z0-BF16-LOAD-AS-ZERO",
+        title="ZeRO stage 0 bf16 (FP16_UnfusedOptimizer since #7515): load_checkpoint still "
+              "takes the ZeRO path for any bf16 engine and reads the optimizer's "
+              "dp_process_group, which the stage-0 wrapper has not: the load raises "
+              "AttributeError",
+        deepspeed="==0.17.6",
+        fixed_in="0.18.0",
+        link="https://github.com/deepspeedai/DeepSpeed/pull/7786",
+        cases=("test_checkpoint.py::test_round_trip_is_exact[*-0-*-bf16]",),
+        failure=r"'FP16_UnfusedOptimizer' object has no attribute 'dp_process_group'",
+        seen="CPU machine (2 cores), 0.17.6, torch 2.8.0, 2 ranks (the radar): every rank "
+             "raised it in _get_all_zero_checkpoint_state_dicts; engine.py's load_zero_checkpoint "
+             "is `self.zero_optimization() or self.bfloat16_enabled()` in 0.17.6, "
+             "`self.zero_optimization()` from 0.18.0 (#7786, fix checkpointing/loading of "
+             "z0+bf16); 0.18.5 loads (and fails DS-7839's way)",
+    ),
     # The 1-bit optimizers were removed in 0.19.7 (PR #8490): nothing will be fixed upstream.
     KnownIssue(
         id="DS-8500-WRITER-RELOAD",

@@ -393,6 +393,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if ops:
             from dsconform.ops.prebuild import ParallelBuilds, longest_first
             state.op_builds = ParallelBuilds.start(longest_first(ops), skip_cached=True)
+        if state.op_builds is not None and state.op_builds.on_progress is None:
+            # a wait for any of this run's builds says how it goes (those started by another
+            # plugin's collection_finish too)
             state.op_builds.on_progress = session.config.pluginmanager.get_plugin(
                 "dsconform-console").progress
         step("op builds")

@@ -1,6 +1,6 @@
 """Every ``DSCONFORM_*`` environment variable the library reads, in ONE table: its default, its
 meaning, and how its text is parsed. docs/options.md lists the same table for users
-(tests/test_settings.py holds the two together).
+(tests/profile/test_settings.py holds the two together).
 
 Modules read a setting through ``get(NAME)``: at import for knobs fixed for a process (a pool's
 start-up timeout), at call time for those a test or a launcher may change (the cache

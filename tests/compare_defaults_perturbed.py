@@ -1,5 +1,5 @@
-"""A pytest plugin for tests/test_compare_defaults.py: the ZeRO suite's defaults test reads a
-DeepSpeed whose ``gradient_clipping`` default is 0.0, as DeepSpeed 0.19.0 had it (0.0 up to
+"""A pytest plugin for tests/results/test_compare_defaults.py: the ZeRO suite's defaults test
+reads a DeepSpeed whose ``gradient_clipping`` default is 0.0, as DeepSpeed 0.19.0 had it (0.0 up to
 0.19.0, 1.0 from 0.19.3: docs/findings.md#deepspeed-releases). The real DeepSpeed in the rank is
 changed, not a fake: its config module reads the default from these module globals when it
 parses a config."""

@@ -2,9 +2,9 @@
 thing is broken.
 
 Not collected by ``pytest tests`` (the name does not start with test_): it needs a multi-node
-rendezvous, and tests/test_multinode_sim.py runs it inside the two simulated nodes (two torchrun
-agents on localhost), in the same job as the suite. Nothing is mocked: DeepSpeed and DDP train
-across the two ranks, and the collectives move real data.
+rendezvous, and tests/harness/test_multinode_sim.py runs it inside the two simulated nodes (two
+torchrun agents on localhost), in the same job as the suite. Nothing is mocked: DeepSpeed and DDP
+train across the two ranks, and the collectives move real data.
 
 - ZeRO: from step 2 on, DeepSpeed's loss is multiplied by 1.001 inside ``engine.backward`` on
   every rank (dsconform/checks/zero_vs_ddp.py ``_perturb_backward``); the comparison MUST fail

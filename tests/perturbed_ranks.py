@@ -1,7 +1,7 @@
 """Rank entry points of the red tests for the Adam-with-L2 cells, hysteresis and the aligned
-collectives (tests/test_adam_l2_red.py, tests/test_hysteresis_red.py,
-tests/test_collectives_aligned_red.py): the suite's own rank code, run with one real DeepSpeed
-function patched in the rank process and restored afterwards.
+collectives (tests/suites/test_adam_l2_red.py, tests/suites/test_hysteresis_red.py,
+tests/suites/test_collectives_aligned_red.py): the suite's own rank code, run with one real
+DeepSpeed function patched in the rank process and restored afterwards.
 
 - ``train_zero_and_ddp_without_l2``: DeepSpeedCPUAdam.step zeroes its param groups'
   weight_decay before stepping: ZeRO-Offload's Adam drops the L2 term, DDP's torch Adam keeps it.

@@ -1,4 +1,4 @@
-"""Run by tests/test_dist.py under torchrun: one rank of an externally launched job.
+"""Run by tests/harness/test_dist.py under torchrun: one rank of an externally launched job.
 
 Usage: torchrun ... tests/torchrun_probe.py OUT_DIR
 Writes OUT_DIR/rank<RANK>.json with what run_ranks returned or raised in external mode.

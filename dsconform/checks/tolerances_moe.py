@@ -17,7 +17,7 @@ ENTRIES: dict[tuple[str, str, str], tuple[float, float, str]] = {
         f"the layer's capacity buffers and batched expert matmuls against the reference's "
         f"per-token loop sum in another order: worst abs 1.2e-7 (output), 4.5e-8 (l_aux) over "
         f"the 12 cells ({_CPU}); 8x headroom. One token routed to another expert moves the "
-        f"output by 6.3e-2 or more (tests/test_moe_red.py). Not yet measured on GPUs"),
+        f"output by 6.3e-2 or more (tests/suites/test_moe_red.py). Not yet measured on GPUs"),
     ("moe_ep", "fp32", "sgd"): (
         1e-5, 2e-7,
         f"the expert gradients of ep_size = 2 and ep_size = 1 are reduced in another order "

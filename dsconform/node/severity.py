@@ -58,7 +58,7 @@ MEANING = {
     Action.MONITOR: "no action now: recorded and watched",
 }
 #: The actions that fail a node, most severe first (dsconform/results/aggregate.py names them in
-#: the drain reason; tests/test_health.py holds the two lists equal).
+#: the drain reason; tests/node/test_health.py holds the two lists equal).
 FAILING = tuple(a for a in Action if a.fails)
 
 XID_CATALOG = "https://docs.nvidia.com/deploy/xid-errors/analyzing-xid-catalog.html"

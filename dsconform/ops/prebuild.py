@@ -61,7 +61,7 @@ NICE_STEP = 10
 PROGRESS_S = 15.0
 
 #: The ops a run of the suites loads on each accelerator beside the profile's promises, for
-#: ``dsconform build-ops`` (tests/test_build_ops.py holds it to the suites' requires(op=...)):
+#: ``dsconform build-ops`` (tests/ops/test_build_ops.py holds it to the suites' requires(op=...)):
 #: on CPU, DeepSpeed's shm comm op, which every rank's init_distributed builds.
 RUN_OPS = {
     "cuda": ("fused_adam", "cpu_adam", "async_io", "gds", "utils", "cpu_adagrad", "cpu_lion",

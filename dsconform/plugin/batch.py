@@ -234,6 +234,12 @@ def _params(item: pytest.Item) -> dict:
     return dict(callspec.params) if callspec is not None else {}
 
 
+def start_order(cells: list[pytest.Item], rs: RunState) -> list[pytest.Item]:
+    """The order the batch starts its cells in: those that load an op still building (cold
+    cache) last, the rest running meanwhile; the costliest (cost()) first otherwise."""
+    return sorted(cells, key=lambda it: (_waits_for_a_build(it, rs), -cost(it)))
+
+
 def select(session: pytest.Session, rs: RunState) -> list[pytest.Item]:
     """The selected cells the gate will run: what start() batches."""
     return [it for it in session.items if _plan_of(it) is not None and _will_run(it, rs)]
@@ -251,9 +257,7 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None
     cells = list(select(session, rs) if cells is None else cells)
     if len(cells) < 2:
         return 0
-    # Cells that load an op still building (cold cache) last: the rest run meanwhile; the
-    # costliest first otherwise.
-    cells.sort(key=lambda it: (_waits_for_a_build(it, rs), -_batched_of(it)[1]))
+    cells = start_order(cells, rs)
     calls: list[RankCall | list[RankCall]] = []
     owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]] = []
     for it in cells:

@@ -1,0 +1,308 @@
+"""Op builds at run start: results per op, failures carried to the op's test, the awaited build
+first with the cores, the next ones started as cores go idle at a lower priority, longest
+first."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+from dsconform.ops import prebuild as opbuild
+from dsconform.ops.prebuild import ParallelBuilds
+
+
+def test_parallel_builds_report_each_op():
+    builds = ParallelBuilds.start(["cpu_adam", "no_such_op"], cores=2)
+    try:
+        assert builds.jobs_per_op == 2  # every build may use every core; nice orders them
+        ok = builds.wait("cpu_adam")
+        assert ok["loaded"] and ok["failure"] is None and ok["build_seconds"] > 0
+        assert ok["jobs"] == 2 and ok["wall_seconds"] >= ok["build_seconds"]
+        bad = builds.wait("no_such_op")
+        assert not bad["loaded"]
+        assert "op no_such_op" in bad["failure"] and "not provided" in bad["failure"]
+        assert builds.wait("fused_adam") is None  # not started by this run
+    finally:
+        builds.close()
+
+
+def test_a_build_that_dies_is_a_result_not_a_hang():
+    builds = ParallelBuilds.start(["cpu_adam"], cores=1)
+    builds.builds["cpu_adam"].proc.kill()
+    res = builds.wait("cpu_adam", timeout_s=60)
+    assert not res["loaded"] and "without a result" in res["failure"]
+
+
+def test_a_build_that_prints_more_than_a_pipe_holds_still_finishes_unread(monkeypatch):
+    """Builds run while other tests do: nobody calls wait() until the op's test. A build whose
+    output fills the pipe (compiler warnings) must not stop there, holding the extension lock."""
+    child = ("import json, sys\n"
+             "sys.stdout.write('warning: something\\n' * 60000)\n"  # about 1.2 MB
+             f"print({opbuild._MARK!r} + json.dumps({{'op': sys.argv[1], 'loaded': True, "
+             "'failure': None, 'log_tail': ''}), flush=True)\n")
+    monkeypatch.setattr(opbuild, "_CHILD", child)
+    builds = ParallelBuilds.start(["chatty"], cores=1)
+    try:
+        deadline = time.monotonic() + 30
+        while not builds.finished("chatty") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert builds.finished("chatty"), "the build stopped on a full output pipe"
+        res = builds.wait("chatty")
+        assert res["loaded"] and len(builds.builds["chatty"].output) > 1_000_000
+    finally:
+        builds.close()
+
+
+#: A build that takes FAKE_BUILDS[op]["seconds"] and reports what it ran with: its MAX_JOBS, the
+#: nice level it runs at, when it started.
+FAKE = f"""
+import json, os, sys, time
+op, nice = sys.argv[1], int(sys.argv[2])
+if nice:
+    os.nice(nice)
+spec = json.loads(os.environ["FAKE_BUILDS"])[op]
+start = time.time()
+time.sleep(spec["seconds"])
+print({opbuild._MARK!r} + json.dumps({{
+    "op": op, "loaded": not spec.get("fail"), "built_now": True,
+    "failure": "op " + op + ": fake failure" if spec.get("fail") else None,
+    "build_seconds": spec["seconds"], "max_jobs": os.environ["MAX_JOBS"],
+    "niceness": os.nice(0), "t_start": start, "t_end": time.time()}}), flush=True)
+"""
+
+
+def _fake_command(op: str, nice: int) -> list[str]:
+    return [sys.executable, "-c", FAKE, op, str(nice)]
+
+
+class _ScriptedMeter:
+    """Busy cores of each build by seconds since its start: [(until_s, busy), ...]."""
+
+    def __init__(self, profile: dict[str, list[tuple[float, float]]]) -> None:
+        self.profile = profile
+
+    def __call__(self, build) -> tuple[bool, float]:
+        age = time.monotonic() - build.started
+        for until, busy in self.profile[build.op]:
+            if age < until:
+                return True, busy
+        return True, self.profile[build.op][-1][1]
+
+
+def _run_fake(monkeypatch, specs: dict, profile: dict, order: list[str], cores: int):
+    monkeypatch.setattr(opbuild, "POLL_S", 0.1)
+    monkeypatch.setenv("FAKE_BUILDS", json.dumps(specs))
+    events = []
+    builds = ParallelBuilds.start(order, cores, command=_fake_command,
+                                  meter=_ScriptedMeter(profile),
+                                  on_event=lambda op, what, info: events.append((op, what)))
+    try:
+        results = builds.wait_all(timeout_s=60)
+    finally:
+        builds.close()
+    return builds, results, events
+
+
+def test_the_awaited_build_gets_the_cores_and_the_next_start_as_they_go_idle(monkeypatch):
+    """aio keeps all 8 cores busy for 1.5 s, then one (its last compile): adam starts then,
+    not before, with every core as MAX_JOBS but nicer; adam keeps 8 busy, so utils waits until
+    adam has ended, and starts beside aio, nicer than aio."""
+    specs = {"aio": {"seconds": 5.0}, "adam": {"seconds": 1.0}, "utils": {"seconds": 0.3}}
+    profile = {"aio": [(1.5, 8.0), (99, 1.0)], "adam": [(99, 8.0)], "utils": [(99, 1.0)]}
+    builds, r, events = _run_fake(monkeypatch, specs, profile, ["aio", "adam", "utils"], 8)
+    assert [op for op, what in events if what == "start"] == ["aio", "adam", "utils"]
+    assert {op: r[op]["max_jobs"] for op in r} == {"aio": "8", "adam": "8", "utils": "8"}
+    assert {op: r[op]["niceness"] for op in r} == {"aio": 0, "adam": 10, "utils": 10}
+    assert r["adam"]["t_start"] - r["aio"]["t_start"] >= 1.5, "adam took cores aio still used"
+    assert r["utils"]["t_start"] >= r["adam"]["t_end"], "utils started beside a busy adam"
+    assert r["utils"]["t_start"] < r["aio"]["t_end"], "utils waited for aio to end"
+    timings = builds.timings()
+    assert [b["op"] for b in timings["builds"]] == ["aio", "adam", "utils"]
+    assert timings["build_seconds"] == {"aio": 5.0, "adam": 1.0, "utils": 0.3}
+    line = opbuild.summary_line(timings)
+    assert line.startswith("op builds: aio ") and "adam" in line and "nice 10" in line
+
+
+def test_once_a_build_starts_at_the_lowest_priority_the_rest_start_with_it(monkeypatch):
+    """a (nice 0) and b (nice 10) keep the cores busy; c starts when they leave cores idle, at
+    nice 19, and d and e start with it at once: another idle spell would only come with a's
+    or b's end, and the run waits for every build before it measures."""
+    specs = {"a": {"seconds": 3.0}, "b": {"seconds": 3.0}, "c": {"seconds": 2.0},
+             "d": {"seconds": 0.3}, "e": {"seconds": 0.3}}
+    profile = {"a": [(0.6, 8.0), (99, 1.0)], "b": [(1.2, 7.0), (99, 1.0)],
+               "c": [(99, 8.0)], "d": [(99, 1.0)], "e": [(99, 1.0)]}
+    _, r, events = _run_fake(monkeypatch, specs, profile, ["a", "b", "c", "d", "e"], 8)
+    assert [op for op, what in events if what == "start"] == ["a", "b", "c", "d", "e"]
+    assert {op: r[op]["niceness"] for op in r} == {"a": 0, "b": 10, "c": 19, "d": 19, "e": 19}
+    assert r["e"]["t_start"] - r["c"]["t_start"] < 0.5, "e waited for idle cores after c"
+    assert r["e"]["t_end"] < r["c"]["t_end"], "e ended after the build it started beside"
+
+
+def test_a_build_that_keeps_every_core_busy_holds_the_next_until_it_ends(monkeypatch):
+    specs = {"a": {"seconds": 1.0}, "b": {"seconds": 0.2, "fail": True}}
+    profile = {"a": [(99, 2.0)], "b": [(99, 1.0)]}
+    builds, r, _ = _run_fake(monkeypatch, specs, profile, ["a", "b"], 2)
+    assert r["b"]["t_start"] >= r["a"]["t_end"]
+    assert r["b"]["niceness"] == 0 and r["b"]["max_jobs"] == "2"  # alone: full priority
+    assert not r["b"]["loaded"] and "fake failure" in r["b"]["failure"]
+    assert "b 0." in opbuild.summary_line(builds.timings()) and "FAILED" in \
+        opbuild.summary_line(builds.timings())
+
+
+def test_ops_in_the_cache_are_left_out_of_a_run_or_only_load_at_once(monkeypatch, tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "b.so").write_bytes(b"")
+    monkeypatch.setattr(opbuild, "POLL_S", 0.1)
+    monkeypatch.setenv("FAKE_BUILDS", json.dumps({"a": {"seconds": 1.0}, "b": {"seconds": 0.1}}))
+    busy = _ScriptedMeter({"a": [(99, 2.0)], "b": [(99, 1.0)]})
+    run = ParallelBuilds.start(["a", "b"], 2, skip_cached=True, ext_dir=tmp_path,
+                               command=_fake_command, meter=busy)
+    try:
+        assert run.order == ["a"] and run.wait("b") is None and run.finished("b")
+        assert run.wait("a")["loaded"]
+        assert run.timings()["cached"] == ["b"]
+        assert "in the cache: b" in opbuild.summary_line(run.timings())
+    finally:
+        run.close()
+    cli = ParallelBuilds.start(["a", "b"], 2, ext_dir=tmp_path, command=_fake_command,
+                               meter=busy)  # build-ops: a cached op is loaded, beside the build
+    try:
+        r = cli.wait_all(timeout_s=30)
+        assert r["b"]["t_start"] < r["a"]["t_end"], "a load waited for a busy build"
+        assert r["a"]["niceness"] == 0 and r["b"]["niceness"] == 10
+    finally:
+        cli.close()
+
+
+def test_the_tree_meter_counts_a_builds_busy_children():
+    """A build process whose child burns a core for 3 s reads as about one busy core, judged
+    (settled) once its job driver has run SETTLE_S; a build whose driver never started is not
+    judged yet (it is still importing and probing: one core, whatever it will need)."""
+    import subprocess
+
+    import psutil
+
+    burn = ("import subprocess, sys, time\n"
+            "subprocess.run([sys.executable, '-c', "
+            "'import time\\nt=time.time()\\nwhile time.time()-t<3: pass'])\n")
+    proc = subprocess.Popen([sys.executable, "-c", burn])
+    build = opbuild.Build("burn", proc, time.monotonic(), 1, 0)
+    meter = opbuild.TreeMeter(driver=psutil.Process(proc.pid).name())
+    not_yet = opbuild.TreeMeter(driver="ninja")
+    try:
+        readings, waiting = [], []
+        for _ in range(9):
+            readings.append(meter(build))
+            waiting.append(not_yet(build))
+            time.sleep(0.3)
+        assert max(busy for _, busy in readings) > 0.3, readings
+        assert readings[-1][0] and not readings[0][0], readings
+        assert not any(settled for settled, _ in waiting), waiting
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+class _Item:
+    """Just enough of a collected test for ops_to_build, build_needs and the batch."""
+
+    def __init__(self, path: str, *marks, plan=None, cost: float = 1.0, measures=False) -> None:
+        self.fspath = path
+        self.nodeid = f"{path}::t{id(self)}"
+        self._marks = [m.mark for m in marks]
+        self.fixturenames = ["metrics"] if measures else []
+        if plan is not None:
+            from dsconform.plugin.batch import batched
+
+            def function():
+                pass
+            self.function = batched(plan, cost=cost)(function)
+
+    def get_closest_marker(self, name):
+        return next((m for m in self._marks if m.name == name), None)
+
+    def iter_markers(self, name=None):
+        return (m for m in self._marks if name is None or m.name == name)
+
+
+def _run_state(gpus: int, ops: tuple[str, ...], compatible: dict[str, bool]):
+    """A RunState on a fake node of ``gpus`` GPUs whose profile promises ``ops``; the ops'
+    compatibility as given (the gate's probe is not run)."""
+    from dsconform.plugin.runstate import RunState
+    from dsconform.profile.schema import Profile
+    from dsconform.profile.select import Selection
+    from tests.node.test_detect import fake_node
+
+    node = fake_node(gpus)
+    profile = Profile(name="p", source="t", gpu_count=gpus, ops=ops)
+    state = RunState(selection=Selection(profile, node, "t"), scratch=".", scratch_is_temp=False,
+                     results=None, started="")
+    state.op_cache.update(compatible)
+    return state
+
+
+def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
+    from dsconform.gate.requires import requires
+    from dsconform.plugin.items import ops_to_build
+
+    items = [_Item("suites/test_ops.py"),
+             _Item("suites/test_checkpoint.py", pytest.mark.gpu,
+                   requires(op=["async_io", "utils"])),
+             _Item("suites/test_zero.py", requires(op="cpu_adam"))]  # a CPU cell: not built
+    ops, compatible = ("cpu_adam", "async_io"), dict(cpu_adam=True, async_io=True, utils=True)
+    gpu, cpu = _run_state(2, ops, compatible), _run_state(0, ops, compatible)
+    assert ops_to_build(items, gpu) == ["cpu_adam", "async_io", "utils"]
+    assert ops_to_build(items, cpu) == ["cpu_adam", "async_io"]
+    assert ops_to_build(items[1:], gpu) == ["async_io", "utils"]
+    assert ops_to_build(items[1:], cpu) == []
+
+
+def test_available_cores_is_this_process_share():
+    assert 1 <= opbuild.available_cores() <= (os.cpu_count() or 1)
+
+
+def test_a_test_waits_at_setup_for_the_builds_of_the_ops_it_loads(monkeypatch):
+    """A test whose ranks load an op this run still builds waits for that build at setup (a
+    rank that loaded it first would build it itself, unseen by the scheduler); a test the gate
+    skips does not wait."""
+    from types import SimpleNamespace
+
+    from dsconform.plugin import hooks
+
+    waited = []
+    verdicts = [None]
+    state = SimpleNamespace(op_builds=SimpleNamespace(wait=waited.append),
+                            verdict=lambda item: verdicts[0])
+    monkeypatch.setattr(hooks, "run_state", lambda config: state)
+    monkeypatch.setattr(hooks.gating, "item_ops", lambda item: ["async_io", "utils"])
+    hooks.pytest_runtest_setup(SimpleNamespace(config=None, stash={}))
+    assert waited == ["async_io", "utils"]
+    verdicts[0] = SimpleNamespace(broken_promises=[], ok=False, skip_reason="not promised")
+    with pytest.raises(pytest.skip.Exception):
+        hooks.pytest_runtest_setup(SimpleNamespace(config=None, stash={}))
+    assert waited == ["async_io", "utils"]
+
+
+def test_ops_of_gpu_tests_that_will_skip_are_not_built():
+    """A GPU test skipped by a static mark (NVME-GDS-2 on a profile without NVMe paths) or by an
+    unmet need other than its ops (two GPUs on a one-GPU node) loads nothing: its ops are not
+    built for it. One whose only unmet need is its op is built: its failure is the test's."""
+    from dsconform.gate.requires import requires
+    from dsconform.plugin.items import ops_to_build
+
+    state = _run_state(1, ("cpu_adam",), dict(gds=True, utils=True, async_io=True,
+                                              fused_adam=False))
+    gpu = pytest.mark.gpu
+    skipped = _Item("suites/test_deepnvme.py", gpu, requires(op="gds"),
+                    pytest.mark.skip(reason="Requires: [NVMe path in profile]"))
+    two_gpus = _Item("suites/test_checkpoint.py", gpu, requires(min_gpus=2, op="utils"))
+    runs = _Item("suites/test_deepnvme.py", gpu, requires(op="async_io"))
+    unbuildable = _Item("suites/test_zero.py", gpu, requires(op="fused_adam"))
+    assert ops_to_build([skipped, two_gpus, runs, unbuildable], state) == \
+        ["async_io", "fused_adam"]
+
+

@@ -473,10 +473,10 @@ def _tamper_muon(tamper: str | None) -> dict[str, Any]:
     ``muon_no_momentum`` runs every Muon update with momentum 0; ``muon_wrong_ns_coefficient``
     runs Newton-Schulz with a = 3.0 for 3.4445 (DeepSpeed's update eager, so the patched
     iteration is the one it calls)."""
+    if tamper not in MUON_TAMPERS:
+        return {}  # and no import: a release without Muon (compat.MUON) runs the other cells
     from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
 
-    if tamper not in MUON_TAMPERS:
-        return {}
     names = ("muon_update", "zeropower_via_gram_newtonschulz", "zeropower_via_newtonschulz5")
     saved = {n: getattr(original_muon, n) for n in names}
     eager = getattr(saved["muon_update"], "_torchdynamo_orig_callable", saved["muon_update"])
@@ -497,12 +497,13 @@ def _tamper_muon(tamper: str | None) -> dict[str, Any]:
 
 
 def _restore_muon(saved: dict[str, Any]) -> None:
+    if not saved:
+        return
     from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
 
     for name, value in saved.items():
         setattr(original_muon, name, value)
-    if saved:
-        muon_optimizer.muon_update = saved["muon_update"]
+    muon_optimizer.muon_update = saved["muon_update"]
 
 
 def _train(engine: Any, case: OptCase, ref: Reference, first: int, last: int,

@@ -198,6 +198,14 @@ DEFAULT_HISTORY: tuple[DefaultChange, ...] = (
                   "bf16 checks for overflows by default from 0.19.3 (PR #8035)"),
     DefaultChange("zero.allgather_sequential", MISSING, "0.18.5",
                   "ZeRO-3's sequential all-gather option arrives in 0.18.5 (PR #7661)"),
+    # ZERO-DEF-2 (ASSUMED_RESOLVED): engine.get_data_types up to 0.17.5 accumulates a stage-0
+    # bf16 model's gradients in fp32 under BF16_Optimizer; from 0.17.6 in bf16 under
+    # FP16_UnfusedOptimizer (the radar: 0.16.9 found both)
+    DefaultChange("bf16.z0.grad_accum_dtype", "float32", "0.17.6",
+                  "stage-0 bf16 accumulates gradients in bf16 from 0.17.6 (PR #7515)"),
+    DefaultChange("bf16.z0.wrapper", "BF16_Optimizer", "0.17.6",
+                  "stage-0 bf16 wraps the optimizer in FP16_UnfusedOptimizer from 0.17.6 "
+                  "(PR #7515)"),
 )
 
 

@@ -183,13 +183,19 @@ def test_the_aio_alignment_and_the_old_stage0_scaler_layout():
 
 
 def test_a_release_is_held_to_its_own_defaults():
-    from dsconform.checks.dsconfig import ASSUMED_DEFAULTS, defaults_mismatches
+    from dsconform.checks.dsconfig import ASSUMED_DEFAULTS, ASSUMED_RESOLVED, defaults_mismatches
     for change in compat.DEFAULT_HISTORY:
-        assert change.key in ASSUMED_DEFAULTS, change
-        before = compat.assumed_defaults(ASSUMED_DEFAULTS, "0.16.9")
-        since = compat.assumed_defaults(ASSUMED_DEFAULTS, change.changed_in)
+        table = ASSUMED_DEFAULTS if change.key in ASSUMED_DEFAULTS else ASSUMED_RESOLVED
+        assert change.key in table, change
+        before = compat.assumed_defaults(table, "0.16.9")
+        since = compat.assumed_defaults(table, change.changed_in)
         assert before[change.key] == change.before
-        assert since[change.key] == ASSUMED_DEFAULTS[change.key]
+        assert since[change.key] == table[change.key]
+    # ZERO-DEF-2 on 0.17.5 is held to BF16_Optimizer's fp32 accumulation at stage 0
+    resolved = compat.assumed_defaults(ASSUMED_RESOLVED, "0.17.5")
+    assert (resolved["bf16.z0.grad_accum_dtype"], resolved["bf16.z0.wrapper"]) == \
+        ("float32", "BF16_Optimizer")
+    assert resolved["bf16.z1.grad_accum_dtype"] == "bfloat16"
     old = compat.assumed_defaults(ASSUMED_DEFAULTS, "0.17.6")
     found = {**ASSUMED_DEFAULTS, "fp16.stage0.scale_factor": compat.MISSING,
              "gradient_clipping": 0.0, "constants.GRADIENT_CLIPPING_DEFAULT": 0.0,

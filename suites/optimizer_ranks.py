@@ -540,8 +540,10 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
     (under ``save_dir``), a fresh engine loads it and trains on; the reference never stops."""
     from dsconform.suite import compat, device, rank, seed_everything
 
-    if case.kind == "muon":
-        compat.require(compat.MUON)
+    if case.kind == "muon":  # the cells hand Muon parameter groups
+        for feature in (compat.MUON, compat.MUON_GROUPS,
+                        *((compat.MUON_ZERO3,) if case.stage == 3 else ())):
+            compat.require(feature)
     seed_everything(case.seed)
     dev = device()
     model = MLP().to(dev)

@@ -46,6 +46,8 @@ AIO_HANDLE = "aio_handle"
 PRECISION_CONFIG = "precision_config"
 AIO_WAIT = "aio_wait"
 MUON = "muon"
+MUON_GROUPS = "muon_groups"
+MUON_ZERO3 = "muon_zero3"
 ADDITIONS: dict[str, Addition] = {
     # Before it, bf16 without ZeRO was refused unless gradients accumulate in fp32
     # (NotImplementedError "Bfloat16 wrapper must use a gradient accumulation type of fp32,
@@ -72,6 +74,14 @@ ADDITIONS: dict[str, Addition] = {
     # 0.16.9 has no deepspeed/runtime/zero/muon; 0.17.6 has it (the optimizer suite's Muon).
     MUON: Addition("the Muon optimizer (\"type\": \"Muon\")", "0.17.6",
                    "https://github.com/deepspeedai/DeepSpeed/pull/7509"),
+    # Before it, _configure_basic_optimizer reads p.use_muon off every item of model_parameters:
+    # parameter groups raise AttributeError "'dict' object has no attribute 'use_muon'" (the
+    # radar: 0.17.6); AutoEP's PR flattens the groups (and so drops their settings: DS-8440).
+    MUON_GROUPS: Addition("the Muon optimizer given parameter groups (dicts in model_parameters)",
+                          "0.19.2", "https://github.com/deepspeedai/DeepSpeed/pull/7938"),
+    # Before it, ZeRO-3 refuses Muon: "Muon optimizer is not yet compatible with ZeRO Stage 3".
+    MUON_ZERO3: Addition("the Muon optimizer under ZeRO stage 3", "0.18.9",
+                         "https://github.com/deepspeedai/DeepSpeed/pull/7919"),
 }
 
 

@@ -46,7 +46,7 @@ ISSUES: tuple[KnownIssue, ...] = (
         deepspeed=">=0.17.6,<=0.19.3",
         fixed_in="0.19.4",
         link="https://github.com/deepspeedai/DeepSpeed/pull/8212",
-        cases=("test_deepnvme.py::test_zero_infinity_matches_ddp[*-cpu-param+opt-*]",),
+        cases=("test_zero_infinity.py::test_zero_infinity_matches_ddp[*-cpu-param+opt-*]",),
         failure=(r"raised AssertionError: [\s\S]*reserve_partitioned_swap_space[\s\S]*"
                  r"assert all\(\[get_accelerator\(\)\.is_pinned\(buf\)"),
         seen="CPU machine (2 cores), 2 ranks, the radar: 0.17.6 + torch 2.8.0 and 0.18.5 + "

@@ -167,7 +167,9 @@ ISSUES: tuple[KnownIssue, ...] = (
             "test_checkpoint_files.py::test_client_state_comes_back[cpu-z2]",
             "test_checkpoint_files.py::test_a_latest_naming_a_missing_tag_is_refused[cpu-z2]",
             "test_checkpoint.py::test_stage_change[cpu-z2-to-z3]",
-            "test_schedules.py::test_resume_continues_the_curve[*]",
+            # the ZeRO-1 and ZeRO-2 schedules (RESUME_CASES); OneCycle runs on stage 0
+            "test_schedules.py::test_resume_continues_the_curve[*-WarmupLR]",
+            "test_schedules.py::test_resume_continues_the_curve[*-WarmupDecayLR]",
             "test_state_fidelity.py::test_state_round_trip[cpu-z1-*-ws2]",
             "test_state_fidelity.py::test_state_round_trip[cpu-z2-*-ws2]",
             "test_state_fidelity.py::test_full_accessors_equal_ddp[cpu-z1-*]",

@@ -321,7 +321,7 @@ def matrix(world_sizes: tuple[int, ...] = (1, 2)) -> list[OptCase]:
 def config(case: OptCase, hyper: dict[str, Any]) -> dict[str, Any]:
     """The cell's DeepSpeed config: ds_config's pinned semantics, with the optimizer section the
     cell names (a client optimizer: none)."""
-    from dsconform.suite import ds_config
+    from dsconform.suite import compat, ds_config
 
     cfg = ds_config(stage=case.stage, dtype=case.dtype, optimizer="sgd", lr=LR[case.kind],
                     grad_accum=case.grad_accum, world_size=case.world_size,
@@ -339,9 +339,12 @@ def config(case: OptCase, hyper: dict[str, Any]) -> dict[str, Any]:
         cfg["optimizer"] = {"type": section["type"], "params": params}
     # Adagrad, Lion and a client optimizer are not on ZeRO's list of tested optimizers; a torch
     # optimizer offloaded is refused unless DeepSpeed may keep it as it is.
-    if case.kind == "muon" and case.stage == 3:
+    if case.kind == "muon" and (case.stage == 3 or (
+            case.offloaded and not compat.muon_offload_reduce_scatter())):
         # ZeRO-3 refuses Muon with reduce_scatter ("Muon and reduce scatter cannot be used
-        # together"): each rank orthogonalises whole gradients, so they are all-reduced.
+        # together"), and so do ZeRO 1/2 with the optimizer offloaded on some releases
+        # (compat.muon_offload_reduce_scatter): each rank orthogonalises whole gradients, so
+        # they are all-reduced.
         cfg["zero_optimization"]["reduce_scatter"] = False
     cfg["zero_allow_untested_optimizer"] = True
     if case.kind == "client":

@@ -163,6 +163,17 @@ def require(name: str, deepspeed_version: str | None = None) -> None:
 
 # ------------------------------------------------------------------ adapters
 
+
+def muon_offload_reduce_scatter(deepspeed_version: str | None = None) -> bool:
+    """Whether ZeRO 1/2 takes the Muon optimizer with its optimizer offloaded and reduce_scatter
+    on. 0.19.3 to 0.19.7 refuse it (ValueError "Muon with reduce scatter does not support
+    optimizer offload", PR #8090 https://github.com/deepspeedai/DeepSpeed/pull/8090): the
+    suite then reduces by all-reduce, as the message asks. 0.19.8 takes it (PR #8464
+    https://github.com/deepspeedai/DeepSpeed/pull/8464); before 0.19.3 it is taken, and a
+    matrix that crosses a partition gets a wrong update (DS-7807-MUON-Z12-REDUCE-SCATTER)."""
+    found = versions.parse(deepspeed_version or installed_deepspeed())
+    return found is None or found not in versions.specifier(">=0.19.3,<0.19.8")
+
 def fp16_scaler_args(config: Any) -> tuple[float, bool, dict[str, Any] | None]:
     """(static loss scale, dynamic?, the dynamic scaler's arguments) of a parsed
     ``deepspeed.runtime.config.DeepSpeedConfig``: what ``deepspeed.initialize`` hands ZeRO's

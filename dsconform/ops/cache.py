@@ -6,10 +6,13 @@ DSCONFORM_CACHE (docs/findings.md#op-builds)."""
 
 from __future__ import annotations
 
+import getpass
 import importlib.metadata
 import os
 import re
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from dsconform import settings
@@ -88,6 +91,41 @@ def ensure_extensions_dir() -> Path:
     path = Path(os.environ["TORCH_EXTENSIONS_DIR"])
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def inductor_cache_dir() -> Path:
+    """Where torch's inductor keeps the kernels it compiles: TORCHINDUCTOR_CACHE_DIR, else its
+    default, <tmp>/torchinductor_<user>."""
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if given:
+        return Path(given)
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    return Path(tempfile.gettempdir()) / f"torchinductor_{user}"
+
+
+def sweep_inductor_cache(root: Path | None = None, *, older_than_s: float = 120.0) -> list[str]:
+    """torch links an inductor kernel straight into its cache path and loads any file found
+    there: a link killed midway (a rank stopped while DeepSpeed's Muon compiled) leaves a
+    truncated library that fails every later run needing that kernel ("ImportError: ... .so:
+    file too short"). Remove each library in the cache that is not an ELF object and is older
+    than ``older_than_s`` (a link in progress is seconds old), so that torch compiles it again;
+    returns a notice per file removed."""
+    root = root or inductor_cache_dir()
+    notices = []
+    now = time.time()
+    for lib in root.rglob("*.so") if root.is_dir() else ():
+        try:
+            if now - lib.stat().st_mtime < older_than_s:
+                continue
+            with lib.open("rb") as f:
+                if f.read(4) == b"\x7fELF":
+                    continue
+            lib.unlink()
+        except OSError:
+            continue
+        notices.append(f"removed {lib}: a truncated inductor kernel (its compile was killed); "
+                       f"torch compiles it again")
+    return notices
 
 
 def bytecode_dir() -> Path:

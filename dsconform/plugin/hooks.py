@@ -180,13 +180,14 @@ def _use_stable_extension_cache() -> list[str]:
     environment). Keyed per environment: two environments sharing one cache rebuild each
     other's ops (docs/findings.md#op-builds). A lock left there by a killed build is removed
     when provably stale; one that cannot be proven stale stops the run at once (StaleBuildLock)
-    instead of letting the next build wait for it forever."""
+    instead of letting the next build wait for it forever; so is an inductor kernel whose
+    compile was killed (dsconform.ops.cache.sweep_inductor_cache)."""
     try:
-        from dsconform.ops.cache import ensure_extensions_dir
+        from dsconform.ops.cache import ensure_extensions_dir, sweep_inductor_cache
     except ImportError:
         return []
     from dsconform.base.buildlock import clear_stale
-    return clear_stale(ensure_extensions_dir())
+    return clear_stale(ensure_extensions_dir()) + sweep_inductor_cache()
 
 
 _MARKERS = {

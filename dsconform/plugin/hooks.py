@@ -12,8 +12,10 @@ from __future__ import annotations
 import gc
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Before any check can refuse the run: the last run's verdict must not outlive a refusal
     # (a refusal's own verdict: dsconform.plugin.refusal's pytest_cmdline_main).
     refusal.begin(config, started=started, is_worker=is_xdist_worker(config))
+    _stop_on_sigint(config)
     # --collect-only (or --help, --fixtures, ...) runs no test: writing results would replace
     # the last real run's with an empty one.
     runs = refusal.runs_tests(config)
@@ -173,6 +176,16 @@ def _profile_named(config: pytest.Config) -> str:
     if typed or settings.given("DSCONFORM_PROFILE") != spec:
         return f"--profile {spec}"
     return f"DSCONFORM_PROFILE={spec}"
+
+
+def _stop_on_sigint(config: pytest.Config) -> None:
+    """SIGINT stops a run and still writes its results (Ctrl-C, a time limit's `timeout -s
+    INT`). A shell starts a background job (`cmd &` in a script) with SIGINT ignored, and Python
+    then installs no handler: that run would miss its time limit, be killed at the limit's
+    grace and leave no results. The controller takes SIGINT back."""
+    if (not is_xdist_worker(config) and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _use_stable_extension_cache() -> list[str]:

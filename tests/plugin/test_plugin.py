@@ -182,7 +182,8 @@ def test_unwritable_scratch_is_usage_error(run):
 
 def test_an_interrupted_run_says_how_far_it_got(tmp_path):
     """SIGINT (Ctrl-C, or a time limit's `timeout -s INT`) still writes the results, and the
-    summary says the run was interrupted and how many of the selected tests ran."""
+    summary says the run was interrupted and how many of the selected tests ran; also for a run
+    started with SIGINT ignored, as a shell starts a background job."""
     import signal
 
     (tmp_path / "test_stop.py").write_text(
@@ -192,7 +193,8 @@ def test_an_interrupted_run_says_how_far_it_got(tmp_path):
         [sys.executable, "-m", "pytest", "test_stop.py", "-p", "fixtures.plugin", "-p",
          "no:cacheprovider", "--rootdir", str(tmp_path), "--results", str(out), "-q"],
         cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.monotonic() + 60
     while '"test_stop.py::test_a"' not in _read(out / "records.jsonl"):
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]

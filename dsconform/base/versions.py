@@ -15,7 +15,7 @@ __all__ = ["TORCH_RUN_WITH", "InvalidSpecifier", "InvalidVersion", "SpecifierSet
 
 #: The torch releases (major.minor) the suite has been run with; docs/install.md says where.
 #: Another torch is judged all the same: the header and the summary only say so.
-TORCH_RUN_WITH = ("2.11", "2.13", "2.14")
+TORCH_RUN_WITH = ("2.7", "2.8", "2.10", "2.11", "2.12", "2.13", "2.14")
 
 
 def parse(text: str | None) -> Version | None:

@@ -49,21 +49,26 @@ def lion_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, *, lr: float,
 def lamb_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, *,
               lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
               max_coeff: float, min_coeff: float) -> None:
-    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2) as
-    DeepSpeed's FusedLamb documents it (bias correction on, eps outside the root, the trust ratio
-    ||p|| / ||u|| clamped to [min_coeff, max_coeff], 1 where either norm is 0), in place:
-    m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; u = m^ / (sqrt(v^) + eps) + wd p;
-    p <- p - lr r u."""
+    """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2) in the
+    form DeepSpeed's FusedLamb computes it (csrc/lamb/fused_lamb_cuda_kernel.cu, bias correction
+    on, eps outside the root), in place:
+    m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2; u = m / (sqrt(v) + eps) + wd p;
+    r = ||p|| / ||u|| clamped to [min_coeff, max_coeff] (1 where either norm is 0);
+    p <- p - lr sqrt(1 - b2^t) / (1 - b1^t) r u.
+    Where the paper divides the moments by their bias corrections before u, FusedLamb folds the
+    corrections into the step size: eps then meets the uncorrected root, and the trust ratio and
+    the decay term are those of the uncorrected u. Without decay and with eps far below sqrt(v)
+    the two forms agree (the ratio cancels the scale of u); otherwise they differ by more than
+    rounding (docs/suites.md, OPT-RULE-1)."""
     b1, b2 = betas
     m.mul_(b1).add_(g, alpha=1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    m_hat = m / (1 - b1 ** step)
-    v_hat = v / (1 - b2 ** step)
-    u = m_hat / (v_hat.sqrt() + eps) + weight_decay * p
+    u = m / (v.sqrt() + eps) + weight_decay * p
     w_norm, u_norm = float(p.norm()), float(u.norm())
     ratio = 1.0 if w_norm == 0 or u_norm == 0 else min(max(w_norm / u_norm, min_coeff),
                                                          max_coeff)
-    p.add_(u, alpha=-lr * ratio)
+    step_size = lr * (1 - b2 ** step) ** 0.5 / (1 - b1 ** step)
+    p.add_(u, alpha=-step_size * ratio)
 
 
 # Muon's quintic Newton-Schulz coefficients (a, b, c), its iteration count and momentum.
@@ -392,6 +397,25 @@ def _batches(case: OptCase, step: int, rank: int, dev: torch.device) -> list:
     return out
 
 
+def _stage0_master(engine: Any, p: Any) -> tuple[torch.Tensor, torch.Tensor, tuple] | None:
+    """Stage 0's fp16/bf16 wrapper keeps ``p``'s fp32 master apart from the model: (the tensor
+    the optimizer steps and keys its state by, ``p``'s master, ``p``'s (offset, numel) in the
+    first or None). FP16_Optimizer (a fused optimizer) steps one flat fp32 tensor per group,
+    FP16_UnfusedOptimizer one fp32 copy per parameter. None: no such wrapper."""
+    opt = engine.optimizer
+    for i, group in enumerate(getattr(opt, "fp16_groups", ())):
+        offset = 0
+        for j, q in enumerate(group):
+            if q is p:
+                if hasattr(opt, "fp32_groups_flat"):
+                    flat = opt.fp32_groups_flat[i]
+                    return flat, flat.narrow(0, offset, q.numel()).view_as(q), (offset, q.numel())
+                master = opt.fp32_groups[i][j]
+                return master, master, None
+            offset += q.numel()
+    return None
+
+
 def _full_params(engine: Any, named: list) -> dict[str, torch.Tensor]:
     import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param
@@ -401,7 +425,10 @@ def _full_params(engine: Any, named: list) -> dict[str, torch.Tensor]:
     out = {}
     for n, p in named:
         full = safe_get_full_fp32_param(p)
-        if full is None:  # no fp32 master behind this parameter (stage 0 fp32): the weight is
+        wrapped = _stage0_master(engine, p) if full is None else None
+        if wrapped is not None:  # stage 0 fp16/bf16: the wrapper's fp32 master
+            full = wrapped[1]
+        elif full is None:  # no fp32 master behind this parameter (stage 0 fp32): the weight is
             with deepspeed.zero.GatheredParameters([p]):
                 full = p.data
         out[n] = cpu_fp32(full)
@@ -427,7 +454,13 @@ def _full_state(engine: Any, named: list, keys: tuple[str, ...]) -> tuple[dict, 
                               f"rank(s) {missing}")
                 continue
             value = safe_get_full_optimizer_state(p, k)
-            if value is None:  # stage 0 fp32: the optimizer holds the model's own parameters
+            wrapped = _stage0_master(engine, p) if value is None else None
+            if wrapped is not None:  # stage 0 fp16/bf16: the state of the wrapper's master
+                stepped, _, part = wrapped
+                value = engine.optimizer.optimizer.state[stepped].get(k)
+                if value is not None and part is not None:
+                    value = value.narrow(0, *part).view_as(p)
+            elif value is None:  # stage 0 fp32: the optimizer holds the model's own parameters
                 value = engine.optimizer.state[p].get(k)
             if value is None:
                 errors.append(f"no optimizer state {k!r} for {n!r}")
@@ -509,6 +542,33 @@ def _restore_muon(saved: dict[str, Any]) -> None:
     muon_optimizer.muon_update = saved["muon_update"]
 
 
+def muon_fills_gradients(case: OptCase) -> bool:
+    """ZeRO 1/2 with Muon on the device orthogonalise while the gradient partitions fill, in
+    backward: there ``safe_get_full_grad`` returns Muon's update, not the gradient, and the
+    reference takes the gradient from a plain copy of the model instead."""
+    return case.kind == "muon" and case.stage in (1, 2) and not case.offloaded
+
+
+def _plain_gradients(engine: Any, case: OptCase, step: int, dev: torch.device
+                     ) -> dict[str, torch.Tensor]:
+    """The gradient of one optimizer step as data parallelism averages it, from a plain copy of
+    the engine's model (its weights at the step's start, in its dtype): every rank's
+    micro-batches (each rank's are drawn from the cell's seed, so any rank can draw them), each
+    loss over micro-batches and ranks."""
+    import torch.distributed as dist
+
+    from dsconform.suite import TORCH_DTYPES, cpu_fp32
+
+    dtype = TORCH_DTYPES[case.dtype]
+    plain = MLP().to(dev, dtype)
+    plain.load_state_dict(engine.module.state_dict())
+    world = dist.get_world_size()
+    for r in range(world):
+        for x, y in _batches(case, step, r, dev):
+            (F.mse_loss(plain(x.to(dtype)).float(), y) / (case.grad_accum * world)).backward()
+    return {n: cpu_fp32(p.grad) for n, p in plain.named_parameters()}
+
+
 def _train(engine: Any, case: OptCase, ref: Reference, first: int, last: int,
            dev: torch.device) -> tuple[list, list]:
     from deepspeed.utils import safe_get_full_grad
@@ -520,14 +580,16 @@ def _train(engine: Any, case: OptCase, ref: Reference, first: int, last: int,
     per_step, ref_steps = [], []
     for step in range(first, last):
         grads = None
+        plain = _plain_gradients(engine, case, step, dev) if muon_fills_gradients(case) \
+            else None
         for x, y in _batches(case, step, rank(), dev):
             loss = F.mse_loss(engine(x.to(dtype)).float(), y)
             engine.backward(loss)
-            if engine.is_gradient_accumulation_boundary():
+            if engine.is_gradient_accumulation_boundary() and plain is None:
                 # Collective on stage 3: every rank gathers every gradient, in the same order.
                 grads = {n: cpu_fp32(safe_get_full_grad(p)) for n, p in named}
             engine.step()
-        ref.step(grads)
+        ref.step(plain if plain is not None else grads)
         per_step.append(_full_params(engine, named))
         ref_steps.append(ref.parameters())
     return per_step, ref_steps

@@ -470,13 +470,15 @@ def soak(seconds: float, kinds: list[str], size: int, tols: dict[str, tuple[floa
     iteration; at most ``max_iterations``). ``train``: (ZeroCase, Tol) pairs, each trained with
     ZeRO and DDP and compared; ``matmul``: (size, seconds); ``hbm``: (fraction, reserve bytes,
     max bytes), ``patterns_per_iteration`` of PATTERNS in turn. Per iteration: its mismatches,
-    the first of them, and the matmul's TFLOPS."""
+    the first of them, and the matmul's TFLOPS; and iteration 0's kernel hashes and versions
+    (``kernels``, ``versions``, as ``known_answers`` reports them) for the recorded answers."""
     me = collective_calls.identity()
     deadline = time.monotonic() + seconds
     t0 = time.monotonic()
     first: dict[str, str] | None = None
     iterations: list[dict[str, Any]] = []
     mismatches = 0
+    opening: dict[str, Any] = {}  # iteration 0's kernels and versions: the catalogue's check
     progress = os.path.join(progress_dir, f"rank{rank()}.json")
     while _agree(not iterations or (time.monotonic() < deadline and (
             max_iterations is None or len(iterations) < max_iterations))):
@@ -487,6 +489,8 @@ def soak(seconds: float, kinds: list[str], size: int, tols: dict[str, tuple[floa
         hashes = {n: k["hash"] for n, k in ka["kernels"].items()}
         problems = _ka_problems(ka, first)
         first = first or hashes
+        opening = opening or {"versions": ka["versions"],
+                              "kernels": {n: {"hash": h} for n, h in hashes.items()}}
         for case, tol in train:
             factor = hit.get("perturb", 1.0) if hit else 1.0  # every rank's DeepSpeed side
             cmp = compare_rank_results([train_zero_and_ddp(case, perturb=factor)], tol,
@@ -515,4 +519,4 @@ def soak(seconds: float, kinds: list[str], size: int, tols: dict[str, tuple[floa
         os.replace(progress + ".tmp", progress)
     return {"identity": me, "serial": board_serial(me["bus_id"]),
             "name": torch.cuda.get_device_name(device()) if device().type == "cuda" else "cpu",
-            "iterations": iterations}
+            "iterations": iterations, **opening}

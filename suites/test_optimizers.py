@@ -12,7 +12,8 @@ reference each is held to (suites/optimizer_ranks.py):
 - ``lion``: FusedLion (GPUs only) / DeepSpeedCPULion, against Lion written out (Chen et al.
   2023, Algorithm 2);
 - ``lamb``: FusedLamb (GPUs only; no host LAMB, so no offload), against LAMB written out (You et
-  al. 2020) with FusedLamb's trust-ratio clamp;
+  al. 2020) in FusedLamb's form (bias corrections folded into the step size) with its
+  trust-ratio clamp;
 - ``muon``: MuonWithAuxAdam (Muon on the 2-D weights, its AdamW on the biases; the AdamW a
   FusedAdam / DeepSpeedCPUAdam), against Muon written out (Keller Jordan 2024: Nesterov
   momentum, Newton-Schulz 5 with (3.4445, -4.7750, 2.0315), the shape scale) and AdamW;
@@ -102,25 +103,22 @@ def _axes(case: OptCase) -> dict:
             "dtype": case.dtype, "grad_accum": case.grad_accum}
 
 
-# LAMB's written-out rule has not yet been run against FusedLamb (a CUDA kernel), nor Muon's
-# against its fp16 Newton-Schulz (GPUs): their cells stay in the nightly tier until a GPU run has
-# measured them.
+# LAMB (FusedLamb, a CUDA kernel) and Muon on GPUs (Newton-Schulz in fp16) run nightly: each
+# of their GPU cells is many seconds of op build or compile on a fresh node.
 NIGHTLY_ONLY = ("lamb", "muon")
 # The ops a GPU acceptance run builds (fused_adam, cpu_adam; None: torch's own optimizer): the
 # cells of other ops (Adagrad and Lion on the host, FusedLion) are nightly on GPUs, so that an
 # acceptance run on a fresh node builds no op for them (dsconform/ops/prebuild.py NIGHTLY_ONLY).
 GPU_ACCEPTANCE_OPS = (None, "fused_adam", "cpu_adam")
-# Every GPU cell runs in the nightly tier until a GPU run has measured the cells against the
-# table's bounds (they are measured on the CPU accelerator); the covering array above is then
-# the GPU acceptance tier.
-GPU_ACCEPTANCE = False
+# The covering array above is the GPU acceptance tier (its cells measured on an H200 against
+# the table's bounds, docs/suites.md); the other GPU cells run nightly.
+GPU_ACCEPTANCE = True
 
 
 def stage0_bf16(case: OptCase) -> bool:
-    """Stage 0's bf16 wrapper: on 0.19.8 its parameters leave the reference at step 0 (Adagrad
-    by 0.16, RAdam by 3.4e-4; the likely cause, not yet confirmed, is the fp16/bf16 wrapper's
-    step at initialisation, DS-5104) and a client optimizer's state is not readable there.
-    Nightly until that is classified; the acceptance tier covers every other pair."""
+    """Stage 0's bf16 wrapper steps the optimizer at initialisation (known issue
+    DS-5104-Z0-WRAPPER-INIT-STEP): those cells are nightly, the acceptance tier covers every
+    other pair."""
     return case.stage == 0 and case.dtype == "bf16"
 
 

@@ -260,6 +260,21 @@ def soak_args(seconds: float, world_size: int, profile_tolerances: Any, progress
             (HBM_FRACTION, HBM_RESERVE, None), SOAK_PATTERNS, progress_dir)
 
 
+def soak_catalogue(results: list[dict[str, Any]], ids: list[Any],
+                   answers: Any = None) -> dict[str, Any]:
+    """The soak's first iteration against the recorded known answers (SDC-CAT-1's check, at
+    the acceptance pass's size): a GPU whose hashes differ from its recorded ones fails the
+    soak; one with none recorded is named in ``not_compared``. Also which file was compared
+    against (``file``, ``sha256``)."""
+    problems, skipped = catalogue_check(results, ids, answers)
+    unmatched = {s.split(": ", 1)[0] for s in skipped}
+    labels = [sdc.gpu_label(i, r["serial"]) for r, i in zip(results, ids)]
+    return {"file": f"dsconform/profile/{known_answers.ANSWERS_FILE.name}",
+            "sha256": known_answers.digest(), "problems": problems,
+            "compared": [label for label in labels if label not in unmatched],
+            "not_compared": skipped}
+
+
 def _progress(progress_dir: Path, watch: sampler.GateSampler, started: float,
               total_s: float) -> str:
     """The line of the minute: iterations and mismatches from the ranks' progress files, the
@@ -314,8 +329,10 @@ def test_soak(node, profile, run, facts):
                                [sdc.gpu_label(i, r["serial"]) for r, i in zip(results, ids)])
     node_findings = soak.attach_findings(reports, seen.findings)
     problems = soak.verdict(reports, pct, node_findings, seen.could_not)
+    catalogue = soak_catalogue(results, ids)
+    problems += catalogue.pop("problems")
     facts.record(soak.FACT, soak.summary(run.soak_minutes, elapsed, SAMPLE_INTERVAL_S, pct,
-                                         reports, problems))
+                                         reports, problems, catalogue))
     say(_progress(progress_dir, watch, started, total_s) + " (end)")
     assert not problems, f"the {run.soak_minutes:g}-minute burn-in failed:\n  " + \
         "\n  ".join(problems)

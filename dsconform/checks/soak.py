@@ -169,8 +169,11 @@ def progress_line(elapsed_s: float, total_s: float,
 
 
 def summary(minutes: float, elapsed_s: float, interval_s: float, straggler_pct: float,
-            reports: Sequence[GpuSoak], problems: Sequence[str]) -> dict[str, Any]:
-    """summary.json's ``soak`` section (docs/results-format.md)."""
+            reports: Sequence[GpuSoak], problems: Sequence[str],
+            catalogue: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """summary.json's ``soak`` section (docs/results-format.md). ``catalogue``: the known
+    answers iteration 0 was compared with (``file``, its ``sha256``, the GPUs ``compared`` and
+    those ``not_compared`` with the reason)."""
     return {"minutes": minutes, "elapsed_s": round(elapsed_s, 1), "sample_interval_s": interval_s,
             "straggler_pct": straggler_pct, "passed": not problems, "problems": list(problems),
-            "gpus": [g.to_dict() for g in reports]}
+            "catalogue": dict(catalogue or {}), "gpus": [g.to_dict() for g in reports]}

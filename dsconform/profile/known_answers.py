@@ -18,6 +18,7 @@ the CPU reference), and say in ``source`` which node and results folder.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
 import sys
@@ -107,6 +108,11 @@ def load(path: str | Path = ANSWERS_FILE) -> dict[Key, dict[str, str]]:
     except tomllib.TOMLDecodeError as e:
         raise KnownAnswersError([f"{path}: not valid TOML: {e}"]) from None
     return parse(data, str(path), catalogue.shipped())
+
+
+def digest(path: str | Path = ANSWERS_FILE) -> str:
+    """The sha256 of the known-answers file: which recorded answers a run compared against."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 @cache

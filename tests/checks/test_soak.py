@@ -14,6 +14,7 @@ added; the matmul timings of the drift tests are made up.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 
 import pynvml
@@ -26,6 +27,7 @@ from dsconform.checks.tolerances import tolerance
 from dsconform.checks.zero_vs_ddp import ZeroCase
 from dsconform.harness.api import run_ranks
 from dsconform.node import gpu_health, sampler
+from dsconform.profile import known_answers
 from dsconform.results import prometheus
 from suites import sdc_ranks, test_sdc
 from tests.node.test_health import FakeNvml, h200
@@ -83,6 +85,51 @@ def test_a_healthy_soak_passes_and_counts_every_iteration(tmp_path):
     assert all(it["tflops"] > 0 for r in results for it in r["iterations"])
     progress = json.loads((tmp_path / "rank1.json").read_text())
     assert progress["iterations"] == 2 and progress["mismatches"] == 0
+
+
+def h200s(results: list[dict]) -> tuple[list[dict], list]:
+    """The loop's results as two H200s with one torch, CUDA and cuBLAS would report them."""
+    gpus, ids, _ = as_gpus(results)
+    return [{**r, "name": "NVIDIA H200", "versions": H200_VERSIONS} for r in gpus], ids
+
+
+H200_VERSIONS = {"torch": "2.11.0+cu130", "cuda": "13.0", "cublas": "13.1.0"}
+
+
+def recorded(gpu: dict) -> dict:
+    entry = known_answers.observed(gpu["name"], gpu["versions"], test_sdc.INPUTS_VERSION,
+                                   {k: v["hash"] for k, v in gpu["kernels"].items()})
+    return {known_answers.Key(*(entry[f] for f in known_answers.KEY_FIELDS)):
+            dict(entry["hashes"])}
+
+
+def test_the_soak_holds_its_first_iteration_to_the_recorded_known_answers(tmp_path):
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    gpus, ids = h200s(loop(tmp_path / "a"))
+    assert gpus[0]["kernels"].keys() == {sdc_ranks.kernel_name(k, SIZE)
+                                         for k in test_sdc.KINDS}
+    answers = recorded(gpus[0])
+    cat = test_sdc.soak_catalogue(gpus, ids, answers)
+    assert cat["problems"] == [] and cat["not_compared"] == []
+    assert cat["compared"] == ["GPU 0 (PCI 0000:1b:00.0, rank 0), serial 165492200",
+                               "GPU 1 (PCI 0000:2a:00.0, rank 1), serial 165492201"]
+    assert cat["file"] == "dsconform/profile/known_answers.toml"
+    assert cat["sha256"] == hashlib.sha256(known_answers.ANSWERS_FILE.read_bytes()).hexdigest()
+    # One bit wrong in iteration 0 on GPU 1: the hashes every later iteration is held to are
+    # themselves wrong; the recorded answer names the GPU.
+    bad, ids = h200s(loop(tmp_path / "b", {"iteration": 0, "rank": 1, "kernel": "gemm.fp16",
+                                            "rep": None, "index": 77, "bit": 0}))
+    cat = test_sdc.soak_catalogue(bad, ids, answers)
+    [line] = cat["problems"]
+    assert line.startswith("GPU 1 (PCI 0000:2a:00.0, rank 1), serial 165492201: gemm.fp16.64: "
+                           "result sha256:"), line
+    assert len(cat["compared"]) == 2
+    # Nothing recorded for this GPU: not compared, and said why; not a failure.
+    cat = test_sdc.soak_catalogue(gpus, ids, answers={})
+    assert cat["problems"] == [] and cat["compared"] == []
+    assert "no known answer recorded for model h200, torch 2.11.0+cu130" in \
+        cat["not_compared"][0]
 
 
 def test_one_flipped_bit_in_one_iteration_fails_naming_the_gpu(tmp_path):

@@ -39,11 +39,22 @@ def lion_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, *, lr: float,
               betas: tuple[float, float], weight_decay: float) -> None:
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms", Algorithm 2),
     in place: c = b1 m + (1 - b1) g; p <- p (1 - lr wd) - lr sign(c); m <- b2 m + (1 - b2) g.
-    The weight decay is decoupled (AdamW's way), applied before the signed step."""
-    b1, b2 = betas
-    c = b1 * m + (1 - b1) * g
-    p.mul_(1 - lr * weight_decay).add_(torch.sign(c), alpha=-lr)
-    m.mul_(b2).add_(g, alpha=1 - b2)
+    The weight decay is decoupled (AdamW's way), applied before the signed step.
+
+    c and m are evaluated in fp32, the precision of DeepSpeed's Lion state, each as one product
+    and one fused multiply-add: sign(c) has no tolerance, and bf16 gradients meet exact ties
+    (b1 m = -(1 - b1) g in exact arithmetic) that another precision breaks the other way. An
+    exact zero stays sign 0."""
+    b1, b2 = (torch.tensor(b, dtype=torch.float32) for b in betas)
+
+    def fma(a: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        # a * x + y rounded once to fp32 (the fp32 product is exact in float64)
+        return (a.double() * x.double() + y.double()).float()
+
+    g32, m32 = g.float(), m.float()
+    c = fma(g32, 1 - b1, m32 * b1)
+    p.mul_(1 - lr * weight_decay).add_(torch.sign(c).to(p.dtype), alpha=-lr)
+    m.copy_(fma(g32, 1 - b2, m32 * b2))
 
 
 def lamb_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, *,

@@ -2,8 +2,8 @@
 on 2 CPU ranks, nothing mocked; the faults are injected into the DeepSpeed side only, through
 the rank functions' ``tamper`` argument:
 
-- ``perturb_update_rule``: the first moment's decay (Adam's beta1) DeepSpeed's optimizer applies
-  is 2% off;
+- ``perturb_update_rule``: the first moment's decay (Adam's and Lion's beta1) DeepSpeed's
+  optimizer applies is 2% off;
 - ``drop_group_weight_decay``: the first parameter group reaches DeepSpeed without its own
   weight decay (0.1), so the config's 0 applies;
 - ``wrong_norm_type``: DeepSpeed's norm helpers are handed the 2-norm whatever was asked;
@@ -48,6 +48,26 @@ def test_tampered_optimizer_fails_at_once(tamper: str):
     if tamper == "drop_group_weight_decay":  # only the first group's parameter moved otherwise
         assert {d.name for d in cmp.failures} == {"fc1.weight", "fc1.weight/exp_avg",
                                                   "fc1.weight/exp_avg_sq"}, cmp.report()
+
+
+# Lion offloaded on ZeRO-3 (DeepSpeedCPULion; ZeRO 1/2 cannot read back its state, a known
+# issue), whose reference is Lion's rule evaluated in fp32 (suites/optimizer_ranks.py lion_step).
+LION = OptCase("lion", 3, "opt", "fp32", 1, 2)
+
+
+@pytest.mark.parametrize("tamper", [None, "perturb_update_rule"])
+def test_perturbed_lion_fails(tamper: str | None):
+    results = run_ranks(train_optimizer, LION.world_size, timeout_s=600, args=(LION,),
+                        kwargs={"tamper": tamper}, accelerator="cpu")
+    cmp = judge(results, LION, "cpu")
+    if tamper is None:
+        assert cmp.ok, cmp.report()
+        return
+    assert not cmp.ok
+    first = cmp.first_divergence
+    # beta1 2% off flips the sign of the elements whose c lies near zero: a whole lr (1e-3)
+    assert first is not None and first.max_abs > 100 * (cmp.tol.atol + cmp.tol.rtol), \
+        cmp.report()
 
 
 # Muon on ZeRO-2 with the optimizer offloaded (its AdamW a DeepSpeedCPUAdam): the CPU tier's cell.

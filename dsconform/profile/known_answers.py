@@ -8,7 +8,7 @@ has no peers to compare with; it compares with the entry of its exact key, and w
 none the check skips saying so, while the run records what it observed (fact
 ``sdc.observed``) so that it can be added:
 
-    python -m dsconform.profile.known_answers RESULTS_DIR [--source TEXT] [--write]
+    dsconform known-answers RESULTS_DIR [--source TEXT] [--write]
 
 prints the ``[[answers]]`` entries a run observed (``--write`` appends them to the shipped
 file). Record only from a node whose SDC checks passed everywhere else (repetitions, peers,
@@ -152,7 +152,7 @@ def lookup(entry: Mapping[str, Any], answers: Mapping[Key, dict[str, str]] | Non
         return None, (f"no known answer recorded for {key.describe()} in "
                       f"{ANSWERS_FILE.name} (recorded for this model: "
                       f"{'; '.join(near) or 'none'}); this run's hashes are in its results "
-                      f"(fact {FACT}): python -m dsconform.profile.known_answers RESULTS_DIR")
+                      f"(fact {FACT}): dsconform known-answers RESULTS_DIR")
     return answers[key], ""
 
 

@@ -138,7 +138,7 @@ def test_without_a_recorded_answer_the_check_says_what_to_record():
     assert problems == []
     assert ("no known answer recorded for model h200, torch 2.11.0+cu130, CUDA 13.0, cuBLAS "
             "13.1.0, inputs v1") in why
-    assert "python -m dsconform.profile.known_answers RESULTS_DIR" in why
+    assert "dsconform known-answers RESULTS_DIR" in why
     other = [{**one[0], "name": "NVIDIA B300"}]
     _, [why] = catalogue_check(other, ids, answers={})
     assert "'NVIDIA B300' is not in the GPU catalogue" in why

@@ -3,7 +3,7 @@ client torch optimizer, MUST apply its published update rule to the gradient it 
 each parameter group's own lr and weight decay, under every ZeRO stage and offload placement.
 
 The kinds, the class DeepSpeed MUST build for each (on the device / with ZeRO-Offload) and the
-reference each is held to (suites/optimizer_ranks.py):
+reference each is held to (suites/optimizer_rules.py):
 
 - ``adam`` (``"type": "Adam"``, ``adam_w_mode`` false: weight decay as an L2 term of the
   gradient): FusedAdam / DeepSpeedCPUAdam, against torch ``Adam``;

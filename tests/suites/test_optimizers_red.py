@@ -51,7 +51,7 @@ def test_tampered_optimizer_fails_at_once(tamper: str):
 
 
 # Lion offloaded on ZeRO-3 (DeepSpeedCPULion; ZeRO 1/2 cannot read back its state, a known
-# issue), whose reference is Lion's rule evaluated in fp32 (suites/optimizer_ranks.py lion_step).
+# issue), whose reference is Lion's rule evaluated in fp32 (suites/optimizer_rules.py lion_step).
 LION = OptCase("lion", 3, "opt", "fp32", 1, 2)
 
 

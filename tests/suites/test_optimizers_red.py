@@ -25,10 +25,10 @@ from suites.test_optimizers import judge
 CASE = OptCase("adam", 3, "param+opt", "fp32", 1, 2)
 
 
-def _judge(tamper: str | None):
-    results = run_ranks(train_optimizer, CASE.world_size, timeout_s=300, args=(CASE,),
+def _judge(tamper: str | None, case: OptCase = CASE, timeout_s: int = 300):
+    results = run_ranks(train_optimizer, case.world_size, timeout_s=timeout_s, args=(case,),
                         kwargs={"tamper": tamper}, accelerator="cpu")
-    return judge(results, CASE, "cpu")
+    return judge(results, case, "cpu")
 
 
 def test_control_passes():
@@ -57,9 +57,7 @@ LION = OptCase("lion", 3, "opt", "fp32", 1, 2)
 
 @pytest.mark.parametrize("tamper", [None, "perturb_update_rule"])
 def test_perturbed_lion_fails(tamper: str | None):
-    results = run_ranks(train_optimizer, LION.world_size, timeout_s=600, args=(LION,),
-                        kwargs={"tamper": tamper}, accelerator="cpu")
-    cmp = judge(results, LION, "cpu")
+    cmp = _judge(tamper, LION, timeout_s=600)
     if tamper is None:
         assert cmp.ok, cmp.report()
         return
@@ -76,9 +74,7 @@ MUON = OptCase("muon", 2, "opt", "fp32", 1, 2)
 
 @pytest.mark.parametrize("tamper", [None, "muon_no_momentum", "muon_wrong_ns_coefficient"])
 def test_perturbed_muon_fails(tamper: str | None):
-    results = run_ranks(train_optimizer, MUON.world_size, timeout_s=600, args=(MUON,),
-                        kwargs={"tamper": tamper}, accelerator="cpu")
-    cmp = judge(results, MUON, "cpu")
+    cmp = _judge(tamper, MUON, timeout_s=600)
     if tamper is None:
         assert cmp.ok, cmp.report()
         return

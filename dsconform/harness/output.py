@@ -75,12 +75,6 @@ def release(sink: _Sink) -> None:
         sink.fd = None
 
 
-def log_path() -> Path | None:
-    """The file rank output goes to now (None: none configured)."""
-    with _LOCK:
-        return _SINKS[-1].path if _SINKS else None
-
-
 @contextlib.contextmanager
 def labelled(label: str) -> Iterator[None]:
     """Calls made by this thread meanwhile are labelled ``label`` (a background batch's cell:

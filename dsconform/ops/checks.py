@@ -9,7 +9,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,15 +60,6 @@ def check_op(name: str, *, device: str = "cpu",
     if check:
         result.update(check(device, scratch_dir))
     return result
-
-
-def ops_env_report(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
-    """The variables that change how ops build, for the report header."""
-    env = os.environ if env is None else env
-    keys = ("TORCH_EXTENSIONS_DIR", "TORCH_CUDA_ARCH_LIST", "CUDA_HOME", "CXX", "CPATH",
-            "LIBRARY_PATH", "LD_LIBRARY_PATH", "CFLAGS", "LDFLAGS", "MAX_JOBS",
-            "DS_SKIP_CUDA_CHECK")
-    return {k: env.get(k) for k in keys}
 
 
 class OpCrashed(RuntimeError):

@@ -88,7 +88,7 @@ def damaged_round_at_one_rank(case: CkptCase, ckpt_dir: str, kind: str) -> dict[
     (``damage``), load the damaged tag, then "good". On one rank no peer waits for a rank that
     refuses, so the refusal comes back as a value (``refused``: its error, None when the load
     went through) and the rank serves the next call (a raised error stops the ranks, and new
-    ones cost a CUDA context and DeepSpeed's warm-up, about 8 s on a GPU node). Returns
+    ones cost a CUDA context and DeepSpeed's warm-up). Returns
     {"rank", "good", "what", "refused", "load_path", "loaded"}."""
     if case.world_size != 1:
         raise ValueError(f"damaged_round_at_one_rank runs on one rank, not {case.world_size}: "

@@ -90,8 +90,8 @@ from suites.deepnvme_ranks import (
 
 CAPABILITY = "deepnvme"
 pytest_generate_tests = generate_nvme_entries  # one nvme_entry per profile path
-# Per call. The first call of a fresh pool may build async_io (150-158 s on 2 cores,
-# docs/findings.md#op-builds) or cpu_adam (42 s); warm calls take milliseconds to seconds.
+# Per call. The first call of a fresh pool may build async_io or cpu_adam
+# (docs/findings.md#op-builds); warm calls take milliseconds to seconds.
 TIMEOUT_S = 900
 ROUNDS = 3  # the recorder holds a floor to the median of at least 3 rounds
 # The integrity matrix: small blocks and a short queue, so a transfer of a few MiB crosses many

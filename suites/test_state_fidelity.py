@@ -65,8 +65,8 @@ from dsconform.suite import (
 from suites.state_fidelity_ranks import PRECISIONS, StateCase, accessors, matrix, round_trip
 
 CAPABILITY = "state_fidelity"
-# Per call; the first call on a machine builds the shm comm op inside init_distributed (about
-# 30-60 s on 2 cores, docs/findings.md).
+# Per call; the first call on a machine builds the shm comm op inside init_distributed
+# (docs/findings.md#op-builds).
 TIMEOUT_S = 300
 # The covering array below is the GPU acceptance tier (its cells measured on an H200,
 # docs/suites.md); the rest of the GPU cells run nightly.

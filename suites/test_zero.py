@@ -64,7 +64,7 @@ from suites.zero_ranks import l2_matrix, matrix, read_effective_defaults, read_r
 
 CAPABILITY = "zero"
 # Per call. DeepSpeed's FusedAdam/CPU Adam JIT-build inside the first call that uses them
-# (42 s each on 2 cores, docs/findings.md#op-builds); everything else takes seconds.
+# (docs/findings.md#op-builds); everything else takes seconds.
 TIMEOUT_S = 180
 OP_TIMEOUT_S = 600
 

@@ -6,8 +6,8 @@ compiler flags name the CPU (``OpBuilder.cpu_arch()``, ``simd_width()``: cpu_ada
 gds ...), even when the op is in the extensions cache. Each answer costs a second and more:
 py-cpuinfo runs in a new interpreter, which times the CPU's clock across a one-second sleep
 while the asking process polls for it on a core. A checkpoint round trip with CPU Adam asks
-four times in a fresh rank; on 1xH200 those cells took 9 s where the same cell without offload
-took 1.5 s.
+four times in a fresh rank
+(docs/performance.md#what-dominates-cold-and-warm-1xh200-pytest-suites--m-gpu-auto).
 
 The answer describes the node, so every process of a run can share it: ``install()`` makes
 ``cpuinfo.get_cpu_info`` return the first answer this process tree got (a copy each time),

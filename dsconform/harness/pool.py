@@ -39,7 +39,7 @@ from dsconform.harness.xdist import (
 
 #: Seconds allowed for spawning ranks, importing deepspeed and init_distributed. Separate from
 #: a call's timeout_s because the first init on a machine JIT-builds DeepSpeed's shm comm op
-#: (about 30 s on 2 cores), which a 10 s test timeout must not turn into a failure.
+#: (docs/performance.md#op-builds), which a short test timeout must not turn into a failure.
 STARTUP_TIMEOUT_S = settings.get("DSCONFORM_STARTUP_TIMEOUT_S")
 
 #: Once one rank skipped, how long the others may take to finish: a rank that did not skip is

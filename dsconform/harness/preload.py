@@ -16,7 +16,7 @@ import time
 # compiled files in the suite's cache instead (dsconform.ops.cache.enable_bytecode_cache: the
 # variable is gone from the environment), the server writes them too: what only it imports
 # (torch._dynamo, inductor, sympy) would otherwise be compiled from source by every run's
-# server (4.8-6.9 s instead of 3.4-4.0 s on 1xH200).
+# server (docs/performance.md#what-dominates-cold-and-warm-1xh200-pytest-suites--m-gpu-auto).
 sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
 
 from dsconform.base import cpu_info  # noqa: E402

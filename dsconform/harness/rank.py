@@ -282,9 +282,9 @@ LAZY_IMPORTS = ("torch._dynamo", "torch._inductor.compile_fx", "deepspeed.runtim
 def prime() -> None:
     """Import what the first engine of a process imports lazily (LAZY_IMPORTS) and run one
     matmul on the rank's device (cuBLAS' handle), building no engine and keeping no tensor: a
-    rank for fresh-process calls then pays for none of it in its first engine (2.2 s of a
-    2.4 s first engine on the 2-core CPU machine, then 0.2 s), and is still as fresh as a new
-    process: nothing of an engine, an optimizer or a checkpoint is in it."""
+    rank for fresh-process calls then pays for none of it in its first engine
+    (docs/performance.md#rank-start-up), and is still as fresh as a new process: nothing of an
+    engine, an optimizer or a checkpoint is in it."""
     import torch
 
     for name in LAZY_IMPORTS:
@@ -299,9 +299,9 @@ def prime() -> None:
 
 def warm_up() -> None:
     """Build, step and destroy a tiny ZeRO-2 engine, so that the first engine a test builds in
-    this process does not pay for what DeepSpeed and torch set up lazily on first use (about 4 s
-    of a 6 s first ZeRO call on the 2-core CPU machine; the first call of a fresh pool took
-    12 s on 2xH200). Standby ranks do it while nobody waits for them (dsconform.harness.api)."""
+    this process does not pay for what DeepSpeed and torch set up lazily on first use (most of
+    a first ZeRO call; docs/performance.md#rank-start-up). Standby ranks do it while nobody
+    waits for them (dsconform.harness.api)."""
     import logging
 
     import deepspeed

@@ -1,9 +1,9 @@
 """Where rank processes come from: forks of one server process per run that imported torch
 once (multiprocessing's forkserver), or new interpreters (spawn).
 
-A new interpreter imports torch, torch._dynamo and inductor before its first engine: about 4 s
-on the 2-core CPU machine and most of a rank's 8 s start-up on 1xH200, paid by every rank, and
-by nine lane ranks at once at a cell batch's start. A fork of a server that imported them pays
+A new interpreter imports torch, torch._dynamo and inductor before its first engine: most of a
+rank's start-up (docs/performance.md#rank-start-up), paid by every rank, and by every lane's
+ranks at once at a cell batch's start. A fork of a server that imported them pays
 none of it. The server imports torch's Python only: no DeepSpeed (which picks its accelerator
 at import, from DS_ACCELERATOR, per rank), no CUDA context and no thread pool (CUDA and OpenMP
 do not survive a fork); each rank sets its own environment, GPUs and threads before it starts

@@ -131,8 +131,7 @@ RUN_PACKAGES = ("_pytest", "pytest", "pluggy", "hypothesis", "dsconform")
 def _compile_run_packages(said: list[str]) -> None:
     """Compile the Python of RUN_PACKAGES and of the installed pytest plugins (entry points
     ``pytest11``) into the bytecode cache: a first run after build-ops otherwise compiles them
-    as it starts and collects (on 1xH200: 28.0 s against 25.1 s warm, the start-up before
-    pytest's clock 4.4 s against 3.0 s)."""
+    as it starts and collects (docs/performance.md#building-ahead-dsconform-build-ops)."""
     import compileall
     import importlib.metadata
     import importlib.util

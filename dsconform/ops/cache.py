@@ -136,13 +136,11 @@ def bytecode_dir() -> Path:
 
 def enable_bytecode_cache(env: dict[str, str] | None = None) -> Path | None:
     """Where PYTHONDONTWRITEBYTECODE is set (container images set it) and no
-    PYTHONPYCACHEPREFIX is, every process compiles torch's and DeepSpeed's Python anew: on
-    1xH200 a rank's start-up took 17 s that way and 7 s with compiled files kept (import torch
-    4.8 -> 1.4 s, deepspeed 1.7 -> 0.4 s, the first engine's lazy torch imports 10.9 -> 4.8 s;
-    docs/performance.md#rank-start-up). Then keep them in ``bytecode_dir()`` instead (never
-    beside the sources), for this process and the ones it starts (the environment ``env``,
-    default os.environ). DSCONFORM_PYCACHE=0 leaves the environment as it is. Returns the
-    directory used, or None."""
+    PYTHONPYCACHEPREFIX is, every process compiles torch's and DeepSpeed's Python anew, which
+    more than doubles a rank's start-up (docs/performance.md#rank-start-up). Then keep them in
+    ``bytecode_dir()`` instead (never beside the sources), for this process and the ones it
+    starts (the environment ``env``, default os.environ). DSCONFORM_PYCACHE=0 leaves the
+    environment as it is. Returns the directory used, or None."""
     env = os.environ if env is None else env
     if not settings.get("DSCONFORM_PYCACHE", env):
         return None

@@ -99,7 +99,7 @@ def check_op_isolated(name: str, *, device: str = "cpu",
 
 class IsolatedOpCheck:
     """check_op_isolated, started now and read later, so that several ops' checks (each mostly
-    the child's import of torch and deepspeed, 8-12 s on 2xH200) run at once."""
+    the child's import of torch and deepspeed) run at once."""
 
     def __init__(self, name: str, proc: Any) -> None:
         self.name = name

@@ -1,14 +1,12 @@
 """Build the ops a run needs as it starts: the awaited build first, with the cores.
 
-A cold run's time goes to JIT builds its tests wait for. Built all at once with the cores shared
-out, each took about twice its time alone (1xH200, 16 cores: async_io 52 s alone with 16 jobs,
-117 s beside three others with 4 each; docs/performance.md#op-builds), and the tests waiting
-for async_io waited for that. So the ops are built longest first (``longest_first``), one
-process per op, the first with every core (MAX_JOBS), the others started while it leaves cores
-idle (an op of three source files keeps three busy), each at a lower priority
-than the builds already running (nice), with every core too: they take what the awaited build
-leaves, and all of it once it is done. Ops already in the extensions cache are not built again
-(``skip_cached``: the run's warm start costs nothing).
+A cold run's time goes to JIT builds its tests wait for, and builds sharing the cores out
+evenly each take about twice their time alone (docs/performance.md#op-builds). So the ops are
+built longest first (``longest_first``), one process per op, the first with every core
+(MAX_JOBS), the others started while it leaves cores idle (an op of three source files keeps
+three busy), each at a lower priority than the builds already running (nice), with every core
+too: they take what the awaited build leaves, and all of it once it is done. Ops already in
+the extensions cache are not built again (``skip_cached``: the run's warm start costs nothing).
 
 Tests go on meanwhile: those that need no op run; the op tests wait for their op's build and
 only load and check it; a build that failed is reported by its op's test, with the diagnosis,
@@ -69,10 +67,8 @@ RUN_OPS = {
     "cpu": ("deepspeed_shm_comm", "fused_adam", "cpu_adam", "async_io", "cpu_adagrad",
             "cpu_lion"),
 }
-#: Seconds each op's build took alone with MAX_JOBS=16 on 1xH200 (docs/performance.md, Op
-#: builds): builds started before the run's tests are known go longest first, so the longest
-#: does not start last (async_io, started 11 s after fused_adam at nice 19, ended 30 s after it
-#: in a cold 1xH200 run). Most of each is a few long compiler jobs, not cores.
+#: Seconds each op's build takes alone with every core (docs/performance.md#op-builds): builds
+#: go longest first, so that the longest does not start last.
 TYPICAL_BUILD_S = {"gds": 57.4, "async_io": 51.7, "fused_adam": 41.7, "cpu_adam": 41.2,
                    "utils": 25.0}
 

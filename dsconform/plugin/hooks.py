@@ -333,8 +333,8 @@ def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
     cells marked `covered_on_one_gpu`, which could only skip there.
 
     A test marked `promised_ops_only` joins it only where the profile promises the ops it loads
-    (GDS handles on a node without nvidia-fs: a 74 s build on 1xH200 for an op it does not
-    promise); the summary's NOTE names what the nightly tier adds."""
+    (GDS handles on a node without nvidia-fs: the longest build, for an op it does not
+    promise; docs/performance.md); the summary's NOTE names what the nightly tier adds."""
     markexpr = config.option.markexpr or ""
     if config.getoption("--nightly") or not markexpr or re.search(r"\bslow\b", markexpr):
         return
@@ -510,8 +510,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         raise pytest.skip.Exception(verdict.skip_reason, _use_item_location=True)
     elif state.op_builds is not None:
         # A rank that loads an op this run still builds would wait for the build's lock, or,
-        # where the build has not started, build the op itself, unseen by the scheduler (on
-        # 1xH200 the async_io build then waited 28 s at no CPU for a rank's build of it).
+        # where the build has not started, build the op itself, unseen by the scheduler
+        # (docs/performance.md#what-dominates-cold-and-warm-1xh200-pytest-suites--m-gpu-auto).
         for op in gating.item_ops(item):
             state.op_builds.wait(op)
 

@@ -14,8 +14,8 @@ for the multi-node tier, one folder per rank. This module reads them and answers
   Direction-aware: a rate (GB/s, read from ``extra_info.rate``, dsconform/results/records.py)
   below the median, a time above it. Only performance metrics (records.PERFORMANCE_UNITS and
   rates) take part, and of them only what ``dsconform compare`` judges
-  (dsconform/results/noise.py): an op build that took 38 s on the node whose cache was cold is
-  a one-off cost, not a slow node, and a 40 us collective's time is latency. A ZeRO-vs-DDP
+  (dsconform/results/noise.py): an op build on the node whose cache was cold is a one-off
+  cost, not a slow node, and a 40 us collective's time is latency. A ZeRO-vs-DDP
   difference of 1e-7 against a median of 0 is not an outlier but a tolerance question;
 - **known upstream issues** (dsconform/gate/known_issues.py) once each, with the nodes they were hit
   on and the number of cases, never once per node;

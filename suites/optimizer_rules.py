@@ -54,15 +54,60 @@ def lamb_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     the decay term are those of the uncorrected u. Without decay and with eps far below sqrt(v)
     the two forms agree (the ratio cancels the scale of u); otherwise they differ by more than
     rounding (docs/suites.md, OPT-RULE-1)."""
+    u = lamb_update(p, g, m, v, betas=betas, eps=eps, weight_decay=weight_decay)
+    p.add_(u, alpha=-lamb_step_size(lr, betas, step) * trust_ratio(
+        float(p.norm()), float(u.norm()), max_coeff=max_coeff, min_coeff=min_coeff))
+
+
+def lamb_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
+                betas: tuple[float, float], eps: float, weight_decay: float) -> torch.Tensor:
+    """LAMB's moments updated in place, and its uncorrected update u (lamb_step)."""
     b1, b2 = betas
     m.mul_(b1).add_(g, alpha=1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    u = m / (v.sqrt() + eps) + weight_decay * p
-    w_norm, u_norm = float(p.norm()), float(u.norm())
-    ratio = 1.0 if w_norm == 0 or u_norm == 0 else min(max(w_norm / u_norm, min_coeff),
-                                                         max_coeff)
-    step_size = lr * (1 - b2 ** step) ** 0.5 / (1 - b1 ** step)
-    p.add_(u, alpha=-step_size * ratio)
+    return m / (v.sqrt() + eps) + weight_decay * p
+
+
+def trust_ratio(w_norm: float, u_norm: float, *, max_coeff: float, min_coeff: float) -> float:
+    """LAMB's trust ratio ||p|| / ||u||, clamped; 1 where either norm is 0."""
+    if w_norm == 0 or u_norm == 0:
+        return 1.0
+    return min(max(w_norm / u_norm, min_coeff), max_coeff)
+
+
+def lamb_step_size(lr: float, betas: tuple[float, float], step: int) -> float:
+    """lr with FusedLamb's bias corrections folded in."""
+    return lr * (1 - betas[1] ** step) ** 0.5 / (1 - betas[0] ** step)
+
+
+def zero_partitions(sizes: Sequence[int], stage: int, world_size: int,
+                    alignment_factor: int = 2) -> list[list[tuple[int, int, int]]]:
+    """The flat fp32 partitions ZeRO hands its optimizer for one parameter group of tensors of
+    ``sizes`` elements (in the group's order), one per rank, each as (tensor index, start,
+    end) element ranges of the flattened tensors. Stages 1/2 flatten the group, pad it to a
+    multiple of alignment_factor x world size and split it evenly; stage 3 splits each tensor
+    evenly (padded to a multiple of the world size) and joins a rank's pieces. Padding holds
+    zeros, which no norm sees."""
+    parts: list[list[tuple[int, int, int]]] = [[] for _ in range(world_size)]
+    if stage == 3:
+        for i, n in enumerate(sizes):
+            chunk = -(-n // world_size)
+            for r in range(world_size):
+                lo, hi = min(n, r * chunk), min(n, (r + 1) * chunk)
+                if hi > lo:
+                    parts[r].append((i, lo, hi))
+        return parts
+    align = alignment_factor * world_size
+    total = sum(sizes)
+    chunk = -(-total // align) * align // world_size
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    for r in range(world_size):
+        lo, hi = r * chunk, (r + 1) * chunk
+        for i, (off, n) in enumerate(zip(offsets, sizes)):
+            a, b = max(lo, off), min(hi, off + n)
+            if b > a:
+                parts[r].append((i, a - off, b - off))
+    return parts
 
 
 # Muon's quintic Newton-Schulz coefficients (a, b, c), its iteration count and momentum.
@@ -131,8 +176,12 @@ class Reference:
     WRITTEN_OUT = ("lion", "lamb", "muon")
 
     def __init__(self, kind: str, groups: Sequence[Mapping[str, Any]],
-                 initial: Mapping[str, torch.Tensor], hyper: Mapping[str, Any]):
+                 initial: Mapping[str, torch.Tensor], hyper: Mapping[str, Any],
+                 flat_partitions: tuple[int, int] | None = None):
         self.kind = kind
+        #: (ZeRO stage, world size): LAMB's trust ratio taken over each rank's flat partition of
+        #: a group (zero_partitions), the way FusedLamb sees ZeRO's partitions, not per tensor.
+        self.flat_partitions = flat_partitions
         self.hyper = dict(hyper)
         dtype = torch.float64 if kind in self.WRITTEN_OUT else torch.float32
         self.params = {n: t.detach().to("cpu", dtype).clone() for n, t in initial.items()}
@@ -158,6 +207,9 @@ class Reference:
             self.torch_opt.step()
             return
         for g in self.groups:
+            if self.kind == "lamb" and self.flat_partitions is not None:
+                self._flat_lamb_step(g, grads)
+                continue
             for n in g["names"]:
                 p, s = self.params[n], self.state[n]
                 grad = grads[n].detach().to("cpu", torch.float64)
@@ -179,6 +231,29 @@ class Reference:
                                   weight_decay=g["weight_decay"],
                                   max_coeff=self.hyper["max_coeff"],
                                   min_coeff=self.hyper["min_coeff"])
+
+    def _flat_lamb_step(self, g: Mapping[str, Any], grads: Mapping[str, torch.Tensor]) -> None:
+        """One LAMB step of group g with one trust ratio per flat ZeRO partition."""
+        names = list(g["names"])
+        updates = {}
+        with torch.no_grad():
+            for n in names:
+                s = self.state[n]
+                updates[n] = lamb_update(
+                    self.params[n], grads[n].detach().to("cpu", torch.float64), s["exp_avg"],
+                    s["exp_avg_sq"], betas=self.hyper["betas"], eps=self.hyper["eps"],
+                    weight_decay=g["weight_decay"]).flatten()
+            stage, world_size = self.flat_partitions
+            size = lamb_step_size(g["lr"], self.hyper["betas"], self.steps)
+            flat = {n: self.params[n].view(-1) for n in names}
+            for part in zero_partitions([flat[n].numel() for n in names], stage, world_size):
+                w = torch.cat([flat[names[i]][a:b] for i, a, b in part])
+                u = torch.cat([updates[names[i]][a:b] for i, a, b in part])
+                ratio = trust_ratio(float(w.norm()), float(u.norm()),
+                                    max_coeff=self.hyper["max_coeff"],
+                                    min_coeff=self.hyper["min_coeff"])
+                for i, a, b in part:
+                    flat[names[i]][a:b] -= size * ratio * updates[names[i]][a:b]
 
     def parameters(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().to(torch.float32).clone() for n, p in self.params.items()}

@@ -181,7 +181,25 @@ def judge(results: list[dict], case: OptCase, accelerator: str, profile=None) ->
         if want_state:
             cmp.extend(compare_states(result["state"], want_state, tol,
                                       where=f"{where}, optimizer state", step=case.steps - 1))
+    if not cmp.ok:
+        cmp.problems += _diagnose_flat_lamb(results, tol)
     return cmp
+
+
+def _diagnose_flat_lamb(results: list[dict], tol) -> list[str]:
+    """Where a LAMB cell on ZeRO departs from LAMB: whether its last parameters are those of
+    LAMB with one trust ratio per flat ZeRO partition of each group instead of per tensor
+    (optimizer_rules.zero_partitions), the way FusedLamb sees ZeRO's flattened partitions."""
+    lines = []
+    for result in results:
+        flat = result.get("flat_partition_params")
+        if not flat or not result["params"]:
+            continue
+        if compare_states(result["params"][-1], flat, tol, step=len(result["params"]) - 1).ok:
+            lines.append(f"rank {result['rank']}: the last parameters match LAMB with one trust "
+                         "ratio per flat ZeRO partition of a group, not per tensor, within the "
+                         "same tolerance")
+    return lines
 
 
 @pytest.mark.parametrize("accelerator, case", _params())

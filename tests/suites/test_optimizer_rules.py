@@ -4,6 +4,7 @@ test_optimizers.judge names where a LAMB cell on ZeRO departs from LAMB."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dsconform.checks.tolerances import tolerance
@@ -67,3 +68,68 @@ def test_the_diagnosis_names_flat_partition_lamb_only_where_it_fits():
                                  "flat_partition_params": flat}], tol) == []
     assert _diagnose_flat_lamb([{"rank": 0, "params": [flat],
                                  "flat_partition_params": None}], tol) == []
+
+
+# DeepSpeed's ZeRO on CPU ranks with FusedLamb's CUDA kernel replaced by its rule on the host
+# (optimizer_rules.lamb_step, one call per tensor FusedLamb is handed, as the kernel is): the
+# real ZeRO flattening and partitioning decide what a "tensor" is.
+class _HostLamb:
+    @staticmethod
+    def lamb(p, out_p, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, max_coeff, min_coeff, eps,
+             scale, step, eps_mode, bias_correction, weight_decay):
+        from suites.optimizer_rules import lamb_step
+
+        assert eps_mode == 1 and bias_correction == 1  # FusedLamb's defaults, the suite's form
+        lamb_step(p, grad / scale, exp_avg, exp_avg_sq, step, lr=lr, betas=(beta1, beta2),
+                  eps=eps, weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
+        return torch.ones(())
+
+
+class _HostLambBuilder:
+    def load(self):
+        return _HostLamb()
+
+
+def train_with_host_lamb(case):
+    """Rank entry point: train_optimizer with FusedLamb's kernel on the host."""
+    from deepspeed.ops.lamb import fused_lamb
+
+    from suites.optimizer_ranks import train_optimizer
+
+    real = fused_lamb.FusedLambBuilder
+    fused_lamb.FusedLambBuilder = _HostLambBuilder
+    try:
+        return train_optimizer(case)
+    finally:
+        fused_lamb.FusedLambBuilder = real
+
+
+def _host_lamb(stage: int, world_size: int):
+    from dsconform.harness.api import run_ranks
+    from suites.optimizer_ranks import OptCase
+    from suites.test_optimizers import judge
+
+    case = OptCase("lamb", stage, "none", "fp32", 1, world_size)
+    results = run_ranks(train_with_host_lamb, world_size, timeout_s=300, args=(case,),
+                        accelerator="cpu")
+    return judge(results, case, "cpu")
+
+
+def test_host_lamb_on_stage_0_is_lamb():
+    cmp = _host_lamb(0, 1)
+    assert cmp.ok, cmp.report()
+
+
+@pytest.mark.parametrize("stage, world_size", [(1, 1), (2, 2), (3, 1)])
+def test_host_lamb_on_zero_is_flat_partition_lamb(stage: int, world_size: int):
+    """ZeRO hands FusedLamb each rank's flat partition of a group: the cell departs from LAMB
+    (on one rank, on the group of two tensors only; on two, every group is split between the
+    ranks), and the diagnosis names flat-partition LAMB on every rank
+    (DS-490-ZERO-LAMB-FLAT-TRUST-RATIO's signature)."""
+    cmp = _host_lamb(stage, world_size)
+    assert not cmp.ok
+    if world_size == 1:
+        assert {d.name.split("/")[0] for d in cmp.failures} == {"fc1.bias", "fc2.bias"}, \
+            cmp.report()
+    hits = [p for p in cmp.problems if "one trust ratio per flat ZeRO partition" in p]
+    assert len(hits) == world_size, cmp.report()

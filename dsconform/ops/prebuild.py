@@ -104,8 +104,29 @@ def available_cores() -> int:
 
 
 def is_cached(op: str, ext_dir: Path) -> bool:
-    """Whether the extensions cache holds a build of ``op`` (torch builds NAME/NAME.so)."""
-    return (Path(ext_dir) / op / f"{op}.so").exists()
+    """Whether the extensions cache holds a current build of ``op``: torch's NAME/NAME.so, no
+    older than any source its build.ninja compiles. A reinstalled DeepSpeed (the same release)
+    writes newer sources, and ninja rebuilds the op in whichever process loads it next."""
+    built = Path(ext_dir) / op / f"{op}.so"
+    try:
+        built_at = built.stat().st_mtime
+        rules = (built.parent / "build.ninja").read_text()
+    except OSError:
+        return built.exists()
+    for line in rules.splitlines():
+        if not line.startswith("build ") or ":" not in line:
+            continue
+        for token in line.split(":", 1)[1].split()[1:]:  # after the rule: the inputs
+            if token in ("|", "||"):
+                break
+            source = Path(token)
+            try:
+                if "$" not in token and source.is_absolute() and \
+                        source.stat().st_mtime > built_at:
+                    return False
+            except OSError:
+                continue
+    return True
 
 
 class TreeMeter:

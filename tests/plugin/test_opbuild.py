@@ -178,6 +178,33 @@ def test_ops_in_the_cache_are_left_out_of_a_run_or_only_load_at_once(monkeypatch
         cli.close()
 
 
+def test_a_build_older_than_its_sources_is_not_in_the_cache(monkeypatch, tmp_path):
+    """A reinstalled DeepSpeed writes its sources anew: ninja would rebuild the op in the first
+    process that loads it, so the run builds it itself, seen and scheduled."""
+    import os
+
+    source = tmp_path / "src" / "b.cpp"
+    source.parent.mkdir()
+    source.write_text("")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "b.so").write_bytes(b"")
+    (tmp_path / "b" / "build.ninja").write_text(
+        f"rule compile\n  command = c++ $in\nbuild b.o: compile {source}\n"
+        "build b.so: link b.o\n")
+    os.utime(source, (1_000_000, 1_000_000))
+    assert opbuild.is_cached("b", tmp_path)
+    os.utime(source, None)  # now: newer than the build
+    os.utime(tmp_path / "b" / "b.so", (2_000_000, 2_000_000))
+    assert not opbuild.is_cached("b", tmp_path)
+    monkeypatch.setenv("FAKE_BUILDS", json.dumps({"b": {"seconds": 0.1}}))
+    run = ParallelBuilds.start(["b"], 1, skip_cached=True, ext_dir=tmp_path,
+                               command=_fake_command)
+    try:
+        assert run.order == ["b"] and run.wait("b", timeout_s=30)["loaded"]
+    finally:
+        run.close()
+
+
 def test_the_tree_meter_counts_a_builds_busy_children():
     """A build process whose child burns a core for 3 s reads as about one busy core, judged
     (settled) once its job driver has run SETTLE_S; a build whose driver never started is not

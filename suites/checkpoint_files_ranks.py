@@ -230,10 +230,11 @@ def client_state_round_trip(case: CkptCase, ckpt_dir: str) -> dict[str, Any]:
             "back": {k: repr(back.get(k)) for k in given}}
 
 
-def load_latest(case: CkptCase, ckpt_dir: str, saves: int) -> dict[str, Any]:
+def load_latest(case: CkptCase, ckpt_dir: str, saves: int, tag: str | None = None,
+                load_optimizer_states: bool = True) -> dict[str, Any]:
     """Save ``saves`` checkpoints into one directory, one step apart (tags s1, s2, ...), then
-    load_checkpoint(dir) with no tag into a fresh engine: its step counter and weights, against
-    those of every save."""
+    load_checkpoint(dir) into a fresh engine, with no tag (the newest) or the given one, the
+    optimizer state or not: its step counter and weights, against those of every save."""
     from dsconform.suite import rank
 
     before, after = _batches(case)
@@ -250,7 +251,8 @@ def load_latest(case: CkptCase, ckpt_dir: str, saves: int) -> dict[str, Any]:
         _destroy(a)
     b = build(case, case.seed + 1)
     try:
-        load_path, _ = b.load_checkpoint(ckpt_dir)
+        load_path, _ = b.load_checkpoint(ckpt_dir, tag=tag,
+                                         load_optimizer_states=load_optimizer_states)
         loaded = {"steps": b.global_steps, "params": final_params(b)}
     finally:
         _destroy(b)

@@ -447,20 +447,39 @@ def test_load_without_a_tag_takes_the_newest(accelerator, case, scratch, request
     check_newest_loaded(cell_results(request, scratch))  # run at once with other cells
 
 
-def check_newest_loaded(results: list[dict]) -> None:
-    """CKPT-LATEST-1's check: every rank loaded the newest of its saves."""
+@pytest.mark.parametrize("load_optimizer_states", [True, False],
+                         ids=["with_optimizer", "no_optimizer"])
+@pytest.mark.parametrize("accelerator, case", _state_params(3))
+@batched(lambda params, workdir, run: RankCall(
+    ranks.load_latest, params["case"].world_size, TIMEOUT_S,
+    args=(params["case"], ckpt_dir(workdir, params["case"], tags=LATEST_SAVES), LATEST_SAVES,
+          "s1", params["load_optimizer_states"]),
+    accelerator=params["accelerator"]))
+def test_an_earlier_tag_loads_that_tag(accelerator, case, load_optimizer_states, scratch,
+                                       request):
+    """CKPT-LATEST-3: load_checkpoint(dir, tag) of an earlier save than `latest` names (a
+    rollback to a good checkpoint), with or without the optimizer state, MUST load that tag's
+    weights and step counter, not the newest's."""
+    check_newest_loaded(cell_results(request, scratch), want="s1")
+
+
+def check_newest_loaded(results: list[dict], want: str | None = None) -> None:
+    """CKPT-LATEST-1's check (and CKPT-LATEST-3's, ``want``: the tag asked for): every rank
+    loaded the newest of its saves, or the one asked for."""
     bad = []
     for r in results:
-        newest = r["saved"][-1]
+        newest = r["saved"][-1] if want is None else \
+            next(s for s in r["saved"] if s["tag"] == want)
         same = [s["tag"] for s in r["saved"] if s["steps"] == r["loaded"]["steps"]
                 and all(torch.equal(s["params"][k], v) for k, v in r["loaded"]["params"].items())]
         if r["load_path"] is None or r["loaded"]["steps"] != newest["steps"] \
                 or same != [newest["tag"]]:
             bad.append(f"rank {r['rank']}: loaded {r['load_path']} at step "
-                       f"{r['loaded']['steps']} (weights of {same or 'no save'}); the newest is "
+                       f"{r['loaded']['steps']} (weights of {same or 'no save'}); "
+                       f"{'the newest is' if want is None else 'asked for'} "
                        f"{newest['tag']} at step {newest['steps']}")
-    assert not bad, "load_checkpoint(dir) did not resume from the newest save:\n  " + \
-        "\n  ".join(bad)
+    what = "the newest save" if want is None else f"the tag asked for, {want}"
+    assert not bad, f"load_checkpoint did not load {what}:\n  " + "\n  ".join(bad)
 
 
 MISSING_TAG = "s9-never-written"

@@ -7,6 +7,25 @@ from dsconform.gate.known_issue import KnownIssue
 
 ISSUES: tuple[KnownIssue, ...] = (
     KnownIssue(
+        id="DS-8499-Z3-TAG-IGNORED-WITHOUT-OPTIMIZER",
+        title="ZeRO-3 load_checkpoint(dir, tag, load_optimizer_states=False) rebuilds the "
+              "weights from the tag `latest` names, not from the tag asked for: it returns that "
+              "tag's path and step counter with the newest save's weights (a rollback to an "
+              "earlier checkpoint silently keeps the later weights)",
+        deepspeed=">=0.19.7,<=0.19.8",
+        link="https://github.com/deepspeedai/DeepSpeed/issues/8499",
+        cases=("test_checkpoint_files.py::test_an_earlier_tag_loads_that_tag[*-z3*-no_optimizer]",),
+        # The step counter is the tag's, the weights are no save's of that step.
+        failure=(r"load_checkpoint did not load the tag asked for, s1:[\s\S]*at step (\d+) "
+                 r"\(weights of no save\); asked for s1 at step \1\b"),
+        seen="CPU machine, DeepSpeed 0.19.8, torch 2.13, 2 ranks, 2026-12-05: three saves s1-s3 "
+             "one step apart, load of s1 without the optimizer state: every rank returns s1's "
+             "path and step counter, its weights are not s1's (an outside reproduction on 0.19.7 "
+             "and 0.19.8, 1 and 2 ranks, found them equal to the newest save's, 0.128 from s1's); "
+             "with the optimizer state the same load is right, as are stages 1-2 (issue #8499, "
+             "PR #8501 open)",
+    ),
+    KnownIssue(
         id="DS-Z3-LOAD-MODULE-ONLY",
         title="ZeRO-3 load_checkpoint(load_module_only=True) returns the checkpoint's path but "
               "loads no weights: the engine keeps its own (engine.py skips "

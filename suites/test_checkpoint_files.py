@@ -478,8 +478,8 @@ def check_newest_loaded(results: list[dict], want: str | None = None) -> None:
                        f"{r['loaded']['steps']} (weights of {same or 'no save'}); "
                        f"{'the newest is' if want is None else 'asked for'} "
                        f"{newest['tag']} at step {newest['steps']}")
-    what = "the newest save" if want is None else f"the tag asked for, {want}"
-    assert not bad, f"load_checkpoint did not load {what}:\n  " + "\n  ".join(bad)
+    what = "resume from the newest save" if want is None else f"load the tag asked for, {want}"
+    assert not bad, f"load_checkpoint did not {what}:\n  " + "\n  ".join(bad)
 
 
 MISSING_TAG = "s9-never-written"

@@ -385,7 +385,8 @@ def _plain_gradients(engine: Any, case: OptCase, step: int, dev: torch.device
 
 
 def _train(engine: Any, case: OptCase, ref: Reference, first: int, last: int,
-           dev: torch.device, flat: Reference | None = None) -> tuple[list, list]:
+           dev: torch.device, flat: Reference | None = None,
+           kernel_ratios: list | None = None) -> tuple[list, list]:
     from deepspeed.utils import safe_get_full_grad
 
     from dsconform.suite import TORCH_DTYPES, cpu_fp32, rank
@@ -404,6 +405,8 @@ def _train(engine: Any, case: OptCase, ref: Reference, first: int, last: int,
                 # Collective on stage 3: every rank gathers every gradient, in the same order.
                 grads = {n: cpu_fp32(safe_get_full_grad(p)) for n, p in named}
             engine.step()
+        if kernel_ratios is not None:  # FusedLamb's trust ratios of its last step() call
+            kernel_ratios.append(list(engine.basic_optimizer.get_lamb_coeffs()))
         ref.step(plain if plain is not None else grads)
         per_step.append(_full_params(engine, named))
         ref_steps.append(ref.parameters())
@@ -441,8 +444,9 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
         flat = Reference(case.kind, reference_groups(case.kind), _full_params(engine, named),
                          hyperparameters(case), flat_partitions=(case.stage, case.world_size)) \
             if case.kind == "lamb" and case.stage > 0 else None
+        kernel_ratios = [] if flat is not None else None
         split = case.resume_at or case.steps
-        params, reference = _train(engine, case, ref, 0, split, dev, flat)
+        params, reference = _train(engine, case, ref, 0, split, dev, flat, kernel_ratios)
         if case.resume_at:
             engine.save_checkpoint(save_dir, tag="resume")
             engine.destroy()
@@ -450,12 +454,16 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
             engine = _engine(case, MLP().to(dev), tamper)
             engine.load_checkpoint(save_dir, tag="resume")
             named = list(engine.module.named_parameters())
-            more, more_ref = _train(engine, case, ref, split, case.steps, dev, flat)
+            more, more_ref = _train(engine, case, ref, split, case.steps, dev, flat,
+                                    kernel_ratios)
             params, reference = params + more, reference + more_ref
         state, state_errors = _full_state(engine, named, case.state_keys())
         return {"rank": rank(), "class": built, "params": params,
                 "reference": reference, "state": state, "state_errors": state_errors,
                 "flat_partition_params": None if flat is None else flat.parameters(),
+                "trust_ratios": None if flat is None else
+                {"kernel": kernel_ratios, **{k: [r[k] for r in flat.ratios]
+                                             for k in ("flat", "per_tensor")}},
                 "reference_state": ref.optimizer_state(case.state_keys())}
     finally:
         _restore_muon(saved)

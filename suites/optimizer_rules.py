@@ -42,7 +42,7 @@ def lion_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, *, lr: float,
 
 def lamb_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int, *,
               lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-              max_coeff: float, min_coeff: float) -> None:
+              max_coeff: float, min_coeff: float) -> float:
     """LAMB (You et al. 2020, "Large Batch Optimization for Deep Learning", Algorithm 2) in the
     form DeepSpeed's FusedLamb computes it (csrc/lamb/fused_lamb_cuda_kernel.cu, bias correction
     on, eps outside the root), in place:
@@ -53,10 +53,11 @@ def lamb_step(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
     corrections into the step size: eps then meets the uncorrected root, and the trust ratio and
     the decay term are those of the uncorrected u. Without decay and with eps far below sqrt(v)
     the two forms agree (the ratio cancels the scale of u); otherwise they differ by more than
-    rounding (docs/suites.md, OPT-RULE-1)."""
+    rounding (docs/suites.md, OPT-RULE-1). Returns the trust ratio r."""
     u = lamb_update(p, g, m, v, betas=betas, eps=eps, weight_decay=weight_decay)
-    p.add_(u, alpha=-lamb_step_size(lr, betas, step) * trust_ratio(
-        float(p.norm()), float(u.norm()), max_coeff=max_coeff, min_coeff=min_coeff))
+    r = trust_ratio(float(p.norm()), float(u.norm()), max_coeff=max_coeff, min_coeff=min_coeff)
+    p.add_(u, alpha=-lamb_step_size(lr, betas, step) * r)
+    return r
 
 
 def lamb_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *,
@@ -182,6 +183,9 @@ class Reference:
         #: (ZeRO stage, world size): LAMB's trust ratio taken over each rank's flat partition of
         #: a group (zero_partitions), the way FusedLamb sees ZeRO's partitions, not per tensor.
         self.flat_partitions = flat_partitions
+        #: With flat_partitions: per step, the trust ratios it took, one per partition (in
+        #: the groups' order), and those LAMB takes, one per tensor; for a diagnosis.
+        self.ratios: list[dict[str, list[float]]] = []
         self.hyper = dict(hyper)
         dtype = torch.float64 if kind in self.WRITTEN_OUT else torch.float32
         self.params = {n: t.detach().to("cpu", dtype).clone() for n, t in initial.items()}
@@ -206,6 +210,8 @@ class Reference:
                 p.grad = grads[n].detach().to("cpu", torch.float32).clone()
             self.torch_opt.step()
             return
+        if self.kind == "lamb" and self.flat_partitions is not None:
+            self.ratios.append({"flat": [], "per_tensor": []})
         for g in self.groups:
             if self.kind == "lamb" and self.flat_partitions is not None:
                 self._flat_lamb_step(g, grads)
@@ -245,13 +251,16 @@ class Reference:
                     weight_decay=g["weight_decay"]).flatten()
             stage, world_size = self.flat_partitions
             size = lamb_step_size(g["lr"], self.hyper["betas"], self.steps)
+            coeffs = {"max_coeff": self.hyper["max_coeff"], "min_coeff": self.hyper["min_coeff"]}
+            self.ratios[-1]["per_tensor"] += [
+                trust_ratio(float(self.params[n].norm()), float(updates[n].norm()), **coeffs)
+                for n in names]
             flat = {n: self.params[n].view(-1) for n in names}
             for part in zero_partitions([flat[n].numel() for n in names], stage, world_size):
                 w = torch.cat([flat[names[i]][a:b] for i, a, b in part])
                 u = torch.cat([updates[names[i]][a:b] for i, a, b in part])
-                ratio = trust_ratio(float(w.norm()), float(u.norm()),
-                                    max_coeff=self.hyper["max_coeff"],
-                                    min_coeff=self.hyper["min_coeff"])
+                ratio = trust_ratio(float(w.norm()), float(u.norm()), **coeffs)
+                self.ratios[-1]["flat"].append(ratio)
                 for i, a, b in part:
                     flat[names[i]][a:b] -= size * ratio * updates[names[i]][a:b]
 

@@ -195,10 +195,22 @@ def _diagnose_flat_lamb(results: list[dict], tol) -> list[str]:
         flat = result.get("flat_partition_params")
         if not flat or not result["params"]:
             continue
-        if compare_states(result["params"][-1], flat, tol, step=len(result["params"]) - 1).ok:
-            lines.append(f"rank {result['rank']}: the last parameters match LAMB with one trust "
-                         "ratio per flat ZeRO partition of a group, not per tensor, within the "
-                         "same tolerance")
+        where = f"rank {result['rank']}"
+        cmp = compare_states(result["params"][-1], flat, tol, step=len(result["params"]) - 1)
+        if cmp.ok:
+            lines.append(f"{where}: the last parameters match LAMB with one trust ratio per flat "
+                         "ZeRO partition of a group, not per tensor, within the same tolerance")
+            continue
+        lines.append(f"{where}: the last parameters match neither LAMB nor LAMB with one trust "
+                     f"ratio per flat ZeRO partition (worst rel diff to the latter "
+                     f"{cmp.worst_rel:.3g})")
+        ratios = result.get("trust_ratios") or {}
+        if ratios.get("kernel"):
+            fmt = lambda rs: "[" + ", ".join(f"{r:.6g}" for r in rs) + "]"  # noqa: E731
+            lines.append(f"{where}: trust ratios at step 0: FusedLamb's last step() call "
+                         f"{fmt(ratios['kernel'][0])}; one per flat partition "
+                         f"{fmt(ratios['flat'][0])}; one per tensor "
+                         f"{fmt(ratios['per_tensor'][0])} (groups in order)")
     return lines
 
 

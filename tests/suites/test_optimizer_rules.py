@@ -4,13 +4,17 @@ test_optimizers.judge names where a LAMB cell on ZeRO departs from LAMB."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from dsconform.checks.tolerances import tolerance
+from dsconform.gate.known_issues import KNOWN_ISSUES
 from suites.optimizer_rules import Reference, zero_partitions
 from suites.test_optimizers import _diagnose_flat_lamb
 
+DS_490 = next(i for i in KNOWN_ISSUES if i.id == "DS-490-ZERO-LAMB-FLAT-TRUST-RATIO")
 HYPER = {"betas": (0.9, 0.99), "eps": 1e-8, "max_coeff": 10.0, "min_coeff": 0.01}
 
 
@@ -64,8 +68,10 @@ def test_the_diagnosis_names_flat_partition_lamb_only_where_it_fits():
     hit = _diagnose_flat_lamb([{"rank": 0, "params": [flat],
                                 "flat_partition_params": flat}], tol)
     assert len(hit) == 1 and "one trust ratio per flat ZeRO partition" in hit[0]
-    assert _diagnose_flat_lamb([{"rank": 0, "params": [per_tensor],
-                                 "flat_partition_params": flat}], tol) == []
+    miss = _diagnose_flat_lamb([{"rank": 0, "params": [per_tensor],
+                                 "flat_partition_params": flat}], tol)
+    assert len(miss) == 1 and "match neither LAMB nor" in miss[0], miss
+    assert not any(re.search(DS_490.failure, line) for line in miss)
     assert _diagnose_flat_lamb([{"rank": 0, "params": [flat],
                                  "flat_partition_params": None}], tol) == []
 
@@ -80,9 +86,9 @@ class _HostLamb:
         from suites.optimizer_rules import lamb_step
 
         assert eps_mode == 1 and bias_correction == 1  # FusedLamb's defaults, the suite's form
-        lamb_step(p, grad / scale, exp_avg, exp_avg_sq, step, lr=lr, betas=(beta1, beta2),
-                  eps=eps, weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff)
-        return torch.ones(())
+        return torch.tensor(lamb_step(
+            p, grad / scale, exp_avg, exp_avg_sq, step, lr=lr, betas=(beta1, beta2), eps=eps,
+            weight_decay=weight_decay, max_coeff=max_coeff, min_coeff=min_coeff))
 
 
 class _HostLambBuilder:

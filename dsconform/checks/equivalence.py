@@ -106,11 +106,14 @@ class Comparison:
 
     ``problems`` are reasons the comparison itself cannot vouch for equivalence (nothing to
     compare, unequal counts, non-finite values); any problem makes the comparison fail.
+    ``notes`` say what a failure looks like (a diagnosis); they never decide ``ok`` and the
+    report prints them in full, after the rest.
     """
     tol: Tol
     label: str = ""
     differences: list[Difference] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -146,9 +149,13 @@ class Comparison:
             raise ValueError("cannot merge comparisons made under different tolerances")
         self.differences.extend(other.differences)
         self.problems.extend(other.problems)
+        self.notes.extend(other.notes)
         return self
 
     def report(self, limit: int = 5) -> str:
+        return "\n".join([self._report(limit), *self.notes])
+
+    def _report(self, limit: int) -> str:
         tol = f"tolerance {self.tol} ({self.tol.why})" if self.tol.why else ""
         head = f"{self.label}: " if self.label else ""
         if self.problems or not self.differences:

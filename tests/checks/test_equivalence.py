@@ -166,6 +166,16 @@ def test_gradient_step_counts_must_match():
     assert not cmp.ok and "gradients: 2 steps in the candidate, 3 in the reference" in cmp.report()
 
 
+def test_notes_never_decide_and_survive_a_long_list_of_problems():
+    ref = _trace(steps=2)
+    cmp = compare_traces(_clone(ref), ref, EXACT)
+    cmp.notes.append("a diagnosis")
+    assert cmp.ok and cmp.report().endswith("\na diagnosis")
+    cmp.problems += [f"problem {i}" for i in range(9)]
+    report = cmp.report(limit=5)
+    assert not cmp.ok and "... 4 more" in report and report.endswith("\na diagnosis")
+
+
 def test_nothing_compared_is_not_ok():
     assert not Comparison(tol=EXACT).ok
 

@@ -233,7 +233,7 @@ ISSUES: tuple[KnownIssue, ...] = (
              "on 1 equal LAMB with one ratio per flat partition within the optimizer "
              "tolerance (ZeRO-2 on 2 ranks to 6e-8). Then on H100 (the same stack): all 12 "
              "cells match the flat-partition form, strict xfails of this entry "
-             "(results/reference/h100-x1/ds-0.19.8/lamb/)",
+             "(results/reference/h100-x1/ds-0.19.8/nightly/)",
     ),
     KnownIssue(
         id="DS-8440-MUON-GROUPS-DISCARDED",

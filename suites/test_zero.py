@@ -23,7 +23,7 @@ https://deepspeed.readthedocs.io/en/latest/zero3.html#debugging (the safe_get_fu
 
 Stable ids: ZERO-EQ-1 (matrix), ZERO-EQ-2 (partition padding property), ZERO-DEF-1 (defaults),
 ZERO-DEF-2 (dtypes the engine resolves),
-ZERO-CLIP-1 (gradient clipping);
+ZERO-CLIP-1 (gradient clipping), ZERO-ACCUM-1 (accumulation by the caller);
 each case id (``z3-off_opt-bf16-adam-gas4-ws2``) names its cell and does not change.
 """
 
@@ -360,4 +360,49 @@ def test_zero_clipping_matches_ddp(accelerator: str, case: ZeroCase, profile, me
     assert not problems, (f"{accelerator}-{case.id}: gradient clipping at {case.clip:g} "
                           f"({clipped} of {case.steps} steps clip):\n  " + "\n  ".join(problems)
                           + f"\n  tolerance: {norm_tol}")
+    cmp.assert_ok()
+
+
+# ------------------------------------------------------------------ manual accumulation
+
+def manual_matrix(world_sizes: tuple[int, ...]) -> list[ZeroCase]:
+    """Every ZeRO stage and optimizer placement (1-3; parameters stay on the device), fp32 SGD,
+    4 micro-batches accumulated by the caller on an engine configured for 1."""
+    return [c.with_(manual_accum=True) for c in matrix(world_sizes=world_sizes)
+            if c.stage > 0 and not c.offload_param and c.grad_accum == 4
+            and c.dtype == "fp32" and c.optimizer == "sgd"]
+
+
+#: The acceptance cells at two ranks (on a node with one GPU, their one-rank twins); the CPU
+#: tier runs every placement of stages 1 and 2, where the optimizer's host copy is filled.
+MANUAL_TIER = {(1, "opt"), (2, "opt"), (3, "none")}
+MANUAL_CPU_TIER = {(1, "opt"), (2, "none"), (2, "opt"), (3, "opt")}
+
+
+def _manual_params() -> list:
+    params = []
+    for accel in ACCELERATORS:
+        for case in manual_matrix((1, 2)):
+            cell = (case.stage, case.offload)
+            if accel == "cpu":
+                in_tier, role = cell in MANUAL_CPU_TIER and case.world_size == 2, None
+            else:
+                in_tier = cell in MANUAL_TIER and case.world_size == 2
+                role = ("covered" if in_tier else "tier" if cell in MANUAL_TIER
+                        and case.world_size == 1 else None)
+            params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
+                                     marks=_needs(case), slow=not in_tier, one_gpu=role))
+    return params
+
+
+@pytest.mark.parametrize("accelerator, case", _manual_params())
+@batched(_plan)
+def test_manual_accumulation_matches_ddp(accelerator: str, case: ZeroCase, profile, metrics,
+                                         request):
+    """ZERO-ACCUM-1: gradients accumulated by the caller (engine.set_gradient_accumulation_
+    boundary(False) before every backward but the last of a step, one engine.step(), on an
+    engine configured with gradient_accumulation_steps 1) MUST sum every backward of the step,
+    on every stage and optimizer placement: DDP's losses, boundary gradients and parameters."""
+    cmp = compare_case(cell_results(request), case, accelerator, profile)
+    record_zero_comparison(metrics, cmp, case, accelerator)
     cmp.assert_ok()

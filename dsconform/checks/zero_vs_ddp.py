@@ -74,6 +74,11 @@ class ZeroCase:
     # bit-exact; > 0 clips DeepSpeed's global norm and DDP's torch.nn.utils.clip_grad_norm_
     # over the full gradient, and adds "-clip<v>" to the id.
     clip: float = 0.0
+    # The engine configured with gradient_accumulation_steps 1 while the caller accumulates
+    # grad_accum micro-batches itself: engine.set_gradient_accumulation_boundary(False) before
+    # each backward but the last, each loss divided by grad_accum, one engine.step() per step
+    # (DeepSpeed's documented manual accumulation); adds "-manual" to the id.
+    manual_accum: bool = False
 
     def __post_init__(self) -> None:
         sgd = self.optimizer == "sgd"
@@ -92,7 +97,8 @@ class ZeroCase:
         return (f"z{self.stage}-off_{self.offload}-{self.dtype}-{self.optimizer}{l2}"
                 f"-gas{self.grad_accum}-ws{self.world_size}"
                 + ("" if self.offload_device == "cpu" else f"-{self.offload_device}")
-                + (f"-clip{self.clip:g}" if self.clip else ""))
+                + (f"-clip{self.clip:g}" if self.clip else "")
+                + ("-manual" if self.manual_accum else ""))
 
     def with_(self, **changes: Any) -> ZeroCase:
         return replace(self, **changes)
@@ -104,7 +110,8 @@ class ZeroCase:
             "offload_device": self.offload_device, "nvme_path": self.nvme_path,
             "nvme_buffer_elements": NVME_BUFFER_ELEMENTS}
         return ds_config(stage=self.stage, dtype=self.dtype, optimizer=self.optimizer,
-                         lr=self.lr, micro_batch=self.micro_batch, grad_accum=self.grad_accum,
+                         lr=self.lr, micro_batch=self.micro_batch,
+                         grad_accum=1 if self.manual_accum else self.grad_accum,
                          world_size=self.world_size, offload_optimizer=self.offload_optimizer,
                          offload_param=self.offload_param, gradient_clipping=self.clip,
                          weight_decay=self.weight_decay, momentum=self.momentum,
@@ -122,6 +129,8 @@ class ZeroCase:
             del p["weight_decay"]
         if not self.clip:
             del p["clip"]
+        if not self.manual_accum:
+            del p["manual_accum"]
         return p
 
 
@@ -334,17 +343,21 @@ def _train_deepspeed(model: nn.Module, case: ZeroCase, data, dev: torch.device,
         losses, grads, norms = [], [], []
         for batches in data:
             step_loss = 0.0
-            for x, y in batches:
+            for i, (x, y) in enumerate(batches):
                 out = engine(x.to(dev, dtype))
                 loss = F.mse_loss(out.float(), y.to(dev))
                 step_loss += loss.item()
+                if case.manual_accum:
+                    engine.set_gradient_accumulation_boundary(i == len(batches) - 1)
+                    loss = loss / len(batches)
                 engine.backward(loss)
                 boundary = engine.is_gradient_accumulation_boundary()
                 if boundary:
                     # Collective on stage 3: every rank gathers every parameter, same order.
                     grads.append({n: cpu_fp32(safe_get_full_grad(p)) / scale
                                   for n, p in named})
-                engine.step()
+                if boundary or not case.manual_accum:
+                    engine.step()
                 if boundary and case.clip:
                     norms.append(_global_norm(engine))
             losses.append(step_loss / case.grad_accum)

@@ -150,3 +150,14 @@ def test_case_defaults_per_optimizer():
     assert (adam.lr, adam.momentum) == (1e-3, 0.0)
     assert ZeroCase(stage=1, dtype="fp16", optimizer="sgd", grad_accum=1,
                     world_size=1).config()["fp16"]["loss_scale"] == 1024.0
+
+
+def test_manual_accumulation_configures_one_step_and_names_itself():
+    case = ZeroCase(stage=2, dtype="fp32", optimizer="sgd", grad_accum=4, world_size=2,
+                    offload_optimizer=True)
+    manual = case.with_(manual_accum=True)
+    assert case.config()["gradient_accumulation_steps"] == 4
+    assert manual.config()["gradient_accumulation_steps"] == 1
+    assert manual.config()["train_batch_size"] == 4 * 2
+    assert manual.id == case.id + "-manual"
+    assert "manual_accum" not in case.params() and manual.params()["manual_accum"] is True

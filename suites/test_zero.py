@@ -318,24 +318,28 @@ def clip_matrix(world_sizes: tuple[int, ...]) -> list[ZeroCase]:
 #: The acceptance cells: one per stage, at two ranks (the norm across partitions) and, on a node
 #: with one GPU, their one-rank twins.
 CLIP_TIER = {(0, "none", "fp32"), (1, "opt", "bf16"), (2, "none", "bf16"), (3, "param+opt", "fp32")}
-CLIP_CPU_TIER = {(0, "none", "fp32", 2), (2, "none", "fp32", 2), (3, "none", "fp32", 2),
-                 (2, "opt", "fp32", 2)}
+CLIP_CPU_TIER = {(0, "none", "fp32"), (2, "none", "fp32"), (3, "none", "fp32"), (2, "opt", "fp32")}
 
 
-def _clip_params() -> list:
+def _two_rank_tier_params(cases: list[ZeroCase], cell, gpu_tier: set, cpu_tier: set) -> list:
+    """A check's cells: those whose ``cell(case)`` is in the accelerator's tier run at two
+    ranks (on a node with one GPU, the GPU tier's one-rank twins in their place); the rest are
+    nightly."""
     params = []
     for accel in ACCELERATORS:
-        for case in clip_matrix((1, 2)):
-            cell = (case.stage, case.offload, case.dtype)
-            if accel == "cpu":
-                in_tier, role = cell + (case.world_size,) in CLIP_CPU_TIER, None
-            else:
-                in_tier = cell in CLIP_TIER and case.world_size == 2
-                role = ("covered" if in_tier else "tier" if cell in CLIP_TIER
-                        and case.world_size == 1 else None)
+        tier = cpu_tier if accel == "cpu" else gpu_tier
+        for case in cases:
+            in_tier = cell(case) in tier and case.world_size == 2
+            role = None if accel == "cpu" else ("covered" if in_tier else "tier" if cell(case)
+                                                in tier and case.world_size == 1 else None)
             params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
                                      marks=_needs(case), slow=not in_tier, one_gpu=role))
     return params
+
+
+def _clip_params() -> list:
+    return _two_rank_tier_params(clip_matrix((1, 2)), lambda c: (c.stage, c.offload, c.dtype),
+                                 CLIP_TIER, CLIP_CPU_TIER)
 
 
 @pytest.mark.parametrize("accelerator, case", _clip_params())
@@ -380,19 +384,8 @@ MANUAL_CPU_TIER = {(1, "opt"), (2, "none"), (2, "opt"), (3, "opt")}
 
 
 def _manual_params() -> list:
-    params = []
-    for accel in ACCELERATORS:
-        for case in manual_matrix((1, 2)):
-            cell = (case.stage, case.offload)
-            if accel == "cpu":
-                in_tier, role = cell in MANUAL_CPU_TIER and case.world_size == 2, None
-            else:
-                in_tier = cell in MANUAL_TIER and case.world_size == 2
-                role = ("covered" if in_tier else "tier" if cell in MANUAL_TIER
-                        and case.world_size == 1 else None)
-            params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
-                                     marks=_needs(case), slow=not in_tier, one_gpu=role))
-    return params
+    return _two_rank_tier_params(manual_matrix((1, 2)), lambda c: (c.stage, c.offload),
+                                 MANUAL_TIER, MANUAL_CPU_TIER)
 
 
 @pytest.mark.parametrize("accelerator, case", _manual_params())

@@ -96,18 +96,23 @@ class OptCase:
     seed: int = 7
     # Resume: save after this many steps, load into a fresh engine, train the rest (0: none).
     resume_at: int = 0
+    # The plainest use: an MLP of matrices only (no biases, so Muon has no AdamW half) handed
+    # to deepspeed.initialize as model.parameters(), no parameter groups.
+    plain: bool = False
 
     @property
     def id(self) -> str:
         resume = f"-resume{self.resume_at}" if self.resume_at else ""
         return (f"{self.kind}-z{self.stage}-{self.offload}-{self.dtype}-gas{self.grad_accum}"
-                f"-ws{self.world_size}{resume}")
+                f"-ws{self.world_size}{resume}{'-plain' if self.plain else ''}")
 
     @property
     def offloaded(self) -> bool:
         return self.offload != "none"
 
     def op(self) -> str | None:
+        if self.plain and not self.offloaded:
+            return None  # no AdamW half: Muon alone, no op to load
         return KINDS[self.kind]["ops"][self.offloaded]
 
     def expected_class(self) -> str:
@@ -173,16 +178,19 @@ def config(case: OptCase, hyper: dict[str, Any]) -> dict[str, Any]:
 
 
 class MLP(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, bias: bool = True) -> None:
         super().__init__()
-        self.fc1 = nn.Linear(IN, HIDDEN)
-        self.fc2 = nn.Linear(HIDDEN, OUT)
+        self.fc1 = nn.Linear(IN, HIDDEN, bias=bias)
+        self.fc2 = nn.Linear(HIDDEN, OUT, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-def param_groups(model: nn.Module, kind: str, *, tamper: str | None = None) -> list[dict]:
+def param_groups(model: nn.Module, kind: str, *, tamper: str | None = None,
+                 plain: bool = False) -> list:
+    if plain:
+        return list(model.parameters())
     named = dict(model.named_parameters())
     groups = [{"params": [named[n] for n in names], "lr": LR[kind] * factor,
                "weight_decay": wd} for names, factor, wd in GROUPS]
@@ -192,8 +200,13 @@ def param_groups(model: nn.Module, kind: str, *, tamper: str | None = None) -> l
     return groups
 
 
-def reference_groups(kind: str) -> list[dict[str, Any]]:
-    return [{"names": list(names), "lr": LR[kind] * factor, "weight_decay": wd}
+def reference_groups(case: OptCase) -> list[dict[str, Any]]:
+    """The groups the reference steps: the cell's, or for a plain cell one group of every
+    parameter at the config's lr and weight decay."""
+    if case.plain:
+        return [{"names": ["fc1.weight", "fc2.weight"], "lr": LR[case.kind],
+                 "weight_decay": 0.0}]
+    return [{"names": list(names), "lr": LR[case.kind] * factor, "weight_decay": wd}
             for names, factor, wd in GROUPS]
 
 
@@ -300,7 +313,7 @@ def _engine(case: OptCase, model: nn.Module, tamper: str | None) -> Any:
     import deepspeed
 
     hyper = hyperparameters(case)
-    groups = param_groups(model, case.kind, tamper=tamper)
+    groups = param_groups(model, case.kind, tamper=tamper, plain=case.plain)
     client = None
     if case.kind == "client":
         client = torch_optimizer("client", groups, hyper)
@@ -375,7 +388,7 @@ def _plain_gradients(engine: Any, case: OptCase, step: int, dev: torch.device
     from dsconform.suite import TORCH_DTYPES, cpu_fp32
 
     dtype = TORCH_DTYPES[case.dtype]
-    plain = MLP().to(dev, dtype)
+    plain = MLP(bias=not case.plain).to(dev, dtype)
     plain.load_state_dict(engine.module.state_dict())
     world = dist.get_world_size()
     for r in range(world):
@@ -425,23 +438,26 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
     (under ``save_dir``), a fresh engine loads it and trains on; the reference never stops."""
     from dsconform.suite import compat, device, rank, seed_everything
 
-    if case.kind == "muon":  # the cells hand Muon parameter groups
-        for feature in (compat.MUON, compat.MUON_GROUPS,
+    if case.kind == "muon":
+        # The cells but the plain ones hand Muon parameter groups; a plain cell on ZeRO is held
+        # to the tolerance of Newton-Schulz in fp16/fp32 (stage 0 runs none before 0.19.7).
+        for feature in (compat.MUON, *(() if case.plain else (compat.MUON_GROUPS,)),
+                        *((compat.MUON_GRAM_NS,) if case.plain and case.stage else ()),
                         *((compat.MUON_ZERO3,) if case.stage == 3 else ())):
             compat.require(feature)
     seed_everything(case.seed)
     dev = device()
-    model = MLP().to(dev)
+    model = MLP(bias=not case.plain).to(dev)
     saved = _tamper_muon(tamper)
     engine = _engine(case, model, tamper)
     try:
         named = list(engine.module.named_parameters())
         built = type(engine.basic_optimizer).__name__
-        ref = Reference(case.kind, reference_groups(case.kind), _full_params(engine, named),
+        ref = Reference(case.kind, reference_groups(case), _full_params(engine, named),
                         hyperparameters(case))
         # ZeRO hands FusedLamb flat partitions: LAMB with one trust ratio per partition, to
         # name that behaviour where the cell departs from LAMB (test_optimizers.judge).
-        flat = Reference(case.kind, reference_groups(case.kind), _full_params(engine, named),
+        flat = Reference(case.kind, reference_groups(case), _full_params(engine, named),
                          hyperparameters(case), flat_partitions=(case.stage, case.world_size)) \
             if case.kind == "lamb" and case.stage > 0 else None
         kernel_ratios = [] if flat is not None else None
@@ -451,7 +467,7 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
             engine.save_checkpoint(save_dir, tag="resume")
             engine.destroy()
             seed_everything(case.seed + 1)  # a fresh engine, other initial weights
-            engine = _engine(case, MLP().to(dev), tamper)
+            engine = _engine(case, MLP(bias=not case.plain).to(dev), tamper)
             engine.load_checkpoint(save_dir, tag="resume")
             named = list(engine.module.named_parameters())
             more, more_ref = _train(engine, case, ref, split, case.steps, dev, flat,

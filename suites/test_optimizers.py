@@ -35,13 +35,16 @@ update rule alone: ZeRO's gradients against DDP's are ZERO-EQ-1's.
 - OPT-RESUME-1 (``test_resume_keeps_the_trajectory``): a checkpoint saved after step 3 and loaded
   into a fresh engine (other initial weights) MUST continue on the reference's trajectory, step
   for step, and end with its optimizer state.
+- OPT-MUON-1 (``test_plain_muon_follows_its_rule``): the plainest Muon use, a model of matrices
+  only handed over as ``model.parameters()`` (no groups, so every release with Muon runs it),
+  MUST follow Muon's rule at every ZeRO stage, stage 0 (the default) included.
 
 Upstream: https://www.deepspeed.ai/docs/config-json/#optimizer-parameters ,
 https://deepspeed.readthedocs.io/en/latest/optimizers.html ,
 https://deepspeed.readthedocs.io/en/latest/zero3.html#debugging (the safe_get_full_* APIs).
 
-Stable ids: OPT-RULE-1, OPT-RESUME-1; each case id (``adamw-z2-opt-bf16-gas4-ws2``) names its
-cell and does not change.
+Stable ids: OPT-RULE-1, OPT-RESUME-1, OPT-MUON-1; each case id (``adamw-z2-opt-bf16-gas4-ws2``)
+names its cell and does not change.
 """
 
 from __future__ import annotations
@@ -248,3 +251,25 @@ def test_resume_keeps_the_trajectory(accelerator: str, case: OptCase, profile, s
                         accelerator=accelerator)
     judge(results, case, accelerator, profile).assert_ok()
 
+
+
+# The plain Muon cells: every stage on the device, fp32 and bf16, one and two ranks. The CPU
+# tier holds stage 0 (the default stage, where no ZeRO optimizer runs Muon's update for it) and
+# stage 2 beside it; on GPUs they are nightly, as every Muon cell is.
+PLAIN_MUON = [OptCase("muon", stage, "none", dtype, 1, ws, plain=True)
+              for stage in range(4) for dtype in ("fp32", "bf16") for ws in (1, 2)]
+PLAIN_MUON_CPU_TIER = {(0, "fp32"), (2, "fp32")}
+
+
+def _plain_muon_params() -> list:
+    return [p for accel in ACCELERATORS for p in tier_params(
+        accel, PLAIN_MUON, marks=_needs, gpu_tier=lambda cs: [],
+        cpu_tier=lambda c: c.world_size == 2 and (c.stage, c.dtype) in PLAIN_MUON_CPU_TIER)]
+
+
+@pytest.mark.parametrize("accelerator, case", _plain_muon_params())
+@batched(_plan)
+def test_plain_muon_follows_its_rule(accelerator: str, case: OptCase, profile, request):
+    """OPT-MUON-1: Muon configured the plainest way (its parameters ungrouped, matrices only)
+    MUST orthogonalise every step's update, at every ZeRO stage."""
+    judge(cell_results(request), case, accelerator, profile).assert_ok()

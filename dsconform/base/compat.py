@@ -48,6 +48,7 @@ AIO_WAIT = "aio_wait"
 MUON = "muon"
 MUON_GROUPS = "muon_groups"
 MUON_ZERO3 = "muon_zero3"
+MUON_GRAM_NS = "muon_gram_ns"
 ADDITIONS: dict[str, Addition] = {
     # Before it, bf16 without ZeRO was refused unless gradients accumulate in fp32
     # (NotImplementedError "Bfloat16 wrapper must use a gradient accumulation type of fp32,
@@ -79,6 +80,12 @@ ADDITIONS: dict[str, Addition] = {
     # radar: 0.17.6); AutoEP's PR flattens the groups (and so drops their settings: DS-8440).
     MUON_GROUPS: Addition("the Muon optimizer given parameter groups (dicts in model_parameters)",
                           "0.19.2", "https://github.com/deepspeedai/DeepSpeed/pull/7938"),
+    # Before it, Newton-Schulz runs in bf16 (zeropower_via_newtonschulz5: G.bfloat16(), the
+    # published Muon's choice), coarser than the Muon tolerance of the table bounds (fp16/fp32).
+    MUON_GRAM_NS: Addition("Muon's Newton-Schulz in fp16 where the accelerator has it, else "
+                           "fp32 (the Gram iteration; before it bf16, beyond the suite's Muon "
+                           "tolerance)", "0.19.0",
+                           "https://github.com/deepspeedai/DeepSpeed/pull/7953"),
     # Before it, ZeRO-3 refuses Muon: "Muon optimizer is not yet compatible with ZeRO Stage 3".
     MUON_ZERO3: Addition("the Muon optimizer under ZeRO stage 3", "0.18.9",
                          "https://github.com/deepspeedai/DeepSpeed/pull/7919"),

@@ -99,12 +99,16 @@ class OptCase:
     # The plainest use: an MLP of matrices only (no biases, so Muon has no AdamW half) handed
     # to deepspeed.initialize as model.parameters(), no parameter groups.
     plain: bool = False
+    # ZeRO-3: the model built under deepspeed.zero.Init (its parameters partitioned as they are
+    # made), as large models are.
+    zinit: bool = False
 
     @property
     def id(self) -> str:
         resume = f"-resume{self.resume_at}" if self.resume_at else ""
         return (f"{self.kind}-z{self.stage}-{self.offload}-{self.dtype}-gas{self.grad_accum}"
-                f"-ws{self.world_size}{resume}{'-plain' if self.plain else ''}")
+                f"-ws{self.world_size}{resume}{'-plain' if self.plain else ''}"
+                f"{'-zinit' if self.zinit else ''}")
 
     @property
     def offloaded(self) -> bool:
@@ -428,6 +432,16 @@ def _train(engine: Any, case: OptCase, ref: Reference, first: int, last: int,
     return per_step, ref_steps
 
 
+def _model(case: OptCase, dev: torch.device) -> nn.Module:
+    """The cell's model on the device; a zinit cell's built under ``deepspeed.zero.Init``."""
+    if not case.zinit:
+        return MLP(bias=not case.plain).to(dev)
+    import deepspeed
+
+    with deepspeed.zero.Init(config_dict_or_path=config(case, hyperparameters(case))):
+        return MLP(bias=not case.plain)
+
+
 def train_optimizer(case: OptCase, tamper: str | None = None,
                     save_dir: str | None = None) -> dict[str, Any]:
     """Rank entry point: train the cell's engine and its reference side by side.
@@ -447,7 +461,7 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
             compat.require(feature)
     seed_everything(case.seed)
     dev = device()
-    model = MLP(bias=not case.plain).to(dev)
+    model = _model(case, dev)
     saved = _tamper_muon(tamper)
     engine = _engine(case, model, tamper)
     try:
@@ -467,7 +481,7 @@ def train_optimizer(case: OptCase, tamper: str | None = None,
             engine.save_checkpoint(save_dir, tag="resume")
             engine.destroy()
             seed_everything(case.seed + 1)  # a fresh engine, other initial weights
-            engine = _engine(case, MLP(bias=not case.plain).to(dev), tamper)
+            engine = _engine(case, _model(case, dev), tamper)
             engine.load_checkpoint(save_dir, tag="resume")
             named = list(engine.module.named_parameters())
             more, more_ref = _train(engine, case, ref, split, case.steps, dev, flat,

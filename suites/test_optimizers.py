@@ -254,17 +254,21 @@ def test_resume_keeps_the_trajectory(accelerator: str, case: OptCase, profile, s
 
 
 # The plain Muon cells: every stage on the device, fp32 and bf16, one and two ranks. The CPU
-# tier holds stage 0 (the default stage, where no ZeRO optimizer runs Muon's update for it) and
-# stage 2 beside it; on GPUs they are nightly, as every Muon cell is.
+# tier holds stage 0 (the default stage, where no ZeRO optimizer runs Muon's update for it),
+# stage 2 beside it and ZeRO-3 under zero.Init; on GPUs they are nightly, as every Muon cell is.
 PLAIN_MUON = [OptCase("muon", stage, "none", dtype, 1, ws, plain=True)
-              for stage in range(4) for dtype in ("fp32", "bf16") for ws in (1, 2)]
-PLAIN_MUON_CPU_TIER = {(0, "fp32"), (2, "fp32")}
+              for stage in range(4) for dtype in ("fp32", "bf16") for ws in (1, 2)] + [
+    # ZeRO-3 with the model built under deepspeed.zero.Init, as large models are.
+    OptCase("muon", 3, "none", dtype, 1, ws, plain=True, zinit=True)
+    for dtype in ("fp32", "bf16") for ws in (1, 2)]
+PLAIN_MUON_CPU_TIER = {(0, "fp32", False), (2, "fp32", False), (3, "fp32", True)}
 
 
 def _plain_muon_params() -> list:
     return [p for accel in ACCELERATORS for p in tier_params(
         accel, PLAIN_MUON, marks=_needs, gpu_tier=lambda cs: [],
-        cpu_tier=lambda c: c.world_size == 2 and (c.stage, c.dtype) in PLAIN_MUON_CPU_TIER)]
+        cpu_tier=lambda c: c.world_size == 2
+        and (c.stage, c.dtype, c.zinit) in PLAIN_MUON_CPU_TIER)]
 
 
 @pytest.mark.parametrize("accelerator, case", _plain_muon_params())

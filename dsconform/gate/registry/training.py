@@ -316,7 +316,9 @@ ISSUES: tuple[KnownIssue, ...] = (
         deepspeed=">=0.17.6,<=0.18.2",
         fixed_in="0.18.3",
         link="https://github.com/deepspeedai/DeepSpeed/issues/7718",
-        cases=("test_zero.py::test_zero_matches_ddp[*-z2-off_none-*-gas4-*]",),
+        cases=("test_zero.py::test_zero_matches_ddp[*-z2-off_none-*-gas4-*]",
+               # The same partition epilogue under manual accumulation (ZERO-ACCUM-1).
+               "test_zero.py::test_manual_accumulation_matches_ddp[*-z2-off_none-*]"),
         failure=(r"first diverging step 0: step 0, grad of '[^']+'( \(rank \d+\))?: max abs "
                  r"diff \S+, max rel diff \S+ exceeds"),
         seen="CPU machine (2 cores), 2 ranks, fp32 SGD and bf16 FusedAdam, gas 4: step 0's "
@@ -326,7 +328,9 @@ ISSUES: tuple[KnownIssue, ...] = (
              "torch 2.10.0 fails alike; 0.18.4's sources (stage_1_and_2.py as 0.18.3's, "
              "whose independent_gradient_partition_epilogue tests all_grad_tensors) and the "
              "radar's 0.16.9 and 0.18.5 pass; ZeRO-1 with gas 4 passes. The issue reports "
-             "ZeRO-2 grad norms too low from 0.17.6 on",
+             "ZeRO-2 grad norms too low from 0.17.6 on. ZERO-ACCUM-1's ZeRO-2 cells (the "
+             "caller accumulating through set_gradient_accumulation_boundary) fail so on "
+             "0.17.6 + torch 2.13 (fc1.bias, rel 42 on 1 rank, 234 on 2, 2026-12-05)",
     ),
     KnownIssue(
         id="DS-7967-Z2-OFFLOAD-ACCUM-DROPPED",

@@ -333,14 +333,15 @@ def _engine(case: OptCase, model: nn.Module, tamper: str | None) -> Any:
     return engine
 
 
-MUON_TAMPERS = ("muon_no_momentum", "muon_wrong_ns_coefficient")
+MUON_TAMPERS = ("muon_no_momentum", "muon_wrong_ns_coefficient", "muon_sgd")
 
 
 def _tamper_muon(tamper: str | None) -> dict[str, Any]:
     """Perturb DeepSpeed's Muon for the red tests, returning what to restore (ranks are reused):
     ``muon_no_momentum`` runs every Muon update with momentum 0; ``muon_wrong_ns_coefficient``
     runs Newton-Schulz with a = 3.0 for 3.4445 (DeepSpeed's update eager, so the patched
-    iteration is the one it calls)."""
+    iteration is the one it calls); ``muon_sgd`` returns the gradient as the update (no
+    momentum, no Newton-Schulz: SGD, what stage 0 did before 0.19.7)."""
     if tamper not in MUON_TAMPERS:
         return {}  # and no import: a release without Muon (compat.MUON) runs the other cells
     from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
@@ -352,6 +353,10 @@ def _tamper_muon(tamper: str | None) -> dict[str, Any]:
         def update(grad: torch.Tensor, momentum: torch.Tensor, beta: float = 0.0,
                    **kwargs: Any) -> torch.Tensor:
             return eager(grad, momentum, 0.0, **kwargs)
+    elif tamper == "muon_sgd":
+        def update(grad: torch.Tensor, momentum: torch.Tensor, beta: float = 0.0,
+                   **kwargs: Any) -> torch.Tensor:
+            return grad
     else:
         def wrong(g: torch.Tensor, steps: int) -> torch.Tensor:
             return newton_schulz5(g, steps, (3.0, *NS_COEFFS[1:])).to(g.dtype)

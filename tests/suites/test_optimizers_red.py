@@ -8,7 +8,10 @@ the rank functions' ``tamper`` argument:
   weight decay (0.1), so the config's 0 applies;
 - ``wrong_norm_type``: DeepSpeed's norm helpers are handed the 2-norm whatever was asked;
 - ``muon_no_momentum`` / ``muon_wrong_ns_coefficient``: DeepSpeed's Muon updates without its
-  momentum, or orthogonalise with a Newton-Schulz coefficient a = 3.0 for 3.4445.
+  momentum, or orthogonalise with a Newton-Schulz coefficient a = 3.0 for 3.4445;
+- ``muon_sgd``: DeepSpeed's Muon update is the raw gradient (SGD), as at stage 0 before 0.19.7.
+
+OPT-MUON-1 shares OPT-RULE-1's rank function and judgement.
 """
 
 from __future__ import annotations
@@ -86,6 +89,22 @@ def test_perturbed_muon_fails(tamper: str | None):
     assert first.max_abs > 2 * (cmp.tol.atol + cmp.tol.rtol), cmp.report()
     # only the matrices Muon takes move; the biases' AdamW is untouched
     assert {d.name for d in cmp.failures} <= {"fc1.weight", "fc2.weight"}, cmp.report()
+
+
+# OPT-MUON-1's stage-0 cell of the CPU tier: Muon plainly configured, no ZeRO optimizer.
+PLAIN_MUON_Z0 = OptCase("muon", 0, "none", "fp32", 1, 2, plain=True)
+
+
+@pytest.mark.parametrize("tamper", [None, "muon_sgd", "muon_no_momentum"])
+def test_plain_muon_at_stage_0_fails_without_its_update(tamper: str | None):
+    cmp = _judge(tamper, PLAIN_MUON_Z0, timeout_s=600)
+    if tamper is None:
+        assert cmp.ok, cmp.report()
+        return
+    assert not cmp.ok
+    first = cmp.first_divergence
+    assert first is not None and first.step <= (tamper == "muon_no_momentum"), cmp.report()
+    assert first.max_abs > 2 * (cmp.tol.atol + cmp.tol.rtol), cmp.report()
 
 
 @pytest.mark.parametrize("norm", ["1", "inf"])

@@ -71,40 +71,29 @@ def test_perturbed_lion_fails(tamper: str | None):
         cmp.report()
 
 
-# Muon on ZeRO-2 with the optimizer offloaded (its AdamW a DeepSpeedCPUAdam): the CPU tier's cell.
+# Muon on ZeRO-2 with the optimizer offloaded (its AdamW a DeepSpeedCPUAdam): the CPU tier's cell;
+# and OPT-MUON-1's stage-0 cell of the CPU tier: Muon plainly configured, no ZeRO optimizer.
 MUON = OptCase("muon", 2, "opt", "fp32", 1, 2)
+PLAIN_MUON_Z0 = OptCase("muon", 0, "none", "fp32", 1, 2, plain=True)
 
 
-@pytest.mark.parametrize("tamper", [None, "muon_no_momentum", "muon_wrong_ns_coefficient"])
-def test_perturbed_muon_fails(tamper: str | None):
-    cmp = _judge(tamper, MUON, timeout_s=600)
+@pytest.mark.parametrize("case, tamper", [
+    (MUON, None), (MUON, "muon_no_momentum"), (MUON, "muon_wrong_ns_coefficient"),
+    (PLAIN_MUON_Z0, None), (PLAIN_MUON_Z0, "muon_sgd"), (PLAIN_MUON_Z0, "muon_no_momentum")],
+    ids=lambda v: v.id if isinstance(v, OptCase) else str(v))
+def test_perturbed_muon_fails(case: OptCase, tamper: str | None):
+    cmp = _judge(tamper, case, timeout_s=600)
     if tamper is None:
         assert cmp.ok, cmp.report()
         return
     assert not cmp.ok
     first = cmp.first_divergence
     # momentum shows from the second step on (the first update is the normalised gradient
-    # either way); a wrong coefficient at the first
+    # either way); a wrong coefficient or no update at all at the first
     assert first is not None and first.step <= (tamper == "muon_no_momentum"), cmp.report()
     assert first.max_abs > 2 * (cmp.tol.atol + cmp.tol.rtol), cmp.report()
     # only the matrices Muon takes move; the biases' AdamW is untouched
     assert {d.name for d in cmp.failures} <= {"fc1.weight", "fc2.weight"}, cmp.report()
-
-
-# OPT-MUON-1's stage-0 cell of the CPU tier: Muon plainly configured, no ZeRO optimizer.
-PLAIN_MUON_Z0 = OptCase("muon", 0, "none", "fp32", 1, 2, plain=True)
-
-
-@pytest.mark.parametrize("tamper", [None, "muon_sgd", "muon_no_momentum"])
-def test_plain_muon_at_stage_0_fails_without_its_update(tamper: str | None):
-    cmp = _judge(tamper, PLAIN_MUON_Z0, timeout_s=600)
-    if tamper is None:
-        assert cmp.ok, cmp.report()
-        return
-    assert not cmp.ok
-    first = cmp.first_divergence
-    assert first is not None and first.step <= (tamper == "muon_no_momentum"), cmp.report()
-    assert first.max_abs > 2 * (cmp.tol.atol + cmp.tol.rtol), cmp.report()
 
 
 @pytest.mark.parametrize("norm", ["1", "inf"])

@@ -100,7 +100,7 @@ ISSUES: tuple[KnownIssue, ...] = (
               "follows the gradient's dtype) and Newton-Schulz in bf16; with several "
               "micro-batches the gradient accumulates in fp32 and the same cells pass; the "
               "first update is off by 13-32% of lr",
-        deepspeed=">=0.19.6,<=0.19.8",
+        deepspeed=">=0.19.0,<=0.19.8",
         # No report of the precision found; the PR that gave the momentum the gradient's dtype
         # (and with it Newton-Schulz's) at stage 2.
         link="https://github.com/deepspeedai/DeepSpeed/pull/8483",
@@ -113,9 +113,9 @@ ISSUES: tuple[KnownIssue, ...] = (
              "3 alike; the fp32 and the gas4 cells pass; DeepSpeed's muon_update (gram) on the "
              "suite's fc1 gradients rounded to bf16 is up to 0.44 off the float64 rule per "
              "step, on fp32 1.6e-5. On an H200 (torch 2.11) ZeRO-3's cells pass. OPT-MUON-1's "
-             "bf16 cells (no parameter groups) the same on 0.19.6, 0.19.7 and 0.19.8 alike "
-             "(fc1.weight 4.99e-3 on 1 rank, 3.84e-3 on 2, ZeRO 1 and 2; ZeRO-3 on 1 rank "
-             "0.0137 on 0.19.6 and 0.19.7)",
+             "bf16 cells (no parameter groups) the same on 0.19.0, 0.19.2, 0.19.3, 0.19.4, "
+             "0.19.6, 0.19.7 and 0.19.8 alike (fc1.weight 4.99e-3 on 1 rank, 3.84e-3 on 2 "
+             "from 0.19.3, ZeRO 1 and 2; ZeRO-3 on 1 rank 0.0137 to 0.19.7)",
     ),
     KnownIssue(
         id="DS-5104-Z0-WRAPPER-INIT-STEP",
@@ -320,6 +320,24 @@ ISSUES: tuple[KnownIssue, ...] = (
              "muon_optimizer.py's step has the SGD line in 0.17.6 and 0.18.9's sources too",
     ),
     KnownIssue(
+        id="DS-7807-MUON-Z12-REDUCE-SCATTER",
+        title="Muon on ZeRO 1/2 with reduce_scatter (the default), more than one rank: a "
+              "matrix that crosses a partition boundary is orthogonalised from a gradient "
+              "reduced only in the rank's own slice, so its update is wrong (and differs by "
+              "rank)",
+        deepspeed=">=0.17.6,<=0.19.2",
+        link="https://github.com/deepspeedai/DeepSpeed/issues/7807",
+        fixed_in="0.19.3",
+        cases=tuple(f"test_optimizers.py::test_plain_muon_follows_its_rule"
+                    f"[*-muon-z{stage}-none-*-ws2-plain]" for stage in (1, 2)),
+        failure=r"first diverging step 0: step 0, state of 'fc1\.weight'",
+        seen="CPU machine, torch 2.13, 2 ranks, 2026-12-05: OPT-MUON-1's ZeRO 1 and 2 cells "
+             "(fc1.weight, 53x13, split between the ranks' partitions) off at step 0 by 0.0152 "
+             "(fp32) and 0.0155 (bf16) on DeepSpeed 0.19.0 and 0.19.2, the one-rank cells "
+             "right; 0.19.3 (which copies a split Muon matrix's reduced slices to every rank "
+             "owning part of it, PR #8141) passes the fp32 cells. The cells skip before 0.19.0",
+    ),
+    KnownIssue(
         id="DS-8438-MUON-OFF-UNDER-ZERO-INIT",
         title="Muon on ZeRO-3 with the model built under deepspeed.zero.Init: "
               "set_optimizer_flags reads p.ndim, which a partitioned parameter reports as 1, "
@@ -364,7 +382,7 @@ ISSUES: tuple[KnownIssue, ...] = (
               "matrices in one parameter group: the ranks gather the group's matrices for "
               "Newton-Schulz in different orders, and the all-gather pairs one rank's matrix "
               "with another's (gloo raises on the size mismatch)",
-        deepspeed=">=0.19.6,<=0.19.7",
+        deepspeed=">=0.19.0,<=0.19.7",
         # No upstream report found; 0.19.8 gathers at the step instead (PR #8600) and passes.
         link="https://github.com/deepspeedai/DeepSpeed/pull/8600",
         fixed_in="0.19.8",
@@ -374,15 +392,15 @@ ISSUES: tuple[KnownIssue, ...] = (
         seen="CPU machine, torch 2.13, 2 ranks, 2026-12-05: OPT-MUON-1's ZeRO-3 cells (one "
              "group of fc1.weight 53x13 and fc2.weight 7x53) raise RuntimeError "
              "ProcessGroupGloo::allgather: invalid tensor size at index 1 (expected (7, 53), "
-             "got (53, 13)) in the first backward on DeepSpeed 0.19.6 and 0.19.7 (fp32 and "
-             "bf16); they pass on 0.19.8",
+             "got (53, 13)) in the first backward on DeepSpeed 0.19.0, 0.19.2, 0.19.3, 0.19.4, "
+             "0.19.6 and 0.19.7 (fp32 and bf16); they pass on 0.19.8",
     ),
     KnownIssue(
         id="DS-Z3-MUON-TALL-MATRIX-GAS1",
         title="Muon on ZeRO-3 (optimizer on the device) with one micro-batch per step: the "
               "update of the tall matrix (53 x 13) departs from Muon's at the first step, "
               "the wide one (7 x 53) follows it",
-        deepspeed=">=0.19.6,<=0.19.7",
+        deepspeed=">=0.19.0,<=0.19.7",
         # No upstream report found; cause not established (docs/known-issues.md). 0.19.8 moved
         # ZeRO-3's Muon update from the gradient reduce to the step (PR #8600) and passes.
         link="https://github.com/deepspeedai/DeepSpeed/pull/8600",
@@ -391,8 +409,9 @@ ISSUES: tuple[KnownIssue, ...] = (
                "test_optimizers.py::test_plain_muon_follows_its_rule[*-muon-z3-*-ws1-plain*]"),
         failure=r"first diverging step 0: step 0, state of 'fc1\.weight'",
         seen="CPU machine, torch 2.13, 2026-12-05: OPT-MUON-1's one-rank ZeRO-3 cells off at "
-             "step 0 on fc1.weight (fp32 0.0057, bf16 0.0137, lr 0.02) on DeepSpeed 0.19.6 and "
-             "0.19.7 alike, with TORCHDYNAMO_DISABLE=1 too; OPT-RULE-1's GAS-1 cells on 0.19.7 "
-             "off by 0.0022-0.0054; all pass on 0.19.8",
+             "step 0 on fc1.weight (fp32 0.0057, bf16 0.0137, lr 0.02) on DeepSpeed 0.19.0, "
+             "0.19.2, 0.19.3, 0.19.4, 0.19.6 and 0.19.7 alike, with TORCHDYNAMO_DISABLE=1 "
+             "too; OPT-RULE-1's GAS-1 cells on 0.19.7 off by 0.0022-0.0054; all pass on "
+             "0.19.8",
     ),
 )

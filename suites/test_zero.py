@@ -51,6 +51,7 @@ from dsconform.suite import (
     compat,
     covering_cases,
     defaults_mismatches,
+    one_rank_twins,
     record_zero_comparison,
     requires,
     run_ranks,
@@ -325,16 +326,13 @@ def _two_rank_tier_params(cases: list[ZeroCase], cell, gpu_tier: set, cpu_tier: 
     """A check's cells: those whose ``cell(case)`` is in the accelerator's tier run at two
     ranks (on a node with one GPU, the GPU tier's one-rank twins in their place); the rest are
     nightly."""
-    params = []
-    for accel in ACCELERATORS:
-        tier = cpu_tier if accel == "cpu" else gpu_tier
-        for case in cases:
-            in_tier = cell(case) in tier and case.world_size == 2
-            role = None if accel == "cpu" else ("covered" if in_tier else "tier" if cell(case)
-                                                in tier and case.world_size == 1 else None)
-            params.append(accel_cell(accel, case, id=case.id, world_size=case.world_size,
-                                     marks=_needs(case), slow=not in_tier, one_gpu=role))
-    return params
+    def two_ranks(c: ZeroCase, tier: set) -> bool:
+        return c.world_size == 2 and cell(c) in tier
+
+    return [p for accel in ACCELERATORS for p in tier_params(
+        accel, cases, marks=_needs, cpu_tier=lambda c: two_ranks(c, cpu_tier),
+        gpu_tier=lambda cs: [c for c in cs if two_ranks(c, gpu_tier)],
+        one_rank_tier=lambda cs, tier: one_rank_twins(cs, tier, cell))]
 
 
 def _clip_params() -> list:

@@ -1,12 +1,12 @@
 """Build the ops a run needs as it starts: the awaited build first, with the cores.
 
 A cold run's time goes to JIT builds its tests wait for, and builds sharing the cores out
-evenly each take about twice their time alone (docs/performance.md#op-builds). So the ops are
-built longest first (``longest_first``), one process per op, the first with every core
-(MAX_JOBS), the others started while it leaves cores idle (an op of three source files keeps
-three busy), each at a lower priority than the builds already running (nice), with every core
-too: they take what the awaited build leaves, and all of it once it is done. Ops already in
-the extensions cache are not built again (``skip_cached``: the run's warm start costs nothing).
+evenly each take about twice their time alone (docs/performance.md#op-builds). So every op is
+built at once, one process per op, each with every core (MAX_JOBS), in ``longest_first`` order
+of priority: the first at nice 0, the next at nice 10, the rest at nice 19. A build takes what
+the builds before it leave idle (an op of two source files keeps two cores busy), and all of
+it once they are done. Ops already in the extensions cache are not built again
+(``skip_cached``: the run's warm start costs nothing).
 
 Tests go on meanwhile: those that need no op run; the op tests wait for their op's build and
 only load and check it; a build that failed is reported by its op's test, with the diagnosis,
@@ -41,18 +41,7 @@ out = {{**r.summary(), "failure": None if r.loaded else format_failure(r), "log_
 print({_MARK!r} + json.dumps(out, default=str), flush=True)
 """
 
-#: How often the scheduler looks at the running builds.
-POLL_S = 0.5
-#: A build is judged by its cores only once ninja has run this long (the build process imports
-#: torch and DeepSpeed and probes the compiler first, on one core; ninja starts the jobs).
-SETTLE_S = 2.0
-#: A build that started no compiler job by then (a load that found its op built) is judged too.
-SETTLE_MAX_S = 30.0
-#: How often the scheduler's readings are kept for the results (ParallelBuilds.readings).
-READING_EVERY_S = 2.0
-#: The next build starts when at least this share of the cores is idle.
-IDLE_SHARE = 0.25
-#: Each build started beside running ones is this much nicer than the nicest of them.
+#: Each build runs this much nicer than the one before it, up to 19.
 NICE_STEP = 10
 #: How often a caller that waits for a build hears which op it waits for and how long the
 #: builds have run (``on_progress``): a cold build takes minutes of silence otherwise.
@@ -129,56 +118,6 @@ def is_cached(op: str, ext_dir: Path) -> bool:
     return True
 
 
-class TreeMeter:
-    """How many cores a build's process tree keeps busy (psutil): the cores its CPU time since
-    the last reading used (the live processes' own time and that of the children they reaped,
-    so a compiler job that ended still counts, once), or, where more, how many of its processes
-    are running or waiting for a core (a machine busy with other work gives a build less CPU
-    time than it asks for)."""
-
-    def __init__(self, driver: str = "ninja") -> None:
-        self.driver = driver  # the process that starts the compiler jobs
-        self._last: dict[int, tuple[float, float]] = {}
-        self._driver_seen: dict[int, float] = {}
-
-    def _cpu_seconds(self, pid: int) -> tuple[float, bool, int] | None:
-        import psutil
-
-        try:
-            root = psutil.Process(pid)
-            procs = [root] + root.children(recursive=True)
-        except psutil.Error:
-            return None
-        total, driving, runnable = 0.0, False, 0
-        for proc in procs:
-            try:
-                t = proc.cpu_times()
-                driving = driving or proc.name() == self.driver
-                runnable += proc.status() in (psutil.STATUS_RUNNING, psutil.STATUS_DISK_SLEEP)
-            except psutil.Error:
-                continue
-            total += t.user + t.system + t.children_user + t.children_system
-        return total, driving, runnable
-
-    def __call__(self, build: Build) -> tuple[bool, float]:
-        """(settled: its compiler jobs have started, or it never starts any; busy cores)."""
-        now = time.monotonic()
-        found = self._cpu_seconds(build.proc.pid)
-        if found is None:
-            return True, 0.0
-        total, driving, runnable = found
-        if driving:
-            self._driver_seen.setdefault(build.proc.pid, now)
-        seen = self._driver_seen.get(build.proc.pid)
-        settled = (seen is not None and now - seen >= SETTLE_S) \
-            or now - build.started >= SETTLE_MAX_S
-        last = self._last.get(build.proc.pid)
-        self._last[build.proc.pid] = (now, total)
-        if last is None or now <= last[0]:
-            return False, float(runnable)
-        return settled, max(float(runnable), (total - last[1]) / (now - last[0]))
-
-
 @dataclass
 class Build:
     op: str
@@ -189,20 +128,13 @@ class Build:
     started_at: float = 0.0  # seconds after the first build started
     result: dict[str, Any] | None = None
     output: str = ""
-    chunks: list[str] = field(default_factory=list)
-    reader: threading.Thread | None = None
+    failure: str | None = None  # why the run stopped it (its timeout)
+    follower: threading.Thread | None = None
     ended: float | None = None
 
     @property
     def running(self) -> bool:
         return self.ended is None and self.proc.poll() is None
-
-    def drain(self) -> None:
-        """Read the build's output as it comes: a build that prints more than a pipe holds
-        (64 KiB of compiler warnings) would otherwise stop until its op's test reads it, and
-        hold the extension lock that ranks needing the op wait on."""
-        for line in self.proc.stdout:
-            self.chunks.append(line)
 
 
 def _command(op: str, nice: int) -> list[str]:
@@ -216,15 +148,12 @@ class Progress:
     op: str
     waited_s: float
     building: list[tuple[str, float]]
-    pending: bool  # the op's own build has not started yet
 
     def line(self) -> str:
         """``op cpu_adam: building, 45 s so far`` (and the builds beside it)."""
         own = dict(self.building)
         if self.op in own:
             text = f"op {self.op}: building, {own.pop(self.op):.0f} s so far"
-        elif self.pending:
-            text = f"op {self.op}: waiting {self.waited_s:.0f} s for its build to start"
         else:
             text = f"op {self.op}: waiting {self.waited_s:.0f} s for its build"
         if own:
@@ -241,37 +170,32 @@ class _Ticker:
 
 @dataclass
 class ParallelBuilds:
-    """One build process per op, started in ``order`` as the cores allow (the module's
+    """One build process per op, all started at once, in ``order`` of priority (the module's
     docstring); ``wait(op)`` returns its result (``loaded``, ``build_seconds``, ``built_now``,
     ``failure``, ``jobs``, ``nice``, ``wall_seconds`` ...), None for an op this run did not
     build (not asked for, or already in the cache)."""
     order: list[str]
     cores: int
     command: Callable[[str, int], list[str]] = _command
-    meter: Callable[[Build], tuple[bool, float]] = field(default_factory=TreeMeter)
     on_event: Callable[[str, str, dict[str, Any]], None] | None = None
     #: Told every PROGRESS_S while a caller waits for a build (in the waiting thread).
     on_progress: Callable[[Progress], None] | None = None
     cached: list[str] = field(default_factory=list)  # in the cache at the start
     builds: dict[str, Build] = field(default_factory=dict)
-    pending: list[str] = field(default_factory=list)
     closed: bool = False
     t0: float = 0.0
     lock: threading.RLock = field(default_factory=threading.RLock)
     changed: threading.Condition = field(default_factory=threading.Condition)
-    thread: threading.Thread | None = None
-    #: What the scheduler read while it waited to start a build, every READING_EVERY_S:
-    #: (seconds after the first build started, {op: (settled, busy cores)}), for the results.
-    readings: list[tuple[float, dict[str, tuple[bool, float]]]] = field(default_factory=list)
 
     @classmethod
     def start(cls, ops: Sequence[str], cores: int | None = None, *, skip_cached: bool = False,
               ext_dir: Path | None = None, share_cpu_info: bool = True,
               **kw: Any) -> ParallelBuilds:
-        """Start building ``ops`` in this order (the first is the most awaited) with ``cores``
-        (default: this process's); skip_cached: leave out ops the extensions cache holds;
-        share_cpu_info: settle py-cpuinfo's answer first, for the builds to inherit (it waits
-        for the answer: a second where nothing asked yet; each build asks once otherwise)."""
+        """Start building ``ops``, the first the most awaited, with ``cores`` (default: this
+        process's); skip_cached: leave out ops the extensions cache holds (else they only
+        load, at nice NICE_STEP); share_cpu_info: settle py-cpuinfo's answer first, for the
+        builds to inherit (it waits for the answer: a second where nothing asked yet; each
+        build asks once otherwise)."""
         order = list(dict.fromkeys(ops))
         if ext_dir is None:
             from dsconform.ops.cache import ensure_extensions_dir
@@ -280,37 +204,19 @@ class ParallelBuilds:
         if skip_cached:
             order = [op for op in order if op not in cached]
         self = cls(order=order, cores=max(1, cores or available_cores()), cached=cached, **kw)
-        self.pending = list(order)
-        if self.pending and share_cpu_info:  # each build's CPU question answered from here
+        if order and share_cpu_info:  # each build's CPU question answered from here
             from dsconform.base import cpu_info
             cpu_info.share()
         self.t0 = time.monotonic()  # after it: started_at counts from the first build
-        if self.pending:
-            self._launch()
+        to_build = [op for op in order if op not in cached]
+        for op in order:
+            nice = min(19, NICE_STEP * to_build.index(op)) if op in to_build else NICE_STEP
+            self._start(op, nice)
         return self
 
-    def _launch(self) -> None:
-        """Start the first pending build where none runs, and the scheduler's thread (under
-        self.lock, or before another thread sees this object)."""
-        if not any(b.ended is None for b in self.builds.values()):
-            self._start_next()
-        self.thread = threading.Thread(target=self._schedule, name="dsconform-op-builds",
-                                       daemon=True)
-        self.thread.start()
-
-    @property
-    def jobs_per_op(self) -> int:
-        """MAX_JOBS each build gets: every core (the nice level orders them)."""
-        return self.cores
-
-    def _start_next(self, op: str | None = None) -> None:
+    def _start(self, op: str, nice: int) -> None:
         with self.lock:
-            if self.closed or not self.pending:
-                return
-            op = op or self.pending[0]
-            self.pending.remove(op)
-            running = [b for b in self.builds.values() if b.ended is None]
-            nice = min(19, max(b.nice for b in running) + NICE_STEP) if running else 0
+            running = [b.op for b in self.builds.values() if b.ended is None]
             env = {**os.environ, "MAX_JOBS": str(self.cores), "PYTHONUNBUFFERED": "1"}
             # A process group of its own (killed whole), not a session: with the kernel's
             # autogroups a session gets its own share of the CPU, whatever its nice level.
@@ -319,121 +225,67 @@ class ParallelBuilds:
                                     process_group=0)
             now = time.monotonic()
             b = self.builds[op] = Build(op, proc, now, self.cores, nice, now - self.t0)
-            b.reader = threading.Thread(target=b.drain, name=f"dsconform-build-{op}", daemon=True)
-            b.reader.start()
+            b.follower = threading.Thread(target=self._follow, args=(b,),
+                                          name=f"dsconform-build-{op}", daemon=True)
+            b.follower.start()
         self._event(op, "start", {"jobs": b.jobs, "nice": nice, "started_at": b.started_at,
-                                  "beside": [r.op for r in running],
-                                  "cached": op in self.cached})
+                                  "beside": running, "cached": op in self.cached})
 
-    def _at_lowest_priority(self) -> bool:
-        """Whether the running builds have reached nice 19, where the next would start too."""
-        with self.lock:
-            return any(b.nice >= 19 for b in self.builds.values() if b.ended is None)
+    def _follow(self, b: Build) -> None:
+        """Read the build's output as it comes (a build that prints more than a pipe holds,
+        64 KiB of compiler warnings, would otherwise stop there and hold the extension lock
+        that ranks needing the op wait on), then finish its result as it ends."""
+        b.output = "".join(b.proc.stdout)
+        b.proc.wait()
+        self._finish(b)
 
     def _event(self, op: str, what: str, info: dict[str, Any]) -> None:
         with self.changed:
             self.changed.notify_all()
-        if self.on_event is not None:
+        if self.on_event is not None and not self.closed:
             try:
                 self.on_event(op, what, info)
             except Exception:  # a progress printer must not stop the builds
                 pass
 
-    def _schedule(self) -> None:
-        """Start the next build when nothing builds, or when the running builds (each settled)
-        leave IDLE_SHARE of the cores idle; finish each build's result as it ends."""
-        idle_before = False
-        while not self.closed:
-            for b in list(self.builds.values()):
-                if b.ended is None and b.proc.poll() is not None:
-                    self._finish(b)
-            with self.lock:
-                running = [b for b in self.builds.values() if b.ended is None]
-                if not self.pending and not running:
-                    self.thread = None  # extend() starts another for ops it adds
-                    return
-            loads = [op for op in self.pending if op in self.cached]
-            if self.pending:
-                if not running or loads:  # an op in the cache only loads: one core, seconds
-                    self._start_next(None if not running else loads[0])
-                    idle_before = False
-                else:
-                    readings = [self.meter(b) for b in running]
-                    busy = sum(r[1] for r in readings)
-                    t = time.monotonic() - self.t0
-                    if not self.readings or t - self.readings[-1][0] >= READING_EVERY_S:
-                        self.readings.append((round(t, 1), {
-                            b.op: (r[0], round(r[1], 1)) for b, r in zip(running, readings)}))
-                    idle = all(r[0] for r in readings) and \
-                        self.cores - busy >= max(1.0, IDLE_SHARE * self.cores)
-                    if idle and idle_before:  # two readings in a row: not a moment's lull
-                        self._start_next()
-                        idle = False
-                        if self._at_lowest_priority():
-                            # The rest would start at this nice level too, each once the cores
-                            # are idle again: on 1xH200 the last (utils, one source file) ended
-                            # 13 s after every other build, and the measurements wait for all
-                            # of them. They share what the builds before them leave.
-                            while self.pending:
-                                self._start_next()
-                    idle_before = idle
-            time.sleep(POLL_S)
-
-    def _finish(self, b: Build, failure: str | None = None) -> dict[str, Any]:
+    def _finish(self, b: Build) -> None:
         with self.lock:
-            if b.result is not None:
-                return b.result
-            b.output = self._output(b)
-            b.ended = b.ended or time.monotonic()
+            b.ended = time.monotonic()
             line = next((ln for ln in b.output.splitlines() if ln.startswith(_MARK)), None)
-            if failure is not None or line is None:
-                b.result = {"op": b.op, "loaded": False, "log_tail": b.output[-4000:],
-                            "failure": failure or (
-                                f"op {b.op}: the build process exited {b.proc.returncode} "
-                                "without a result (a crash while building or loading)")}
+            if b.failure is not None or line is None:
+                result = {"op": b.op, "loaded": False, "log_tail": b.output[-4000:],
+                          "failure": b.failure or (
+                              f"op {b.op}: the build process exited {b.proc.returncode} "
+                              "without a result (a crash while building or loading)")}
             else:
-                b.result = json.loads(line[len(_MARK):])
-            b.result.update(wall_seconds=b.ended - b.started, jobs=b.jobs, nice=b.nice,
-                            started_at=b.started_at)
-        self._event(b.op, "done", b.result)
-        return b.result
+                result = json.loads(line[len(_MARK):])
+            result.update(wall_seconds=b.ended - b.started, jobs=b.jobs, nice=b.nice,
+                          started_at=b.started_at)
+            b.result = result
+        self._event(b.op, "done", result)
 
     def wait(self, op: str, timeout_s: float = 900, *, ticker: _Ticker | None = None
              ) -> dict[str, Any] | None:
         """The build's result; None when this run does not build ``op``. A build that dies or
         runs past ``timeout_s`` (from now) is a result too (``loaded`` False, the reason).
         Meanwhile ``on_progress`` hears every PROGRESS_S how it goes."""
+        b = self.builds.get(op)
+        if b is None:
+            return None
         deadline = time.monotonic() + timeout_s
         ticker = ticker or _Ticker()
         while True:
-            with self.lock:  # _start_next moves an op from pending to builds under it
-                if op not in self.pending or self.closed:
-                    break
-            until = deadline if self.on_progress is None else min(deadline, ticker.next_at)
             with self.changed:
-                woke = self.changed.wait(min(1.0, max(0.01, until - time.monotonic())))
-            if not woke and time.monotonic() >= deadline:
-                break
-            self._tick(op, ticker)
-        b = self.builds.get(op)
-        if b is None:
-            if op in self.pending:
-                return {"op": op, "loaded": False, "log_tail": "",
-                        "failure": f"op {op}: its build did not start within {timeout_s:.0f} s"}
-            return None
-        while b.result is None:
-            until = deadline if self.on_progress is None else min(deadline, ticker.next_at)
-            try:
-                b.proc.wait(timeout=max(0.01, until - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                if time.monotonic() < deadline:
-                    self._tick(op, ticker)
-                    continue
+                if b.result is not None:
+                    return b.result
+                until = deadline if self.on_progress is None else min(deadline, ticker.next_at)
+                self.changed.wait(min(1.0, max(0.01, until - time.monotonic())))
+            if b.result is None and time.monotonic() >= deadline:
+                b.failure = f"op {op}: the parallel build did not finish within {timeout_s:.0f} s"
                 self._kill(b)
-                return self._finish(b, f"op {op}: the parallel build did not finish within "
-                                       f"{timeout_s:.0f} s")
-            return self._finish(b)
-        return b.result
+                b.follower.join()
+                return b.result
+            self._tick(op, ticker)
 
     def _tick(self, op: str, ticker: _Ticker) -> None:
         now = time.monotonic()
@@ -442,22 +294,13 @@ class ParallelBuilds:
         ticker.next_at = now + PROGRESS_S
         with self.lock:
             building = [(b.op, now - b.started) for b in self.builds.values() if b.running]
-            pending = op in self.pending
         try:
-            self.on_progress(Progress(op, now - ticker.started, building, pending))
+            self.on_progress(Progress(op, now - ticker.started, building))
         except Exception:  # a progress printer must not stop the wait
             pass
 
-    @staticmethod
-    def _output(b: Build) -> str:
-        if b.reader is not None:
-            b.reader.join(timeout=10)  # the pipe closes when the process (group) has exited
-        return "".join(b.chunks)
-
     def finished(self, op: str) -> bool:
         """Whether ``wait(op)`` would return at once (no build of op, or it has ended)."""
-        if op in self.pending:
-            return False
         b = self.builds.get(op)
         return b is None or b.result is not None or b.proc.poll() is not None
 
@@ -485,11 +328,10 @@ class ParallelBuilds:
         return {"order": list(self.order), "cores": self.cores,
                 "cached": [op for op in self.cached if op not in self.order],
                 "builds": builds,
-                "build_seconds": {b["op"]: b["build_seconds"] for b in builds},
-                "readings": [[t, {op: list(r) for op, r in ops.items()}]
-                             for t, ops in self.readings]}
+                "build_seconds": {b["op"]: b["build_seconds"] for b in builds}}
 
-    def _kill(self, b: Build) -> None:
+    @staticmethod
+    def _kill(b: Build) -> None:
         if b.proc.poll() is None:
             try:
                 os.killpg(b.proc.pid, signal.SIGKILL)  # the build and its compiler jobs
@@ -498,17 +340,15 @@ class ParallelBuilds:
         b.proc.wait()
 
     def close(self) -> None:
-        """Stop builds still running and start no more (the run ended or was interrupted). A
-        killed build leaves its lock behind; the next run removes it (dsconform.base.buildlock)."""
+        """Stop builds still running (the run ended or was interrupted). A killed build leaves
+        its lock behind; the next run removes it (dsconform.base.buildlock)."""
         with self.lock:
             self.closed = True
             builds = list(self.builds.values())
-        with self.changed:
-            self.changed.notify_all()
         for b in builds:
             if b.result is None:
                 self._kill(b)
-                self._output(b)
+                b.follower.join(timeout=10)
 
 
 def summary_line(timings: dict[str, Any]) -> str | None:

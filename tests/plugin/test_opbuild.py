@@ -1,6 +1,5 @@
-"""Op builds at run start: results per op, failures carried to the op's test, the awaited build
-first with the cores, the next ones started as cores go idle at a lower priority, longest
-first."""
+"""Op builds at run start: results per op, failures carried to the op's test, every build at
+once with the cores, the awaited one first in priority, longest first."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ from dsconform.ops.prebuild import ParallelBuilds
 def test_parallel_builds_report_each_op():
     builds = ParallelBuilds.start(["cpu_adam", "no_such_op"], cores=2)
     try:
-        assert builds.jobs_per_op == 2  # every build may use every core; nice orders them
-        ok = builds.wait("cpu_adam")
+        ok = builds.wait("cpu_adam")  # every build may use every core; nice orders them
         assert ok["loaded"] and ok["failure"] is None and ok["build_seconds"] > 0
         assert ok["jobs"] == 2 and ok["wall_seconds"] >= ok["build_seconds"]
         bad = builds.wait("no_such_op")
@@ -79,26 +77,10 @@ def _fake_command(op: str, nice: int) -> list[str]:
     return [sys.executable, "-c", FAKE, op, str(nice)]
 
 
-class _ScriptedMeter:
-    """Busy cores of each build by seconds since its start: [(until_s, busy), ...]."""
-
-    def __init__(self, profile: dict[str, list[tuple[float, float]]]) -> None:
-        self.profile = profile
-
-    def __call__(self, build) -> tuple[bool, float]:
-        age = time.monotonic() - build.started
-        for until, busy in self.profile[build.op]:
-            if age < until:
-                return True, busy
-        return True, self.profile[build.op][-1][1]
-
-
-def _run_fake(monkeypatch, specs: dict, profile: dict, order: list[str], cores: int):
-    monkeypatch.setattr(opbuild, "POLL_S", 0.1)
+def _run_fake(monkeypatch, specs: dict, order: list[str], cores: int):
     monkeypatch.setenv("FAKE_BUILDS", json.dumps(specs))
     events = []
     builds = ParallelBuilds.start(order, cores, command=_fake_command,
-                                  meter=_ScriptedMeter(profile),
                                   on_event=lambda op, what, info: events.append((op, what)))
     try:
         results = builds.wait_all(timeout_s=60)
@@ -107,60 +89,40 @@ def _run_fake(monkeypatch, specs: dict, profile: dict, order: list[str], cores: 
     return builds, results, events
 
 
-def test_the_awaited_build_gets_the_cores_and_the_next_start_as_they_go_idle(monkeypatch):
-    """aio keeps all 8 cores busy for 1.5 s, then one (its last compile): adam starts then,
-    not before, with every core as MAX_JOBS but nicer; adam keeps 8 busy, so utils waits until
-    adam has ended, and starts beside aio, nicer than aio."""
-    specs = {"aio": {"seconds": 5.0}, "adam": {"seconds": 1.0}, "utils": {"seconds": 0.3}}
-    profile = {"aio": [(1.5, 8.0), (99, 1.0)], "adam": [(99, 8.0)], "utils": [(99, 1.0)]}
-    builds, r, events = _run_fake(monkeypatch, specs, profile, ["aio", "adam", "utils"], 8)
-    assert [op for op, what in events if what == "start"] == ["aio", "adam", "utils"]
-    assert {op: r[op]["max_jobs"] for op in r} == {"aio": "8", "adam": "8", "utils": "8"}
-    assert {op: r[op]["niceness"] for op in r} == {"aio": 0, "adam": 10, "utils": 10}
-    assert r["adam"]["t_start"] - r["aio"]["t_start"] >= 1.5, "adam took cores aio still used"
-    assert r["utils"]["t_start"] >= r["adam"]["t_end"], "utils started beside a busy adam"
-    assert r["utils"]["t_start"] < r["aio"]["t_end"], "utils waited for aio to end"
+def test_every_build_starts_at_once_each_nicer_than_the_one_before(monkeypatch):
+    """The awaited build at nice 0, the next at 10, the rest at 19, all at once, each with every
+    core: a build takes what the builds before it leave idle."""
+    specs = {"aio": {"seconds": 1.5}, "adam": {"seconds": 1.0}, "utils": {"seconds": 0.3},
+             "gds": {"seconds": 0.3}}
+    builds, r, events = _run_fake(monkeypatch, specs, ["aio", "adam", "utils", "gds"], 8)
+    assert [op for op, what in events if what == "start"] == ["aio", "adam", "utils", "gds"]
+    assert sorted(op for op, what in events if what == "done") == sorted(specs)
+    assert {op: r[op]["max_jobs"] for op in r} == dict.fromkeys(specs, "8")
+    assert {op: r[op]["niceness"] for op in r} == {"aio": 0, "adam": 10, "utils": 19, "gds": 19}
+    starts = [r[op]["t_start"] for op in specs]
+    assert max(starts) - min(starts) < 1.0, "a build waited for another"
     timings = builds.timings()
-    assert [b["op"] for b in timings["builds"]] == ["aio", "adam", "utils"]
-    assert timings["build_seconds"] == {"aio": 5.0, "adam": 1.0, "utils": 0.3}
+    assert [b["op"] for b in timings["builds"]] == ["aio", "adam", "utils", "gds"]
+    assert timings["build_seconds"] == {"aio": 1.5, "adam": 1.0, "utils": 0.3, "gds": 0.3}
     line = opbuild.summary_line(timings)
     assert line.startswith("op builds: aio ") and "adam" in line and "nice 10" in line
 
 
-def test_once_a_build_starts_at_the_lowest_priority_the_rest_start_with_it(monkeypatch):
-    """a (nice 0) and b (nice 10) keep the cores busy; c starts when they leave cores idle, at
-    nice 19, and d and e start with it at once: another idle spell would only come with a's
-    or b's end, and the run waits for every build before it measures."""
-    specs = {"a": {"seconds": 3.0}, "b": {"seconds": 3.0}, "c": {"seconds": 2.0},
-             "d": {"seconds": 0.3}, "e": {"seconds": 0.3}}
-    profile = {"a": [(0.6, 8.0), (99, 1.0)], "b": [(1.2, 7.0), (99, 1.0)],
-               "c": [(99, 8.0)], "d": [(99, 1.0)], "e": [(99, 1.0)]}
-    _, r, events = _run_fake(monkeypatch, specs, profile, ["a", "b", "c", "d", "e"], 8)
-    assert [op for op, what in events if what == "start"] == ["a", "b", "c", "d", "e"]
-    assert {op: r[op]["niceness"] for op in r} == {"a": 0, "b": 10, "c": 19, "d": 19, "e": 19}
-    assert r["e"]["t_start"] - r["c"]["t_start"] < 0.5, "e waited for idle cores after c"
-    assert r["e"]["t_end"] < r["c"]["t_end"], "e ended after the build it started beside"
-
-
-def test_a_build_that_keeps_every_core_busy_holds_the_next_until_it_ends(monkeypatch):
-    specs = {"a": {"seconds": 1.0}, "b": {"seconds": 0.2, "fail": True}}
-    profile = {"a": [(99, 2.0)], "b": [(99, 1.0)]}
-    builds, r, _ = _run_fake(monkeypatch, specs, profile, ["a", "b"], 2)
-    assert r["b"]["t_start"] >= r["a"]["t_end"]
-    assert r["b"]["niceness"] == 0 and r["b"]["max_jobs"] == "2"  # alone: full priority
+def test_a_failed_build_is_its_ops_result_and_the_summary_says_so(monkeypatch):
+    specs = {"a": {"seconds": 0.5}, "b": {"seconds": 0.2, "fail": True}}
+    builds, r, _ = _run_fake(monkeypatch, specs, ["a", "b"], 2)
+    assert r["a"]["loaded"] and r["a"]["niceness"] == 0
     assert not r["b"]["loaded"] and "fake failure" in r["b"]["failure"]
-    assert "b 0." in opbuild.summary_line(builds.timings()) and "FAILED" in \
-        opbuild.summary_line(builds.timings())
+    line = opbuild.summary_line(builds.timings())
+    assert "b 0." in line and "FAILED" in line
 
 
-def test_ops_in_the_cache_are_left_out_of_a_run_or_only_load_at_once(monkeypatch, tmp_path):
+def test_ops_in_the_cache_are_left_out_of_a_run_or_only_load(monkeypatch, tmp_path):
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "b.so").write_bytes(b"")
-    monkeypatch.setattr(opbuild, "POLL_S", 0.1)
     monkeypatch.setenv("FAKE_BUILDS", json.dumps({"a": {"seconds": 1.0}, "b": {"seconds": 0.1}}))
-    busy = _ScriptedMeter({"a": [(99, 2.0)], "b": [(99, 1.0)]})
     run = ParallelBuilds.start(["a", "b"], 2, skip_cached=True, ext_dir=tmp_path,
-                               command=_fake_command, meter=busy)
+                               command=_fake_command)
     try:
         assert run.order == ["a"] and run.wait("b") is None and run.finished("b")
         assert run.wait("a")["loaded"]
@@ -168,14 +130,27 @@ def test_ops_in_the_cache_are_left_out_of_a_run_or_only_load_at_once(monkeypatch
         assert "in the cache: b" in opbuild.summary_line(run.timings())
     finally:
         run.close()
-    cli = ParallelBuilds.start(["a", "b"], 2, ext_dir=tmp_path, command=_fake_command,
-                               meter=busy)  # build-ops: a cached op is loaded, beside the build
+    # build-ops: a cached op is loaded beside the builds, below the awaited one
+    cli = ParallelBuilds.start(["b", "a"], 2, ext_dir=tmp_path, command=_fake_command)
     try:
         r = cli.wait_all(timeout_s=30)
         assert r["b"]["t_start"] < r["a"]["t_end"], "a load waited for a busy build"
         assert r["a"]["niceness"] == 0 and r["b"]["niceness"] == 10
     finally:
         cli.close()
+
+
+def test_a_build_past_its_timeout_is_killed_and_says_so(monkeypatch):
+    monkeypatch.setenv("FAKE_BUILDS", json.dumps({"a": {"seconds": 30.0}}))
+    run = ParallelBuilds.start(["a"], 1, command=_fake_command, share_cpu_info=False)
+    try:
+        t0 = time.monotonic()
+        r = run.wait("a", timeout_s=0.5)
+        assert time.monotonic() - t0 < 10
+        assert not r["loaded"] and "did not finish within 0 s" in r["failure"]
+        assert run.builds["a"].proc.returncode is not None
+    finally:
+        run.close()
 
 
 def test_a_build_older_than_its_sources_is_not_in_the_cache(monkeypatch, tmp_path):
@@ -203,35 +178,6 @@ def test_a_build_older_than_its_sources_is_not_in_the_cache(monkeypatch, tmp_pat
         assert run.order == ["b"] and run.wait("b", timeout_s=30)["loaded"]
     finally:
         run.close()
-
-
-def test_the_tree_meter_counts_a_builds_busy_children():
-    """A build process whose child burns a core for 3 s reads as about one busy core, judged
-    (settled) once its job driver has run SETTLE_S; a build whose driver never started is not
-    judged yet (it is still importing and probing: one core, whatever it will need)."""
-    import subprocess
-
-    import psutil
-
-    burn = ("import subprocess, sys, time\n"
-            "subprocess.run([sys.executable, '-c', "
-            "'import time\\nt=time.time()\\nwhile time.time()-t<3: pass'])\n")
-    proc = subprocess.Popen([sys.executable, "-c", burn])
-    build = opbuild.Build("burn", proc, time.monotonic(), 1, 0)
-    meter = opbuild.TreeMeter(driver=psutil.Process(proc.pid).name())
-    not_yet = opbuild.TreeMeter(driver="ninja")
-    try:
-        readings, waiting = [], []
-        for _ in range(9):
-            readings.append(meter(build))
-            waiting.append(not_yet(build))
-            time.sleep(0.3)
-        assert max(busy for _, busy in readings) > 0.3, readings
-        assert readings[-1][0] and not readings[0][0], readings
-        assert not any(settled for settled, _ in waiting), waiting
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 class _Item:

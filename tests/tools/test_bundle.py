@@ -247,6 +247,8 @@ def source(script: str, tmp_path: Path, cwd: Path) -> subprocess.CompletedProces
     # stand for a file that has since been replaced within the same second and size.
     env.pop("PYTHONPYCACHEPREFIX", None)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
+    # The node's python3 is the one running these tests (a virtualenv not activated included).
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
     return subprocess.run(["bash", "-c", f"set -u; {script}"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
 

@@ -126,6 +126,36 @@ def test_storage_noise_between_runs_is_within_its_minimum_change(runs):
     assert c.band == pytest.approx(noise.MIN_CHANGE["checkpoint."].value)
 
 
+
+GRAD_CLIP = ("ZERO-CLIP-1[cuda-z1-off_opt-bf16-cpu_adam-gas1-ws1-clip0.4]::"
+             "zero.grad_max_abs_diff")
+
+
+@pytest.fixture(scope="module")
+def h100() -> dict[str, dict]:
+    return {r: json.loads(gzip.decompress((RUNS / f"h100-x1-{r}.benchmarks.json.gz")
+                                          .read_bytes())) for r in ("W1", "W2")}
+
+
+@pytest.mark.parametrize("base, new", [("W1", "W2"), ("W2", "W1")])
+def test_two_warm_1xh100_runs_are_no_regression(h100, tmp_path, capsys, base, new):
+    """The worst bf16 gradient difference moved 0.00146 <-> 0.00195 (+33%) between two warm
+    runs of one stack: within its family's minimum change."""
+    assert cli(tmp_path, h100[base], h100[new]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "no regression"
+    c = change(compare.compare(h100[base], h100[new]), GRAD_CLIP)
+    assert c.kind == compare.UNCHANGED and c.change in ("+33.3%", "-25.0%")
+
+
+def test_a_gradient_difference_grown_tenfold_is_still_a_regression(h100, tmp_path, capsys):
+    new = copy.deepcopy(h100["W2"])
+    e = entry(new, GRAD_CLIP)
+    for k in ("min", "max", "mean", "median"):
+        e["stats"][k] *= 10
+    e["stats"]["data"] = [v * 10 for v in e["stats"]["data"]]
+    assert cli(tmp_path, h100["W1"], new) == 1
+    assert change(compare.compare(h100["W1"], new), GRAD_CLIP).kind == compare.REGRESSION
+
 # ------------------------------------------------------------------ what must still be caught
 
 def test_a_floor_missed_by_30_percent_is_a_regression_named(runs, tmp_path, capsys):

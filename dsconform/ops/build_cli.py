@@ -64,7 +64,6 @@ class _Progress:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.cached: set[str] = set()  # ops that were in the cache when they started
 
     def tick(self, progress: Any) -> None:
         with self.lock:
@@ -76,7 +75,6 @@ class _Progress:
         with self.lock:
             if what == "start":
                 if info.get("cached"):  # its build is in the cache: it only loads
-                    self.cached.add(op)
                     _say(f"{op}: cached, loading it")
                     return
                 beside = (f", nice {info['nice']}, beside {', '.join(info['beside'])}"
@@ -85,10 +83,12 @@ class _Progress:
                 return
             secs = info.get("wall_seconds", 0.0)
             if info.get("loaded"):
-                # Not built by its own build: another one built it meanwhile (DeepSpeed's
-                # CPU accelerator builds shm_comm as it starts).
-                how = ("built" if info.get("built_now") else "cached, loaded"
-                       if op in self.cached else "found built by then, loaded")
+                if info.get("built_now"):
+                    how = "built"
+                elif info.get("cached"):  # in the cache when it started
+                    how = "cached, loaded"
+                else:  # another build built it meanwhile (shm_comm, on CPU accelerator init)
+                    how = "found built by then, loaded"
                 _say(f"{op}: {how} in {secs:.1f} s")
             else:
                 failure = str(info.get("failure") or "no reason given").replace("\n", "\n    ")

@@ -260,7 +260,7 @@ class ParallelBuilds:
             else:
                 result = json.loads(line[len(_MARK):])
             result.update(wall_seconds=b.ended - b.started, jobs=b.jobs, nice=b.nice,
-                          started_at=b.started_at)
+                          started_at=b.started_at, cached=b.op in self.cached)
             b.result = result
         self._event(b.op, "done", result)
 

@@ -103,18 +103,20 @@ def test_build_ops_prints_the_running_builds(capsys):
         "dsconform build-ops: a: building, 15 s so far; b: building, 4 s so far"]
 
 
-
 def test_build_ops_says_how_each_op_ended(capsys):
     """A cached op loads; a build that found its op built by another one (DeepSpeed's CPU
     accelerator builds shm_comm as it starts) says so rather than "cached"."""
     progress = build_cli._Progress()
     progress("cpu_adam", "start", {"cached": True})
-    progress("cpu_adam", "end", {"loaded": True, "built_now": False, "wall_seconds": 2.0})
+    progress("cpu_adam", "done", {"loaded": True, "built_now": False, "cached": True,
+                                  "wall_seconds": 2.0})
     progress("shm_comm", "start", {"cached": False, "jobs": 2, "beside": []})
-    progress("shm_comm", "end", {"loaded": True, "built_now": False, "wall_seconds": 9.0})
+    progress("shm_comm", "done", {"loaded": True, "built_now": False, "cached": False,
+                                  "wall_seconds": 9.0})
     progress("fused_adam", "start", {"cached": False, "jobs": 2, "beside": ["shm_comm"],
                                      "nice": 10})
-    progress("fused_adam", "end", {"loaded": True, "built_now": True, "wall_seconds": 40.0})
+    progress("fused_adam", "done", {"loaded": True, "built_now": True, "cached": False,
+                                    "wall_seconds": 40.0})
     assert [line.split(": ", 1)[1] for line in capsys.readouterr().out.splitlines()] == [
         "cpu_adam: cached, loading it", "cpu_adam: cached, loaded in 2.0 s",
         "shm_comm: building (MAX_JOBS=2)", "shm_comm: found built by then, loaded in 9.0 s",

@@ -94,7 +94,6 @@ from dsconform.ops.checks import (
     OpChecks,
     OpCrashed,
     OpUnavailableText,
-    check_op_isolated,
     checks_for_run,
 )
 from dsconform.ops.dsreport import parse_ds_report, run_ds_report
@@ -119,7 +118,7 @@ __all__ = [
     "InsufficientGPUs", "KnownIssue", "KnownIssueFailure", "MetricsRecorder", "NcclFloor",
     "NodeFacts", "NvmePath",
     "OpChecks", "OpCrashed", "RankCall", "batched", "cell_results", "checks_for_run",
-    "OpUnavailableText", "Profile", "check_op_isolated", "parse_ds_report",
+    "OpUnavailableText", "Profile", "parse_ds_report",
     "run_ds_report", "RankError", "RankTimeout", "RunState", "Tol", "accel_params", "all_agree",
     "compare_rank_results", "compare_traces", "defaults_mismatches", "device", "ds_config",
     "axis_values", "covering_cases", "one_rank_twins", "tier_params", "gather", "non_finite",

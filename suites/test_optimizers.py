@@ -111,7 +111,7 @@ def _axes(case: OptCase) -> dict:
 NIGHTLY_ONLY = ("lamb", "muon")
 # The ops a GPU acceptance run builds (fused_adam, cpu_adam; None: torch's own optimizer): the
 # cells of other ops (Adagrad and Lion on the host, FusedLion) are nightly on GPUs, so that an
-# acceptance run on a fresh node builds no op for them (dsconform/ops/prebuild.py NIGHTLY_ONLY).
+# acceptance run on a fresh node builds no op for them (a run builds the ops its tests load).
 GPU_ACCEPTANCE_OPS = (None, "fused_adam", "cpu_adam")
 # The covering array above is the GPU acceptance tier (its cells measured on an H200 against
 # the table's bounds, docs/suites.md); the other GPU cells run nightly.

@@ -1,27 +1,8 @@
-"""The rank harness's contract: run a function on N ranks with torch.distributed initialised
-by DeepSpeed (``run_ranks``), and the helpers fn uses inside a rank.
-
-Every distributed test in the suite goes through `run_ranks`. Two modes:
-
-* Spawned (the default on one node): `world_size` rank processes (forks of the fork server,
-  dsconform.harness.zygote), kept alive between calls (a group per world size, accelerator and
-  GPU slice, leased from dsconform.harness.groups) so only the first call pays for importing
-  deepspeed and initialising the process group. A failing, dying or hanging rank fails that
-  one call and tears its group down; the next call starts fresh processes. Standby ranks are
-  kept started so a call that needs new processes does not wait for them; lanes
-  (dsconform.harness.lanes) run independent calls at once.
-* External (under torchrun, the DeepSpeed launcher or Slurm, see `external_rendezvous` and
-  dsconform.harness.launcher): the current process is one rank of a job that already has a
-  rendezvous; fn runs in-process and the ranks exchange outcomes so that every rank returns,
-  skips or fails alike.
-
-Inside fn, use the helpers re-exported here: rank(), world(), device(), seed_everything(),
-gather(), all_agree().
-
-Call `shutdown_pools()` at the end of a pytest session (an atexit hook also does it).
-Calls from several threads each lease their own group; a pytest-xdist worker has its own
-groups, ports and GPUs (see dsconform.harness.xdist).
-"""
+"""The rank harness's contract: run_ranks runs fn on N ranks with torch.distributed initialised
+by DeepSpeed, on spawned ranks kept alive between calls (dsconform.harness.groups; each xdist
+worker has its own, dsconform.harness.xdist) or, under torchrun/Slurm, in this process as one
+rank of the job (dsconform.harness.launcher); and the helpers fn uses inside a rank.
+shutdown_pools() stops every group at session end (atexit too)."""
 
 from __future__ import annotations
 
@@ -88,16 +69,16 @@ def start_spares(world_sizes: list[int], accelerator: str = "cuda", *,
             base = (ws, accelerator, gpus_for(ws, accelerator))
         except InsufficientGPUs:
             continue
-        if spares_enabled(accelerator):
-            GROUPS.keep((*base, "fresh" if fresh else "standby"), 1)
-            if GROUPS.idle((*base, "fresh" if fresh else "standby")):
-                kept.append(base)
+        if _keep_standby(base, "fresh" if fresh else "standby"):
+            kept.append(base)
     return kept
 
 
-def _keep_standby(base: tuple, kind: str) -> None:
+def _keep_standby(base: tuple, kind: str) -> bool:
     if spares_enabled(base[1]):
         GROUPS.keep((*base, kind), 1)
+        return bool(GROUPS.idle((*base, kind)))
+    return False
 
 
 def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, kwargs: dict,

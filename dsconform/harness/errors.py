@@ -32,15 +32,11 @@ class WorldSizeMismatch(RuntimeError):
     """Under torchrun/Slurm the job's world size is fixed; the call asked for another one."""
 
 
-def _default_accelerator() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def check_accelerator(accelerator: str | None) -> str:
     if accelerator is None:
-        return _default_accelerator()
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
     if accelerator not in ("cuda", "cpu"):
         raise ValueError(f"accelerator must be 'cuda', 'cpu' or None, got {accelerator!r}")
     return accelerator
@@ -59,12 +55,6 @@ def describe(outcome: tuple | None) -> str:
     if kind == "skip":
         return f"skipped ({outcome[1]})"
     return f"raised {outcome[1]}: {outcome[2]}"
-
-
-def _raise_skip(reason: str) -> None:
-    import pytest  # only a skip needs pytest, and then the caller is a pytest test
-
-    raise pytest.skip.Exception(reason)
 
 
 def rank_error(index: int, world_size: int, outcome: tuple, others: str = "") -> RankError:
@@ -89,7 +79,9 @@ def resolve(outcomes: list[tuple]) -> list:
     skips = {o[1] for o in outcomes if o[0] == "skip"}
     if skips:
         if len(skips) == 1 and all(o[0] == "skip" for o in outcomes):
-            _raise_skip(skips.pop())
+            import pytest  # only a skip needs pytest, and then the caller is a pytest test
+
+            raise pytest.skip.Exception(skips.pop())
         listing = "\n".join(f"  rank {i}: {describe(o)}" for i, o in enumerate(outcomes))
         raise RankError(f"the {world_size} ranks disagree about skipping; a skip must be "
                         f"decided identically on every rank (gate in the parent):\n{listing}",

@@ -1,16 +1,9 @@
 """The one owner of this process's rank groups (dsconform.harness.pool.Pool): one table of
-every idle and busy group, one lock, one starter.
-
-* lease(): a group for a call, an idle one of the kinds asked for, else a new one, started
-  up; release() gives it back (kept idle, closed, or killed after a failure).
-* keep(key, n): keep n idle groups of a key started ahead: standby ranks are n=1 of the
-  "standby" and "fresh" kinds (so a call that needs new processes does not wait for a CUDA
-  context, deepspeed and NCCL), lanes n=L of the "lane" kind.
-* quiet(): while a measurement runs nothing starts, and groups still starting are stopped
-  (started again, up to what keep() asked, when the last quiet ends).
-
-Groups are started by one thread (the starter): a rank dies with the *thread* that started it
-(PR_SET_PDEATHSIG, harness.rank._exit_when_orphaned), and a lane's thread ends with its batch.
+every idle and busy group, one lock, one starter. lease() and release() a group for a call;
+keep(key, n) keeps n idle groups of a key started ahead (standby ranks, lanes); quiet() starts
+nothing while a measurement runs. One thread starts every group: a rank dies with the *thread*
+that started it (PR_SET_PDEATHSIG, harness.rank._exit_when_orphaned), and a lane's thread ends
+with its batch.
 """
 
 from __future__ import annotations
@@ -42,10 +35,8 @@ SPARE_MIN_CORES = 8
 #: (rank.warm_up); those for fresh-process calls import what it would instead (rank.prime).
 RANK_WARMUP = settings.get("DSCONFORM_RANK_WARMUP")
 
-#: The kinds of group: how each starts. "plain": a call's own new ranks; "standby" (warmed)
-#: and "fresh" (primed, never ran a call): standby ranks; "lane"/"lane-fresh": the same for
-#: lanes, whose ranks share the cores (threads). A group that ran a call for run_ranks is
-#: kept as "pooled".
+#: Kinds of group: "plain" (a call's own new ranks), "pooled" (ran a run_ranks call), standby
+#: ranks "standby" (warmed) and "fresh" (primed), and the same for lanes, "lane"/"lane-fresh".
 STANDBY_KINDS = ("standby", "fresh")
 
 #: Variables that change between tests by themselves and say nothing about a test's setup.
@@ -217,7 +208,7 @@ class RankGroups:
         with self.lock:
             return [p for p, (k, h) in self.table.items() if k == key and h is None]
 
-    def keep(self, key: tuple, n: int, *, threads: int | None = None, label: str = "",
+    def keep(self, key: tuple, n: int, *, threads: int | None = None,
              remember: bool = True) -> int:
         """Start groups of key, without waiting for them, until n are idle; returns how many
         it started. Nothing starts while quiet (remember: start them when the quiet ends),
@@ -238,8 +229,7 @@ class RankGroups:
         started = 0
         for _ in range(missing):
             try:
-                self._start(key, POOL_PG_TIMEOUT_S, None,
-                            label or f"({key[3]} ranks starting)", threads)
+                self._start(key, POOL_PG_TIMEOUT_S, None, f"({key[3]} ranks starting)", threads)
             except Exception as exc:  # an optimisation: calls start their own
                 output.record(output.current_label(), "dsconform.harness",
                               f"{key[3]} ranks not started ({exc})")

@@ -21,8 +21,8 @@ from dsconform.harness.api import run_ranks
 from dsconform.harness.errors import check_accelerator, check_timeout, check_world_size, resolve
 from dsconform.harness.groups import GROUPS
 from dsconform.harness.launcher import external_rendezvous
-from dsconform.harness.pool import gpus_for, my_gpus, pg_timeout_for, pickle_call, replies_healthy
-from dsconform.harness.xdist import InsufficientGPUs
+from dsconform.harness.pool import gpus_for, pg_timeout_for, pickle_call, replies_healthy
+from dsconform.harness.xdist import InsufficientGPUs, worker_gpus
 
 LANE_KINDS = ("lane", "lane-fresh")
 
@@ -36,8 +36,7 @@ def close_lanes() -> None:
 #: How many groups per world size run_concurrently spreads independent calls over ("lanes");
 #: "auto": LANES_AUTO on cuda machines with at least LANES_MIN_CORES cores (LANES_ONE_GPU on a
 #: worker with one GPU), else 1 (every call in turn, as run_ranks); DSCONFORM_LANES=N forces N.
-#: Correctness cells are latency-bound (Python, kernel launches, engine set-up): a GPU node runs
-#: several at once in about the time of one. The counts: docs/performance.md#lanes-and-ops.
+#: Why these counts: docs/performance.md#lanes-and-ops.
 LANES = settings.get("DSCONFORM_LANES")
 LANES_AUTO = 3
 LANES_MIN_CORES = 16
@@ -82,7 +81,7 @@ def lanes_for(accelerator: str | None = None) -> int:
             raise ValueError(f"DSCONFORM_LANES must be 'auto' or a number, got {LANES!r}") from None
     if check_accelerator(accelerator) != "cuda" or (os.cpu_count() or 1) < LANES_MIN_CORES:
         return 1
-    return LANES_ONE_GPU if len(my_gpus()[3]) == 1 else LANES_AUTO
+    return LANES_ONE_GPU if len(worker_gpus()) == 1 else LANES_AUTO
 
 
 def _lane_keys(world_size: int, accelerator: str, count: int) -> list[tuple]:
@@ -90,7 +89,7 @@ def _lane_keys(world_size: int, accelerator: str, count: int) -> list[tuple]:
     use the first world_size GPUs (their processes share them)."""
     gpus = gpus_for(world_size, accelerator)  # raises InsufficientGPUs
     if accelerator == "cuda" and world_size == 1:
-        mine = my_gpus()[3]
+        mine = worker_gpus()
         return [(1, accelerator, (mine[i % len(mine)],)) for i in range(count)]
     return [(world_size, accelerator, gpus)] * count
 
@@ -100,7 +99,7 @@ def _lane_threads() -> int:
     (9 ranks with 3 lanes; 9 one-rank lanes on one GPU), so CPU Adam in several lanes at once
     does not oversubscribe them."""
     lanes = lanes_for()
-    ranks = lanes if lanes == LANES_ONE_GPU and len(my_gpus()[3]) == 1 else 3 * lanes
+    ranks = lanes if lanes == LANES_ONE_GPU and len(worker_gpus()) == 1 else 3 * lanes
     return max(1, (os.cpu_count() or 1) // ranks)
 
 
@@ -147,8 +146,8 @@ def _check_steps(steps: tuple[RankCall, ...]) -> str:
     return accels.pop()
 
 
-def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
-          cancel: threading.Event, on_done: Callable[[int, tuple, float], None] | None,
+def _lane(key: tuple, queue: deque, calls: list, pickled: list,
+          finish: Callable[[int, tuple, float], None], cancel: threading.Event,
           context: tuple[list, dict], labels: list[str | None],
           before: Callable[[int], None] | None = None) -> None:
     """One lane: take calls of its world size off the shared queue until none is left. The
@@ -199,9 +198,7 @@ def _lane(key: tuple, queue: deque, calls: list, pickled: list, outcomes: list,
                                    "lane" if healthy and pool.world_size == key[0] else None)
             if cancel.is_set():  # stopped from outside: what the kill did is no outcome
                 return
-            outcomes[i] = outcome
-            if on_done is not None:
-                on_done(i, outcome, time.monotonic() - t0)
+            finish(i, outcome, time.monotonic() - t0)
 
 
 def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | None = None,
@@ -209,27 +206,18 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
                      cancel: threading.Event | None = None,
                      labels: list[str] | None = None,
                      before: Callable[[int], None] | None = None) -> list[tuple]:
-    """Run independent calls at once, spread over `lanes` groups per world size (one-rank
-    groups on every GPU in turn), in their order. Each outcome is ("ok", the per-rank results)
-    or ("raise", the exception run_ranks would have raised for that call alone: RankError,
-    RankTimeout, a unanimous skip, InsufficientGPUs...). A failing call kills only its own
-    lane's ranks. on_done(index, outcome, seconds) runs as each call ends (seconds: from taking
-    the call, its lane's start-up included).
-
-    On lanes, the calls see sys.path and the environment as they were when run_concurrently
-    was called, whatever the calling process changes meanwhile (a background batch); through
-    run_ranks (one lane) they see them as each call starts. cancel: setting it stops the batch
-    from another thread: every lane's ranks are killed, the calls not finished get no outcome
-    (None) and no on_done. With one lane, under torchrun/Slurm, or for a single call, the
-    calls run one after another through run_ranks. Ctrl-C kills every lane and re-raises.
-
-    An entry may be a list of steps (RankCalls of one accelerator): they run in turn on one
-    lane, a step with fresh=True on new processes (started while the step before it runs),
-    which may be of another world size (a save on 2 ranks, the load on 1); the outcome is
-    ("ok", the list of each step's per-rank results), or the first failing step's exception.
-    labels: what each call's rank output is logged as (its test's node id); default: the test
-    running when each call starts. before(index): run by the lane before it runs that entry
-    (a batch waits there for the ops the entry loads to be built)."""
+    """Run independent calls at once over `lanes` groups per world size (one-rank groups on
+    every GPU in turn), in their order; with one lane, under torchrun/Slurm or for a single call,
+    in turn through run_ranks. Each outcome is ("ok", the per-rank results) or ("raise", what
+    run_ranks would have raised for that call alone); a failing call kills only its lane's ranks.
+    An entry may be a list of steps run in turn on one lane (fresh=True: on new processes,
+    started during the step before, maybe of another world size); its outcome lists each step's
+    results. On lanes, calls see sys.path and the environment as at this call (through
+    run_ranks: as each call starts). on_done(index, outcome, seconds since its lane took it)
+    runs as each call ends; labels: what each call's rank output is logged as (default: the test
+    running then); before(index): run by the lane before that entry. cancel: setting it kills
+    every lane's ranks, and unfinished calls get no outcome (None) and no on_done; Ctrl-C kills
+    every lane and re-raises."""
     outcomes: list = [None] * len(calls)
     lanes = lanes_for() if lanes is None else lanes
     labels = list(labels) if labels is not None else [None] * len(calls)
@@ -280,8 +268,8 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
             continue
         queue = deque(indices)
         threads += [threading.Thread(target=_lane, name=f"dsconform-lane-ws{ws}", daemon=True,
-                                     args=(key, queue, calls, pickled, outcomes, cancel, on_done,
-                                           context, labels, before)) for key in keys]
+                                     args=(key, queue, calls, pickled, finish, cancel, context,
+                                           labels, before)) for key in keys]
     for t in threads:
         t.start()
     try:

@@ -20,17 +20,13 @@ from dsconform.harness.errors import WorldSizeMismatch, check_accelerator, resol
 from dsconform.harness.rank import call_outcome, picklable_outcome
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
 _SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT")
 
 
 def external_rendezvous() -> bool:
     """True when a launcher already made this process one rank of a job (torchrun, DeepSpeed's
     launcher, or Slurm with MASTER_ADDR/MASTER_PORT exported); run_ranks then does not spawn.
-
-    Spawned ranks also see these variables, so run_ranks called inside a rank runs in-process.
-    """
+    Spawned ranks see these variables too, so run_ranks called inside a rank runs in-process."""
     return all(v in os.environ for v in _TORCHRUN_VARS) or all(v in os.environ for v in _SLURM_VARS)
 
 
@@ -103,7 +99,7 @@ def _init_external(accelerator: str | None, timeout_s: float) -> None:
 
 def run_external(fn: Callable, world_size: int | None, timeout_s: float, args: tuple,
                   kwargs: dict, accelerator: str | None) -> list:
-    _, env_world, _ = _external_env()
+    rank, env_world, _ = _external_env()
     if world_size not in (None, -1) and world_size != env_world:
         raise WorldSizeMismatch(
             f"run_ranks(world_size={world_size}) but the launcher started {env_world} ranks "
@@ -112,13 +108,10 @@ def run_external(fn: Callable, world_size: int | None, timeout_s: float, args: t
     _init_external(accelerator, timeout_s)
     import torch.distributed as tdist
 
-    # A hang here cannot be contained to one call (no parent can kill this rank); at least the
-    # job log shows where each rank was stuck, and the process-group timeout ends collectives.
-    # To the job's own stderr (a copy of fd 2), not into the capture below that a hang never
-    # hands on.
+    # A hang's stacks go to the job's own stderr (a copy of fd 2), not into the capture below
+    # that a hang never hands on.
     job_stderr = os.fdopen(os.dup(2), "w")
     faulthandler.dump_traceback_later(timeout_s, exit=False, file=job_stderr)
-    rank, _, _ = _external_env()
     try:
         # What fn prints (DeepSpeed's logger, c10d's warnings, NCCL) goes to the rank log as
         # this rank's, as a spawned rank's would (dsconform.harness.output).

@@ -1,16 +1,8 @@
-"""Rank output: where what ranks print goes, labelled with the test it was printed for.
-
-Every spawned rank writes its stdout and stderr (Python's, and native code's: NCCL, c10d,
-TORCH_CPP_LOG, a JIT build's compiler) into a file of its own (dsconform.harness.pool), never to
-the console. The parent reads each call's part when the call ends and hands it here, with the
-call's label (the test's node id): ``record`` appends it to the run's log, one line per line
-printed, ``[WORKER ]rank R/W | LABEL | LINE`` (``ranks.log`` in --results, opened O_APPEND and
-written one block per write, so xdist workers share it), and keeps the tail of each label for
-that test's report (``take``). What the controller itself prints outside pytest's capture
-(``capture``) is logged the same way, as ``controller``.
-
-Without a configured log (the harness used outside the suite) the parent writes the lines to its
-own stderr, where a test's captured output holds them.
+"""Rank output: what ranks print goes to a file per rank (dsconform.harness.pool), never to the
+console; the parent hands each call's part here with its label (the test's node id). ``record``
+appends it to the run's log as ``[WORKER ]rank R/W | LABEL | LINE`` (``ranks.log`` in --results,
+O_APPEND, one block per write, so xdist workers share it) and keeps each label's tail for its
+test's report (``take``). Without a configured log the lines go to this process's stderr.
 """
 
 from __future__ import annotations
@@ -37,10 +29,8 @@ NO_TEST = "(no test)"
 
 @dataclass
 class _Sink:
-    path: Path | None
     fd: int | None
     worker: str
-    keep: bool
     kept: dict[str, str] = field(default_factory=dict)
 
 
@@ -49,8 +39,7 @@ _LOCK = threading.Lock()
 _LOCAL = threading.local()
 
 
-def configure(path: Path | None, *, worker: str = "", truncate: bool = False,
-              keep: bool = True) -> _Sink:
+def configure(path: Path | None, *, worker: str = "", truncate: bool = False) -> _Sink:
     """Send rank output to ``path`` (None: keep it for reports only) until ``release(sink)``.
     worker: a prefix naming the xdist worker ("gw0"); truncate: start the file empty (the
     process that owns the run, before any worker writes)."""
@@ -58,7 +47,7 @@ def configure(path: Path | None, *, worker: str = "", truncate: bool = False,
     if path is not None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0)
         fd = os.open(path, flags, 0o644)
-    sink = _Sink(Path(path) if path is not None else None, fd, worker, keep)
+    sink = _Sink(fd, worker)
     with _LOCK:
         _SINKS.append(sink)
     return sink
@@ -114,7 +103,7 @@ def record(label: str, who: str, text: str) -> None:
             block = "".join(f"{prefix}{who} | {label} | {ln}\n" for ln in lines)
             with contextlib.suppress(OSError):  # a full disk must not fail the test
                 os.write(sink.fd, block.encode("utf-8", errors="replace"))
-        if sink.keep and not label.startswith("("):
+        if not label.startswith("("):
             kept = sink.kept.get(label, "") + "".join(f"{who}: {ln}\n" for ln in lines)
             sink.kept[label] = kept[-KEPT_CHARS:]
 
@@ -130,9 +119,8 @@ def take(label: str) -> str:
 @contextlib.contextmanager
 def fds_to_log() -> Iterator[None]:
     """Processes this one starts meanwhile write their fds 1 and 2 straight into the rank log
-    (nothing without one): for helpers that outlive every test and print on their own, such as
-    multiprocessing's resource tracker (its warnings about what killed ranks left behind come
-    at the process's exit, after pytest's summary) and the fork server ranks start from."""
+    (nothing without one): helpers that outlive every test and print at exit, such as
+    multiprocessing's resource tracker and the fork server ranks start from."""
     with _LOCK:
         fd = _SINKS[-1].fd if _SINKS else None
     if fd is None:
@@ -143,11 +131,11 @@ def fds_to_log() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def capture(label: str, who: str = "controller", *, warnings_too: bool = True) -> Iterator[None]:
+def capture(label: str, who: str = "controller") -> Iterator[None]:
     """What this process prints meanwhile (fds 1 and 2, sys.stdout/stderr, warnings) goes to
     the rank log as ``who`` for ``label``, not to the console: the plugin's work outside
     pytest's capture (starting builds, ranks and the cell batch), a rank run in-process."""
-    cap = FdCapture(warnings_too=warnings_too)
+    cap = FdCapture(warnings_too=True)
     try:
         with cap.capture():
             yield

@@ -1,12 +1,6 @@
 """A rank group ("pool"): world_size live rank processes, started together, sent a call,
-their replies collected. Which groups exist and who uses them: dsconform.harness.groups.
-
-A failing, dying or hanging rank fails its call and tears its pool down (Pool.collect); the
-next call starts fresh processes. Ranks reply in plain pickle bytes (no tensor travels as a
-shared descriptor). Each rank's stdout and stderr go to a file of its own, read after each call
-into the rank log with the call's test (dsconform.harness.output); pools are stopped together
-(close_pools), so a session's end waits for the slowest rank, not for their sum.
-"""
+their replies collected; a failing, dying or hanging rank fails its call and tears its pool
+down. Which groups exist and who uses them: dsconform.harness.groups."""
 
 from __future__ import annotations
 
@@ -37,9 +31,8 @@ from dsconform.harness.xdist import (
     xdist_worker,
 )
 
-#: Seconds allowed for spawning ranks, importing deepspeed and init_distributed. Separate from
-#: a call's timeout_s because the first init on a machine JIT-builds DeepSpeed's shm comm op
-#: (docs/performance.md#op-builds), which a short test timeout must not turn into a failure.
+#: Seconds allowed for a rank's start-up (import deepspeed, init_distributed), apart from a call's
+#: timeout_s: a machine's first init JIT-builds DeepSpeed's shm op (docs/performance.md#op-builds).
 STARTUP_TIMEOUT_S = settings.get("DSCONFORM_STARTUP_TIMEOUT_S")
 
 #: Once one rank skipped, how long the others may take to finish: a rank that did not skip is
@@ -115,13 +108,12 @@ class Pool:
         }
         if threads:  # lanes share the cores (CPU Adam, torch's CPU ops), read at import
             base_env["OMP_NUM_THREADS"] = str(threads)
-        self.start_method = zygote.method()
         try:
             for index in range(world_size):
                 env = dict(self.spawn_env, **base_env, RANK=str(index), LOCAL_RANK=str(index),
                            **{SPAWNED_AT_ENV: repr(time.time())})
-                self._start_rank(index, env, (accelerator, pg_timeout_s, warm,
-                                              self.output_paths[index], primed))
+                self._start_rank(index, env, (accelerator, pg_timeout_s,
+                                              self.output_paths[index], warm, primed))
         except BaseException:
             self.kill()
             raise
@@ -146,7 +138,6 @@ class Pool:
                 if ctx.get_start_method() != "forkserver":
                     raise
                 output.record(self.label, "dsconform.harness", zygote.give_up(exc))
-                self.start_method = zygote.method()
                 continue
             child_conn.close()
             self.procs.append(proc)
@@ -186,10 +177,6 @@ class Pool:
                 self.tails[index].extend(text.splitlines())
                 output.record(self.label, f"rank {index}/{self.world_size}", text)
 
-    def last_output(self, index: int) -> str:
-        """The last lines rank ``index`` printed (after a drain)."""
-        return "\n".join(self.tails[index])
-
     def request_exit(self) -> None:
         """Ask the ranks to exit (they flush their output first); close_pools waits for them."""
         for conn in self.conns:
@@ -209,13 +196,10 @@ class Pool:
         if self.closed or self.owner_pid != os.getpid():
             return False  # done already, or a forked copy of the parent that must not kill
         self.closed = True
+        import psutil
         descendants = []
-        try:
-            import psutil
-        except ImportError:
-            psutil = None
         for proc in self.procs:
-            if psutil is not None and proc.exitcode is None:
+            if proc.exitcode is None:
                 try:
                     descendants += psutil.Process(proc.pid).children(recursive=True)
                 except psutil.Error:
@@ -279,12 +263,10 @@ class Pool:
         except BaseException:
             self.kill()
             raise
-        # r[2]: the phases of rank.rank_main ("python", "import torch", ... "warm-up");
-        # r[3]: when each ended, for the run's start-up line (dsconform.harness.timeline).
-        self.phases = [r[2] for r in replies if len(r) > 2 and isinstance(r[2], dict)]
+        # rank.rank_main's ("ready", pid, start-up phases, start facts for the timeline)
+        self.phases = [r[2] for r in replies]
         for r in replies:
-            if len(r) > 3 and isinstance(r[3], dict):
-                timeline.mark_rank(r[3])
+            timeline.mark_rank(r[3])
         self.ready = True
         self.drain()
         return self
@@ -408,9 +390,10 @@ class Pool:
                 text += f"\nalso rank {other}: {describe(replies[other])}"
             if crash_stacks.get(index):
                 text += f"\n\nFatal-signal stacks of rank {index}:\n{crash_stacks[index]}"
-            if self.last_output(index):
+            tail = "\n".join(self.tails[index])
+            if tail:
                 text += (f"\n\nLast output of rank {index} (all of it: ranks.log in --results):"
-                         f"\n{self.last_output(index)}")
+                         f"\n{tail}")
             elif not crash_stacks.get(index):
                 text += f"\n(rank {index} printed nothing)"
             raise RankError(text, rank=index, world_size=n, exc_type=None)
@@ -446,9 +429,8 @@ class Pool:
 
 
 def close_pools(pools: list[Pool]) -> None:
-    """Stop groups together: ask every started rank to exit, kill those still starting, give
-    them all EXIT_WAIT_S at once, kill what is left, reap them (one after another, a session's
-    end waited for the sum of the CUDA ranks' exits)."""
+    """Stop groups together: ask every started rank to exit, kill those still starting, give them
+    all EXIT_WAIT_S at once, kill what is left, reap (docs/performance.md#the-end-of-a-run)."""
     mine = [p for p in pools if not p.closed and p.owner_pid == os.getpid()]
     for pool in mine:
         if pool.ready:
@@ -481,17 +463,12 @@ def clear_build_locks() -> None:
         raise RankError(f"ranks not started: {exc}") from None
 
 
-def my_gpus() -> tuple[int, int, list[str], list[str]]:
-    """(xdist worker index, worker count, visible GPUs, this worker's slice of them)."""
-    index, count = xdist_worker()
-    visible = visible_gpus()
-    return index, count, visible, gpu_slice(index, gpus_per_worker(len(visible), count), visible)
-
-
 def gpus_for(world_size: int, accelerator: str) -> tuple[str, ...]:
     if accelerator != "cuda":
         return ()
-    index, count, visible, mine = my_gpus()
+    index, count = xdist_worker()
+    visible = visible_gpus()
+    mine = gpu_slice(index, gpus_per_worker(len(visible), count), visible)
     if world_size > len(mine):
         raise InsufficientGPUs(
             f"run_ranks(world_size={world_size}, accelerator='cuda') needs {world_size} GPUs; "

@@ -1,26 +1,20 @@
-"""Imported by the fork server only (dsconform.harness.zygote), never by a rank or pytest:
-torch and what a first engine imports lazily, before any rank is forked from it.
-
-Nothing here may create a CUDA context or start a thread pool: a forked child cannot use
-either. torch.cuda.is_available() initialises the CUDA driver unless PyTorch's NVML check is
-on, so the server turns it on for itself (each rank sets its own environment). An import that
-fails is left to the rank, which imports it again and reports the error there.
+"""Imported by the fork server only (dsconform.harness.zygote): torch and what a first engine
+imports lazily, before any rank is forked. No CUDA context or thread pool may start here (a
+forked child cannot use either); an import that fails is left to the rank to report.
 """
 
 import os
 import sys
 import time
 
-# multiprocessing starts the server with the parent's interpreter flags: -B where the parent
-# started under PYTHONDONTWRITEBYTECODE (container images set it). Where the parent then kept
-# compiled files in the suite's cache instead (dsconform.ops.cache.enable_bytecode_cache: the
-# variable is gone from the environment), the server writes them too: what only it imports
-# (torch._dynamo, inductor, sympy) would otherwise be compiled from source by every run's
-# server (docs/performance.md#what-dominates-cold-and-warm-1xh200-pytest-suites--m-gpu-auto).
+# The server inherits -B from a parent started under PYTHONDONTWRITEBYTECODE but writes compiled
+# files when the parent does (dsconform.ops.cache.enable_bytecode_cache; docs/performance.md:
+# "the fork server keeps its compiled Python").
 sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
 
 from dsconform.base import cpu_info  # noqa: E402
 
+# torch.cuda.is_available() initialises the CUDA driver unless PyTorch's NVML check is on.
 os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 #: Marks the server's environment; a rank takes its parent's instead (rank._take_environment).
 os.environ["DSC_FORK_SERVER_PID"] = str(os.getpid())

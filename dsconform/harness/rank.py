@@ -1,9 +1,7 @@
 """Code that runs inside a rank: the spawned rank's main loop and the helpers tests call there.
-
 Nothing here imports torch or deepspeed at module level: a spawned rank imports this module
 first, and DS_ACCELERATOR, CUDA_VISIBLE_DEVICES and the rendezvous variables must be in its
-environment before deepspeed picks an accelerator.
-"""
+environment before deepspeed picks an accelerator."""
 
 from __future__ import annotations
 
@@ -41,9 +39,7 @@ _accelerator: str | None = None
 _warmed_up = False
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers for code running inside ranks
-# ---------------------------------------------------------------------------------------------
+# -- Helpers for code running inside ranks ---------------------------------------------------
 
 def _require_dist() -> Any:
     import torch.distributed as tdist
@@ -109,11 +105,8 @@ def gather(obj: Any) -> list:
 
 
 def all_agree(ok: bool, message: str) -> None:
-    """Collective assertion: if any rank is not ok, every rank raises with the failing messages.
-
-    A plain `assert` on one rank would leave its peers blocked in their next collective until
-    the call times out; here all ranks learn the verdict together and fail together.
-    """
+    """Collective assertion: if any rank is not ok, every rank raises with the failing messages
+    (a plain `assert` on one rank would leave its peers blocked in their next collective)."""
     verdicts = gather((bool(ok), str(message)))
     failing = [(index, text) for index, (good, text) in enumerate(verdicts) if not good]
     if failing:
@@ -121,9 +114,7 @@ def all_agree(ok: bool, message: str) -> None:
         raise AssertionError(f"{len(failing)} of {len(verdicts)} ranks failed:\n{lines}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Outcomes: what one rank reports about one call (shared by spawned and external ranks)
-# ---------------------------------------------------------------------------------------------
+# -- Outcomes: what one rank reports about one call (spawned and external ranks) -------------
 
 def _skip_reason(exc: BaseException) -> str | None:
     # pytest is never imported here: if fn called pytest.skip, pytest is already loaded.
@@ -161,9 +152,7 @@ def picklable_outcome(outcome: tuple) -> tuple:
     return outcome
 
 
-# ---------------------------------------------------------------------------------------------
-# The spawned rank
-# ---------------------------------------------------------------------------------------------
+# -- The spawned rank -------------------------------------------------------------------------
 
 def _exit_when_orphaned(parent_pid: int) -> None:
     """If the pytest process is SIGKILLed its atexit cleanup never runs: the ranks must leave
@@ -193,18 +182,19 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 
 def _reply(conn: Connection, obj: Any) -> None:
-    """Send obj to the parent as plain pickle bytes. Connection.send pickles with the
-    multiprocessing ForkingPickler, for which torch registers its tensor reductions: a CPU
-    tensor then travels as a shared-memory file descriptor, and every tensor the parent keeps
-    holds one open. A cell batch keeps every cell's results until its test reads them: the
-    nightly batch on 2xH200 (712 cells) ran out of descriptors ("received 0 items of
-    ancdata"). Plain pickle copies the bytes instead."""
+    """Send obj to the parent as plain pickle bytes: Connection.send would send each CPU tensor
+    as a shared-memory file descriptor, and a batch's results ran out of them (docs/findings.md)."""
     conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _flush_native() -> None:
-    """Flush C stdio too: printf and std::cout (NCCL_DEBUG, DeepSpeed's C++ ops) are fully
-    buffered into the rank's output file, and os._exit would drop what they hold."""
+def _flush() -> None:
+    """Flush Python's streams, then C stdio: printf and std::cout (NCCL_DEBUG, DeepSpeed's C++
+    ops) are fully buffered into the rank's output file, and os._exit would drop what they hold."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed stream: nothing to keep, and it must not block the exit
+            pass
     try:
         import ctypes
 
@@ -214,12 +204,7 @@ def _flush_native() -> None:
 
 
 def _flush_and_exit(code: int) -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed stream must not block the exit
-            pass
-    _flush_native()
+    _flush()
     # os._exit: interpreter teardown can block in gloo/NCCL destructors waiting on dead peers.
     os._exit(code)
 
@@ -228,11 +213,7 @@ def _redirect_output(path: str) -> None:
     """This rank's fds 1 and 2, and so Python's streams, go to its own file (O_APPEND), never
     to the console: the parent logs each call's part with its test (dsconform.harness.output).
     Native writers (NCCL, c10d, TORCH_CPP_LOG, a JIT build's compiler) write to the fds."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed stream: nothing to keep
-            pass
+    _flush()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -270,21 +251,17 @@ def _restore(environ: dict, cwd: str, default_dtype: Any, grad_enabled: bool) ->
         torch.cuda.empty_cache()
 
 
-#: What the first deepspeed.initialize of a process imports lazily: torch's optimizer
-#: constructor imports torch._dynamo, and DeepSpeed's optimizer check imports its Muon module,
-#: which calls torch.compile at import (inductor). About 1,400 modules; a module a release does
-#: not have is left out.
+#: What the first deepspeed.initialize of a process imports lazily (torch._dynamo, inductor;
+#: docs/performance.md#rank-start-up); a module a release does not have is left out.
 LAZY_IMPORTS = ("torch._dynamo", "torch._inductor.compile_fx", "deepspeed.runtime.engine",
                 "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3",
                 "deepspeed.runtime.zero.muon.muon_optimizer")
 
 
 def prime() -> None:
-    """Import what the first engine of a process imports lazily (LAZY_IMPORTS) and run one
-    matmul on the rank's device (cuBLAS' handle), building no engine and keeping no tensor: a
-    rank for fresh-process calls then pays for none of it in its first engine
-    (docs/performance.md#rank-start-up), and is still as fresh as a new process: nothing of an
-    engine, an optimizer or a checkpoint is in it."""
+    """Import LAZY_IMPORTS and run one matmul (cuBLAS' handle), building no engine and keeping
+    no tensor: a fresh-process rank's first engine then pays for none of it, and the rank stays
+    as fresh as a new process (docs/performance.md#rank-start-up)."""
     import torch
 
     for name in LAZY_IMPORTS:
@@ -342,8 +319,8 @@ def _start_facts(parent_pid: int | None) -> dict[str, float]:
 
 
 def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, stack_path: str,
-              accelerator: str, pg_timeout_s: float, parent_pid: int | None,
-              warm: bool = False, output_path: str | None = None, primed: bool = False) -> None:
+              accelerator: str, pg_timeout_s: float, parent_pid: int | None, output_path: str,
+              warm: bool = False, primed: bool = False) -> None:
     """Entry point of a spawned rank: initialise once (warm: and warm_up(); primed: and prime(),
     for ranks that must stay fresh), then run tasks until told to stop. output_path: the file
     its stdout and stderr go to."""
@@ -353,8 +330,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
     # parent_pid None: forked by the fork server (harness.zygote), which exits with pytest.
     watched = os.getppid() if parent_pid is None else parent_pid
     os.setpgrp()
-    if output_path:
-        _redirect_output(output_path)
+    _redirect_output(output_path)
     _take_environment(env)
     try:
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
@@ -405,9 +381,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         # gc.collect() after each call at milliseconds instead of ~0.1 s.
         gc.collect()
         gc.freeze()
-        for stream in (sys.stdout, sys.stderr):  # the parent reads the start-up's output next
-            stream.flush()
-        _flush_native()
+        _flush()  # the parent reads the start-up's output next
         phases = {name: round(t - marks[i - 1][1], 3) for i, (name, t) in enumerate(marks) if i}
         _reply(conn, ("ready", os.getpid(), phases, _start_facts(parent_pid)))
     except BaseException as exc:  # the parent must hear why startup failed
@@ -442,12 +416,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         else:
             outcome = call_outcome(fn, args, kwargs)
             del fn, args, kwargs
-        for stream in (sys.stdout, sys.stderr):  # the parent reads this call's output next
-            try:
-                stream.flush()
-            except Exception:  # a closed stream: nothing to keep
-                pass
-        _flush_native()
+        _flush()  # the parent reads this call's output next
         try:
             _reply(conn, outcome)
         except Exception:  # e.g. an unpicklable return value

@@ -1,12 +1,7 @@
 """When a run's start-up reached each of its steps, in seconds after pytest's process started
-(as the kernel records it: the interpreter's own start-up is counted too). The summary's
-"start-up:" line (dsconform.plugin.recorder.Recorder.run_lines) prints them, so the time before
-pytest's clock and before the first rank was ready can be read from every run
-(docs/performance.md).
-
-Steps are marked with ``mark`` in pytest's process; the fork server's start and the end of its
-imports come from the first rank forked from it (dsconform.harness.rank), and when each rank
-pool was ready from its ranks' replies (dsconform.harness.pool).
+(as the kernel records it, so the interpreter's own start-up counts): the summary's "start-up:"
+line (dsconform.plugin.recorder.Recorder.run_lines; docs/results-format.md). Steps are marked
+in pytest's process, or come from the ranks' replies (dsconform.harness.rank._start_facts).
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""How pytest-xdist workers share one node: disjoint rendezvous ports and disjoint GPUs.
-
-Everything here is a pure function of its arguments or of the environment, so the pytest
-plugin can gate tests and the project's own tests can check the arithmetic without GPUs.
-"""
+"""How pytest-xdist workers share one node: disjoint rendezvous ports and disjoint GPUs, from
+the arguments or the environment only, so tests are gated and checked without GPUs."""
 
 from __future__ import annotations
 
@@ -51,8 +48,6 @@ def port_range(worker_index: int) -> range:
     """The rendezvous ports reserved for one xdist worker: disjoint from every other worker's."""
     base = settings.get("DSCONFORM_PORT_BASE")
     base = DEFAULT_PORT_BASE if base is None else base
-    if worker_index < 0:
-        raise ValueError(f"worker_index must be >= 0, got {worker_index}")
     start = base + worker_index * PORT_STRIDE
     stop = start + PORT_STRIDE
     if start < 1024 or stop > 65536:
@@ -78,11 +73,9 @@ _next_port_offset: dict[int, int] = {}
 
 
 def free_port(worker_index: int | None = None) -> int:
-    """A port inside this worker's range that nothing listens on now.
-
-    Successive calls walk through the range, so a new pool does not reuse the port of the pool
-    just killed (its DeepSpeed shm segments are named after the port).
-    """
+    """A port inside this worker's range that nothing listens on now; successive calls walk
+    the range, so a new pool does not reuse the port of the pool just killed (its DeepSpeed shm
+    segments are named after the port)."""
     if worker_index is None:
         worker_index = xdist_worker()[0]
     ports = port_range(worker_index)
@@ -115,12 +108,9 @@ def _address_in_use(exc: BaseException) -> bool:
 
 def bind_rendezvous_store(timeout_s: float,
                           log: Callable[[str], None] | None = None) -> tuple[Any, int]:
-    """A TCPStore server for one rank group, bound in this process: (store, port).
-
-    Binding here, not in rank 0, closes the gap between probing a port and binding it: a port
-    another process took in that gap is skipped and the next one tried, BIND_ATTEMPTS times in
-    all, each skip told to ``log`` (the rank log). The store lives as long as the returned
-    object; the ranks connect to it as clients (AGENT_STORE_ENV)."""
+    """A TCPStore server for one rank group, bound here, not in rank 0: (store, port). A port
+    taken between probe and bind is skipped (told to ``log``), BIND_ATTEMPTS times in all; the
+    ranks connect as clients (AGENT_STORE_ENV) while the returned store lives."""
     from torch.distributed import TCPStore
 
     taken = []
@@ -167,9 +157,6 @@ def gpus_per_worker(total_gpus: int, worker_count: int) -> int:
 
 def gpu_slice(worker_index: int, gpus_per_worker: int, visible: list[str]) -> list[str]:
     """GPUs [K*g, (K+1)*g) of `visible` for worker K; InsufficientGPUs if they do not all exist."""
-    if gpus_per_worker < 0 or worker_index < 0:
-        raise ValueError(
-            f"worker_index ({worker_index}) and gpus_per_worker ({gpus_per_worker}) must be >= 0")
     start = worker_index * gpus_per_worker
     chosen = list(visible[start:start + gpus_per_worker])
     if len(chosen) < gpus_per_worker:

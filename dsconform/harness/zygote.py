@@ -1,16 +1,7 @@
 """Where rank processes come from: forks of one server process per run that imported torch
-once (multiprocessing's forkserver), or new interpreters (spawn).
-
-A new interpreter imports torch, torch._dynamo and inductor before its first engine: most of a
-rank's start-up (docs/performance.md#rank-start-up), paid by every rank, and by every lane's
-ranks at once at a cell batch's start. A fork of a server that imported them pays
-none of it. The server imports torch's Python only: no DeepSpeed (which picks its accelerator
-at import, from DS_ACCELERATOR, per rank), no CUDA context and no thread pool (CUDA and OpenMP
-do not survive a fork); each rank sets its own environment, GPUs and threads before it starts
-either (dsconform.harness.rank.rank_main), so a forked rank is as fresh as a spawned one.
-
-DSCONFORM_FORKSERVER=0 spawns every rank. A server that cannot start or dies makes the rank
-start that saw it, and every later one, spawn instead, and the rank log says why.
+once (multiprocessing's forkserver), or new interpreters (spawn). Why, and what the server
+may not hold: DSCONFORM_FORKSERVER in docs/options.md. A server that cannot start or dies makes
+that rank start, and every later one, spawn instead, and the rank log says why.
 """
 
 from __future__ import annotations
@@ -84,13 +75,10 @@ def start_ahead() -> None:
 
 
 def stop() -> None:
-    """Stop the server, then multiprocessing's resource tracker (the server held it open too),
-    and reap both, so neither outlives pytest's process; a later rank start starts them again.
-    The server holds nothing to clean up once no rank is left, so it is killed rather than
-    left to tear torch down on its own (about a second). The tracker is asked to end: at its
-    end it names and removes what killed ranks leaked. The stdlib offers no public stop: each
-    object's own _stop() (which CPython's tests use) closes the pipe the process watches and
-    reaps it. Call it once no rank is left."""
+    """Stop the server (killed: it holds nothing once no rank is left, and tearing torch down
+    takes about a second), then multiprocessing's resource tracker, which at its end removes
+    what killed ranks leaked; each reaped through its own _stop() (the stdlib has no public
+    one). A later rank start starts them again. Call it once no rank is left."""
     import signal
     from multiprocessing import forkserver, resource_tracker
 

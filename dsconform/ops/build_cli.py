@@ -1,12 +1,7 @@
-"""``dsconform build-ops``: build the ops a run needs into the extensions cache ahead of it.
-
-For a node image (a Dockerfile step) or a cache that nodes share: the builds a cold run waits
-for (docs/performance.md#op-builds) happen once, and every later run starts warm. It builds into
-the folder a run loads from (dsconform.ops.cache: TORCH_EXTENSIONS_DIR, else one folder per
-environment under DSCONFORM_CACHE), the same way a run does (dsconform.ops.prebuild), and says
-per op when it starts and how it ended. Exit 0: every op built and loaded; 1: a build failed
-(its diagnosis printed); 2: bad input (an unknown profile or op, --jobs below 1, a stale build
-lock that cannot be proven stale, a GPU profile on a machine where DeepSpeed builds for CPU).
+"""``dsconform build-ops``: build the ops a run needs into the extensions cache it loads from
+(dsconform.ops.cache), the way a run does (dsconform.ops.prebuild), ahead of it: for a node image
+or a cache that nodes share (docs/performance.md#building-ahead-dsconform-build-ops). Exit 0:
+every op built and loaded; 1: a build failed (its diagnosis printed); 2: bad input.
 """
 
 from __future__ import annotations
@@ -101,11 +96,9 @@ WARM_UP_WAIT_S = 120.0
 
 def _warm_up_rank(accel: str, said: list[str]) -> None:
     """Start one rank as a run does (import torch and DeepSpeed, init_distributed, a first tiny
-    engine) and stop it: what it imports is compiled into the bytecode cache, so a run's first
-    ranks after build-ops start as a warm run's do (on 1xH200 a first run after build-ops
-    without it: 59 s, rank warm-ups of 12.8 s against 6.8 s warm; docs/performance.md). It runs
-    beside the builds and needs no op; a failure only leaves that cache colder. What it has to
-    say goes to ``said``."""
+    engine) and stop it, so its imports are in the bytecode cache (on 1xH200 a first run after
+    build-ops without it: 59 s, rank warm-ups of 12.8 s against 6.8 s warm). Runs beside the
+    builds, needs no op; a failure only leaves that cache colder. It says its lines to ``said``."""
     from dsconform.harness import output
     from dsconform.harness.pool import POOL_PG_TIMEOUT_S, Pool, gpus_for
 

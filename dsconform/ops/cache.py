@@ -1,8 +1,6 @@
-"""The torch-extensions cache of this environment: where JIT-built ops live.
-
-torch keys its cache by directory only, so two environments sharing one rebuild each
-other's ops: the suite keeps one cache per (torch, DeepSpeed, Python) environment under
-DSCONFORM_CACHE (docs/findings.md#op-builds)."""
+"""The torch-extensions cache where JIT-built ops live: torch keys it by directory only, so the
+suite keeps one per (torch, DeepSpeed, Python) environment under DSCONFORM_CACHE
+(docs/findings.md#op-builds)."""
 
 from __future__ import annotations
 
@@ -20,11 +18,9 @@ from dsconform.node.detect import dist_version
 
 
 def _torch_variant(torch_version: str | None, *, installed: bool = True) -> str:
-    """cpu / cuXYZ / rocmX.Y / xpu, read without importing torch.
-
-    Wheels from download.pytorch.org carry it as the local version ("2.13.0+cpu", "2.11.0+cu130");
-    the default PyPI wheel does not ("2.11.0"), so fall back to torch/version.py, read as text.
-    """
+    """cpu / cuXYZ / rocmX.Y / xpu, read without importing torch: the local version of wheels
+    from download.pytorch.org ("2.13.0+cpu", "2.11.0+cu130"), else torch/version.py as text (the
+    default PyPI wheel's "2.11.0" carries none)."""
     if torch_version and "+" in torch_version:
         return torch_version.split("+", 1)[1]
     if not installed:  # a version string of some other environment, without its label
@@ -43,11 +39,9 @@ def _torch_variant(torch_version: str | None, *, installed: bool = True) -> str:
 
 def environment_key(*, torch_version: str | None = None, deepspeed_version: str | None = None,
                     python: tuple[int, int] | None = None) -> str:
-    """py311-torch2.13.0-ds0.19.8-cpu: what an op binary built here depends on.
-
-    The arguments describe another environment (default: this one, from package metadata, without
-    importing torch or DeepSpeed).
-    """
+    """py311-torch2.13.0-ds0.19.8-cpu: what an op binary built here depends on. The arguments
+    describe another environment (default: this one, from package metadata, without importing
+    torch or DeepSpeed)."""
     torch_v = torch_version or dist_version("torch")
     ds_v = deepspeed_version or dist_version("deepspeed") or "none"
     major, minor = python or sys.version_info[:2]
@@ -56,9 +50,8 @@ def environment_key(*, torch_version: str | None = None, deepspeed_version: str 
     key = (f"{py}-torch{(torch_v or 'none').split('+')[0]}-ds{ds_v}-"
            f"{_torch_variant(torch_v, installed=torch_version is None)}")
     if deepspeed_version is None:
-        # Two installs of one version (two virtualenvs, a tox env, an offline --target site)
-        # rebuilt each other's ops and timed out at rank start-up: the install's location is
-        # part of what a build belongs to.
+        # Two installs of one version (two virtualenvs, a tox env, an offline --target site) must
+        # not rebuild each other's ops (docs/options.md): the install's location is in the key.
         key += f"-{_install_tag('deepspeed')}"
     return re.sub(r"[^A-Za-z0-9._-]", "_", key)
 
@@ -84,8 +77,7 @@ def extensions_dir() -> Path:
 
 
 def ensure_extensions_dir() -> Path:
-    """Point TORCH_EXTENSIONS_DIR at `extensions_dir()` unless the user set it; create;
-    return it."""
+    """Point TORCH_EXTENSIONS_DIR at `extensions_dir()` unless the user set it; create it."""
     if not os.environ.get("TORCH_EXTENSIONS_DIR"):
         os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir())
     path = Path(os.environ["TORCH_EXTENSIONS_DIR"])
@@ -135,11 +127,10 @@ def bytecode_dir() -> Path:
 
 
 def enable_bytecode_cache(env: dict[str, str] | None = None) -> Path | None:
-    """Where PYTHONDONTWRITEBYTECODE is set (container images set it) and no
-    PYTHONPYCACHEPREFIX is, every process compiles torch's and DeepSpeed's Python anew, which
-    more than doubles a rank's start-up (docs/performance.md#rank-start-up). Then keep them in
-    ``bytecode_dir()`` instead (never beside the sources), for this process and the ones it
-    starts (the environment ``env``, default os.environ). DSCONFORM_PYCACHE=0 leaves the
+    """Where PYTHONDONTWRITEBYTECODE is set (container images) and PYTHONPYCACHEPREFIX is not,
+    keep compiled Python in ``bytecode_dir()`` (never beside the sources) for this process and
+    those it starts (``env``, default os.environ); else every process compiles torch and
+    DeepSpeed anew (docs/performance.md#rank-start-up). DSCONFORM_PYCACHE=0 leaves the
     environment as it is. Returns the directory used, or None."""
     env = os.environ if env is None else env
     if not settings.get("DSCONFORM_PYCACHE", env):

@@ -1,6 +1,6 @@
 """Every op check, one entry point: check_op (load, then the op's functional check), each run
 in a child process so that a crash in native code fails one test, not the run
-(check_op_isolated), and scheduled for a run beside the parallel builds (OpChecks: compute
+(IsolatedOpCheck), and scheduled for a run beside the parallel builds (OpChecks: compute
 ops together, I/O ops one at a time)."""
 
 from __future__ import annotations
@@ -41,18 +41,15 @@ FUNCTIONAL_CHECKS: dict[str, Callable[[str, Any], dict[str, Any]]] = {
     "cpu_adagrad": lambda device, scratch: check_cpu_adagrad(),
     "cpu_lion": lambda device, scratch: check_cpu_lion(),
     "async_io": lambda device, scratch: check_async_io(_needs_scratch("async_io", scratch)),
-    "gds": lambda device, scratch: check_gds(_needs_scratch("gds", scratch), io=False),
+    "gds": lambda device, scratch: check_gds(_needs_scratch("gds", scratch)),
 }
 
 
 def check_op(name: str, *, device: str = "cpu",
              scratch_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Load op `name` and, where one exists, run its functional check; for other ops, load only.
-
-    Raises OpUnavailable when the op does not build or load, AssertionError when its result is
-    wrong.
-    The result carries the build time and whether it was a cold build, for the benchmark record.
-    """
+    """Load op `name` and, where one exists, run its functional check; OpUnavailable when the op
+    does not build or load, AssertionError when its result is wrong. The result carries the
+    build time and whether it was a cold build (benchmark record)."""
     load = require_op(name)
     result: dict[str, Any] = load.summary()
     check = FUNCTIONAL_CHECKS.get(name)
@@ -66,40 +63,31 @@ class OpCrashed(RuntimeError):
     """The child process running an op check died (signal, abort, non-JSON exit)."""
 
 
-_CHILD = """
+_MARK = "@@dsconform-op-result@@"
+_CHILD = f"""
 import json, sys, traceback
 from dsconform.ops.checks import check_op
 from dsconform.ops.load import OpUnavailable
 name, device, scratch = sys.argv[1], sys.argv[2], sys.argv[3] or None
 try:
-    out = {"status": "ok", "result": check_op(name, device=device, scratch_dir=scratch)}
+    out = {{"status": "ok", "result": check_op(name, device=device, scratch_dir=scratch)}}
 except OpUnavailable as e:
-    out = {"status": "unavailable", "message": str(e), "load": e.load.summary()}
+    out = {{"status": "unavailable", "message": str(e)}}
 except AssertionError as e:
-    out = {"status": "wrong", "message": str(e)}
+    out = {{"status": "wrong", "message": str(e)}}
 except Exception as e:
-    out = {"status": "error", "message": "".join(traceback.format_exception(e))}
+    out = {{"status": "error", "message": "".join(traceback.format_exception(e))}}
 sys.stdout.flush()
-print("\\n" + _MARK + json.dumps(out, default=str))
-""".replace("_MARK", repr("@@dsconform-op-result@@"))
-
-
-_MARK = "@@dsconform-op-result@@"
-
-
-def check_op_isolated(name: str, *, device: str = "cpu",
-                      scratch_dir: str | os.PathLike[str] | None = None,
-                      timeout_s: float = 900) -> dict[str, Any]:
-    """check_op in a child Python process. Native code can abort the process (DeepSpeed's aio
-    asserts on an unaligned read; GDS I/O on a non-GDS disk killed the 2xH200 run), and a test
-    suite must survive that: the child's death becomes OpCrashed naming the signal and its output.
-    Raises OpUnavailable-equivalent RuntimeError text, AssertionError, or OpCrashed."""
-    return IsolatedOpCheck.start(name, device=device, scratch_dir=scratch_dir).result(timeout_s)
+print("\\n" + {_MARK!r} + json.dumps(out, default=str))
+"""
 
 
 class IsolatedOpCheck:
-    """check_op_isolated, started now and read later, so that several ops' checks (each mostly
-    the child's import of torch and deepspeed) run at once."""
+    """check_op in a child Python process, started now and read later, so that several ops'
+    checks (each mostly the child's import of torch and deepspeed) run at once. Native code can
+    abort the process (DeepSpeed's aio asserts on an unaligned read; GDS I/O on a non-GDS disk,
+    docs/findings.md#deepnvme): the child's death becomes OpCrashed naming the signal and its
+    output."""
 
     def __init__(self, name: str, proc: Any) -> None:
         self.name = name
@@ -144,7 +132,7 @@ class IsolatedOpCheck:
             self._out = (str(stdout or ""), str(stderr or ""))
 
     def result(self, timeout_s: float = 900) -> dict[str, Any]:
-        """The check's result (a dict) or its exception, as check_op_isolated describes."""
+        """The check's result (a dict); raises OpUnavailableText, AssertionError or OpCrashed."""
         import signal as _signal
 
         name, proc = self.name, self.proc
@@ -165,7 +153,7 @@ class IsolatedOpCheck:
         if status == "ok":
             return out["result"]
         if status == "unavailable":
-            raise OpUnavailableText(out["message"], out.get("load", {}))
+            raise OpUnavailableText(out["message"])
         if status == "wrong":
             raise AssertionError(out["message"])
         raise OpCrashed(f"op {name}: the check raised unexpectedly:\n{out['message']}")
@@ -266,8 +254,4 @@ def checks_for_run(ops: Sequence[str], device: str, builds: ParallelBuilds | Non
 
 
 class OpUnavailableText(RuntimeError):
-    """OpUnavailable as reported by a child process: the formatted failure and the load summary."""
-
-    def __init__(self, message: str, load: dict[str, Any]):
-        super().__init__(message)
-        self.load = load
+    """OpUnavailable as reported by a child process: the formatted failure."""

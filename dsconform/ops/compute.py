@@ -14,8 +14,7 @@ from dsconform.ops.load import require_op
 def _assert_close_step(check: str, step: int, params: Sequence[Any], refs: Sequence[Any],
                        tol: Any) -> tuple[float, float]:
     """Compare every parameter after `step` with the one comparator (dsconform.checks.equivalence)
-    under
-    the one tolerance table's entry; AssertionError naming step, parameter and numbers."""
+    under the one tolerance table's entry; AssertionError naming step, parameter and numbers."""
     from dsconform.checks.equivalence import tensor_difference
     worst_abs = worst_rel = 0.0
     for i, (p, r) in enumerate(zip(params, refs)):
@@ -38,9 +37,8 @@ def _assert_moved(check: str, params: Sequence[Any], initial: Sequence[Any]) -> 
 
 def _gradient(n: int, gen: Any) -> Any:
     """N(0, 1) gradients whose magnitudes span 10 decades (each element times 10**-u, u uniform
-    in [0, 10)): about a fifth of them sit at or below Adam's eps (1e-8) and Adagrad's (1e-10),
-    where the update depends on eps, so an optimizer that gets eps wrong (or drops it) fails;
-    N(0, 1) alone moves such updates by far less than the tolerance (eps 0 passed it)."""
+    in [0, 10)): a fifth of them sit at or below eps, so a wrong eps fails
+    (docs/findings.md#optimizer-ops); with N(0, 1) alone eps 0 passed."""
     import torch
 
     return torch.randn(n, generator=gen) * torch.pow(10.0, -10.0 * torch.rand(n, generator=gen))
@@ -50,10 +48,8 @@ def _run_optimizer_pair(check: str, make_opt: Callable[[list], Any],
                         make_ref: Callable[[list], Any] | None,
                         ref_step: Callable[[list, list, int], None] | None, *, steps: int,
                         sizes: Sequence[int], device: str = "cpu", seed: int = 0) -> dict[str, Any]:
-    """Step an optimizer and its reference on identical parameters and gradients; compare each step.
-
-    Sizes default to uneven element counts so that SIMD tails and partition padding are exercised.
-    """
+    """Step an optimizer and its reference on identical parameters and gradients; compare each step
+    (uneven ``sizes`` exercise SIMD tails and partition padding)."""
     import torch
 
     from dsconform.checks.tolerances import tolerance
@@ -95,48 +91,38 @@ def _tampered(make: Callable[[list], Any],
     return build
 
 
-def check_cpu_adam(*, steps: int = 5, adamw_mode: bool = True, weight_decay: float = 0.01,
-                   lr: float = 1e-2, sizes: Sequence[int] = (53, 4103),
+def _check_adam(op: str, make: Callable[..., Any], device: str, adamw_mode: bool,
+                weight_decay: float, tamper: Callable[[Any], None] | None) -> dict[str, Any]:
+    """``make(params, adamw_mode, **hp)``, a DeepSpeed Adam, against torch.optim.AdamW (adamw_mode:
+    decoupled weight decay) or torch.optim.Adam (weight decay as an L2 term added to the
+    gradient), same hyperparameters, on ``device``. weight_decay and adamw_mode are passed on both
+    sides: DeepSpeed defaults to AdamW with weight_decay 0, torch's AdamW to weight_decay 0.01."""
+    import torch
+    load = require_op(op)
+    hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+    ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    result = _run_optimizer_pair(op, _tampered(lambda ps: make(ps, adamw_mode, **hp), tamper),
+                                 lambda ps: ref_cls(ps, **hp), None, steps=5, sizes=(53, 4103),
+                                 device=device)
+    return {"op": op, "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp,
+            "load_seconds": load.seconds, **result}
+
+
+def check_cpu_adam(*, adamw_mode: bool = True, weight_decay: float = 0.01,
                    tamper: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """DeepSpeedCPUAdam against torch.optim.AdamW (adamw_mode: decoupled weight decay) or
-    torch.optim.Adam (adamw_mode=False: weight decay as an L2 term added to the gradient), same
-    hyperparameters.
-
-    weight_decay and adamw_mode are passed explicitly on both sides: DeepSpeed defaults to
-    AdamW with weight_decay 0, torch's AdamW to weight_decay 0.01.
-    """
-    import torch
+    """DeepSpeedCPUAdam against torch (_check_adam)."""
     from deepspeed.ops.adam import DeepSpeedCPUAdam
-    load = require_op("cpu_adam")
-    hp = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
-    ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
-    result = _run_optimizer_pair(
-        "cpu_adam",
-        _tampered(lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=adamw_mode, bias_correction=True,
-                                              **hp), tamper),
-        lambda ps: ref_cls(ps, **hp), None, steps=steps, sizes=sizes)
-    return {"op": "cpu_adam", "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp,
-            "load_seconds": load.seconds, **result}
+    return _check_adam("cpu_adam", lambda ps, adamw, **hp: DeepSpeedCPUAdam(
+        ps, adamw_mode=adamw, bias_correction=True, **hp), "cpu", adamw_mode, weight_decay, tamper)
 
 
-def check_fused_adam(device: str = "cpu", *, steps: int = 5, adamw_mode: bool = True,
-                     weight_decay: float = 0.01,
-                     lr: float = 1e-2, sizes: Sequence[int] = (53, 4103),
+def check_fused_adam(device: str = "cpu", *, adamw_mode: bool = True, weight_decay: float = 0.01,
                      tamper: Callable[[Any], None] | None = None) -> dict[str, Any]:
-    """deepspeed.ops.adam.FusedAdam on `device` against torch AdamW (adam_w_mode) or Adam with
-    L2 weight decay (adam_w_mode=False) on the same device."""
-    import torch
+    """deepspeed.ops.adam.FusedAdam on `device` against torch on the same device (_check_adam)."""
     from deepspeed.ops.adam import FusedAdam
-    load = require_op("fused_adam")
-    hp = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
-    ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
-    result = _run_optimizer_pair(
-        "fused_adam",
-        _tampered(lambda ps: FusedAdam(ps, adam_w_mode=adamw_mode, bias_correction=True, **hp),
-                  tamper),
-        lambda ps: ref_cls(ps, **hp), None, steps=steps, sizes=sizes, device=device)
-    return {"op": "fused_adam", "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp,
-            "load_seconds": load.seconds, **result}
+    return _check_adam("fused_adam", lambda ps, adamw, **hp: FusedAdam(
+        ps, adam_w_mode=adamw, bias_correction=True, **hp), device, adamw_mode, weight_decay,
+        tamper)
 
 
 def check_adam_modes(check: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:

@@ -1,16 +1,13 @@
-"""Why an op did not build or load, and what to do about it.
-
-`diagnose` reads the error, the compiler/ninja output and the environment and returns the causes it
-recognises, each with a fix the operator can apply. Pure text: no torch, no DeepSpeed, so it also
-works on logs copied from another node.
-"""
+"""Why an op did not build or load, and the fix for each cause recognised in the error, the
+compiler/ninja output and the environment. Pure text (no torch, no DeepSpeed): it also works on
+logs copied from another node."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 DEFAULT_MIN_SHM_BYTES = 512 * 1024**2  # DeepSpeed's env_report warns below this
 
@@ -19,16 +16,6 @@ DEFAULT_MIN_SHM_BYTES = 512 * 1024**2  # DeepSpeed's env_report warns below this
 class Diagnosis:
     cause: str
     fix: str
-
-
-class _Failure(Protocol):  # what format_failure needs of dsconform.ops.load.OpLoad
-    name: str
-    compatible: bool
-    loaded: bool
-    seconds: float
-    error: str | None
-    log_tail: str
-    diagnosis: list[Diagnosis]
 
 
 Rule = Callable[[str, Mapping[str, str]], "Diagnosis | None"]
@@ -164,11 +151,9 @@ RULES: tuple[Rule, ...] = (_arch_suffix, _cuda_mismatch, _cuda_home, _ninja, _co
 def diagnose(error_text: str, log_tail: str, env: Mapping[str, str], *,
              shm_bytes: int | None = None,
              min_shm_bytes: int = DEFAULT_MIN_SHM_BYTES) -> list[Diagnosis]:
-    """Known causes of a failed op build/load, each with a fix; [] when none is recognised.
-
-    `env` is the process environment (TORCH_CUDA_ARCH_LIST is checked even when the error says
-    something else); `shm_bytes`, when given, is compared with `min_shm_bytes`.
-    """
+    """Known causes of a failed op build/load, each with a fix; [] when none is recognised. `env`
+    is the process environment (TORCH_CUDA_ARCH_LIST is checked even when the error says
+    something else); `shm_bytes`, when given, is compared with `min_shm_bytes`."""
     text = f"{error_text or ''}\n{log_tail or ''}"
     found = [d for d in (rule(text, env) for rule in RULES) if d is not None]
     if (shm_bytes is not None and shm_bytes < min_shm_bytes
@@ -184,9 +169,9 @@ def first_compiler_error(log: str) -> str | None:
     return m.group(0).strip() if m else None
 
 
-def format_failure(load: _Failure | Any) -> str:
-    """What the suite prints for an op that did not load: op, error, causes and fixes,
-    output tail."""
+def format_failure(load: Any) -> str:
+    """What the suite prints for an op (a dsconform.ops.load.OpLoad) that did not load: op,
+    error, causes and fixes, output tail."""
     error_lines = (load.error or "no error recorded").strip().splitlines()
     lines = [f"op {load.name} did not load (DeepSpeed's probe said compatible: {load.compatible}; "
              f"{load.seconds:.1f} s)",

@@ -1,10 +1,6 @@
-"""ds_report as data.
-
-`ds_report` (deepspeed/env_report.py) prints a coloured op table and an environment block meant for
-humans. The suite records it with every result and `dsconform report --json` prints it, so it is
-parsed here into plain data. What ds_report calls "compatible" only means a probe passed; whether
-an op really builds and loads is measured by `dsconform.ops.load.load_op`.
-"""
+"""ds_report as data: its coloured op table and environment block (deepspeed/env_report.py),
+parsed into plain data for the results and `dsconform report --json`. Its "compatible" only means
+a probe passed; whether an op builds and loads is `dsconform.ops.load.load_op`'s to say."""
 
 from __future__ import annotations
 
@@ -72,35 +68,25 @@ SHM_UNITS = {"B": 1, "KB": 1024, "MB": 1024**2, "GB": 1024**3, "TB": 1024**4}
 
 
 class DsReportError(RuntimeError):
-    """ds_report could not be run, or exited non-zero; `output` holds what it printed."""
-
-    def __init__(self, message: str, output: str = "") -> None:
-        super().__init__(message)
-        self.output = output
+    """ds_report could not be run, or exited non-zero."""
 
 
-def run_ds_report(timeout_s: float = 120, env: Mapping[str, str] | None = None,
-                  python: str | os.PathLike[str] | None = None) -> str:
-    """Run ds_report in `python` (default: this interpreter) and return stdout+stderr, colours kept.
-
-    `python -m deepspeed.env_report` rather than the `ds_report` on PATH: that script may belong to
-    another environment (pyenv shims, a second venv), and the report must describe the DeepSpeed
-    that the suite imports.
-    """
-    run_env = dict(os.environ if env is None else env)
+def run_ds_report(timeout_s: float = 120) -> str:
+    """Run `python -m deepspeed.env_report` in this interpreter and return stdout+stderr, colours
+    kept: the `ds_report` on PATH may belong to another environment (pyenv shims, a second venv),
+    and the report must describe the DeepSpeed that the suite imports."""
     # Unbuffered so that logger lines (stderr) and the report (stdout) keep their printed order.
-    run_env["PYTHONUNBUFFERED"] = "1"
-    cmd = [os.fspath(python or sys.executable), "-m", "deepspeed.env_report"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "deepspeed.env_report"]
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=run_env,
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                               timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"").decode(errors="replace")
-        raise DsReportError(f"{' '.join(cmd)} did not finish within {timeout_s} s", out) from exc
+        raise DsReportError(f"{' '.join(cmd)} did not finish within {timeout_s} s") from exc
     out = proc.stdout.decode(errors="replace")
     if proc.returncode != 0:
         tail = "\n".join(out.splitlines()[-20:])
-        raise DsReportError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}", out)
+        raise DsReportError(f"{' '.join(cmd)} exited {proc.returncode}:\n{tail}")
     return out
 
 
@@ -109,11 +95,8 @@ def strip_ansi(text: str) -> str:
 
 
 def parse_ds_report(text: str) -> dict[str, Any]:
-    """Parse ds_report output (coloured or not) into ops, ninja, env, warnings and accelerator.
-
-    Raises ValueError when the text holds no op table (not ds_report output, or produced with
-    --hide_operator_status).
-    """
+    """Parse ds_report output (coloured or not) into ops, ninja, env, warnings and accelerator;
+    ValueError when the text holds no op table (not ds_report output, or --hide_operator_status)."""
     lines = [line.strip() for line in strip_ansi(text).replace("\r", "").splitlines()]
     rows = {i: m for i, m in ((i, OP_ROW_RE.match(line)) for i, line in enumerate(lines)) if m}
     if not any(TABLE_HEADER_RE.match(line) for line in lines) or not rows:

@@ -1,9 +1,6 @@
-"""Build and load a DeepSpeed op for real, with the compiler's output captured.
-
-ds_report's "compatible" only says a probe passed: on the reference H200 node every op printed
-[OKAY] while every JIT build failed (TORCH_CUDA_ARCH_LIST=9.0a). `load_op` builds and loads,
-never raises, and says why an op did not load (dsconform.ops.diagnose); `require_op` raises
-OpUnavailable."""
+"""Build and load a DeepSpeed op for real, with the compiler's output captured: ds_report's
+"compatible" is only a probe (docs/findings.md#op-builds). `load_op` never raises and says why an
+op did not load (dsconform.ops.diagnose); `require_op` raises OpUnavailable."""
 
 from __future__ import annotations
 
@@ -21,8 +18,6 @@ from dsconform.ops.diagnose import Diagnosis, diagnose, format_failure
 from dsconform.ops.dsreport import strip_ansi
 
 LOG_TAIL_LINES = 40
-
-
 LOG_LINE_CHARS = 600  # verbose ninja prints compiler command lines thousands of characters long
 
 
@@ -33,22 +28,11 @@ ERROR_LINE_RE = re.compile(r"\berror:|fatal error|FAILED:|undefined reference|ca
 
 
 def op_builders() -> dict[str, str]:
-    """op name -> builder class name, for the accelerator DeepSpeed picked in this process.
-
-    From DeepSpeed's ALL_OPS, which holds what `get_accelerator().create_op_builder` gives for every
-    builder of that accelerator: on the CPU accelerator `fused_adam` is a CPU implementation and
-    there is no `gds`.
-    """
+    """op name -> builder class name, for the accelerator DeepSpeed picked in this process
+    (DeepSpeed's ALL_OPS: on the CPU accelerator `fused_adam` is a CPU implementation and there
+    is no `gds`)."""
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
     return {name: type(builder).__name__ for name, builder in ALL_OPS.items()}
-
-
-def __getattr__(name: str) -> Any:
-    # OP_BUILDERS is computed on first use: importing deepspeed (and torch) costs seconds, and
-    # extensions_dir() must work without them.
-    if name == "OP_BUILDERS":
-        return op_builders()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _create_builder(name: str) -> Any:
@@ -73,7 +57,6 @@ class OpLoad:
     log_tail: str = ""
     diagnosis: list[Diagnosis] = field(default_factory=list)
     builder: str | None = None
-    extensions_dir: str | None = None
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly fields for benchmark records (no module object)."""
@@ -91,8 +74,7 @@ class OpUnavailable(RuntimeError):
 
 
 def _error_text(exc: BaseException) -> str:
-    """The exception chain, innermost cause first and the raised exception last
-    (traceback order)."""
+    """The exception chain, innermost cause first (traceback order)."""
     chain: list[BaseException] = []
     cur: BaseException | None = exc
     while cur is not None and cur not in chain:
@@ -102,11 +84,8 @@ def _error_text(exc: BaseException) -> str:
 
 
 def log_tail(text: str, n: int = LOG_TAIL_LINES) -> str:
-    """The last `n` lines; when the first compiler error is earlier, its lines lead the tail.
-
-    ninja keeps running the jobs in flight after the first failure, so the error that matters is
-    often buried under later compiler command lines.
-    """
+    """The last `n` lines; when the first compiler error is earlier, its lines lead the tail
+    (ninja runs the jobs in flight after the first failure, burying the error that matters)."""
     lines = [ln if len(ln) <= LOG_LINE_CHARS else ln[:LOG_LINE_CHARS] + " [...]"
              for ln in strip_ansi(text).splitlines()]
     first_err = next((i for i, ln in enumerate(lines) if ERROR_LINE_RE.search(ln)), None)
@@ -152,8 +131,7 @@ def load_op(name: str) -> OpLoad:
     result = OpLoad(name=name, compatible=compatible, loaded=loaded, seconds=seconds,
                     built_now=(loaded and not existed and not already
                                and _so_path(ext_dir, name).exists()),
-                    module=module, error=error, log_tail=log_tail(out.text), builder=builder_name,
-                    extensions_dir=str(ext_dir))
+                    module=module, error=error, log_tail=log_tail(out.text), builder=builder_name)
     if error is not None:
         result.diagnosis = diagnose(error, out.text, os.environ, shm_bytes=shm_bytes())
     return result

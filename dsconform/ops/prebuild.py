@@ -1,17 +1,8 @@
-"""Build the ops a run needs as it starts: the awaited build first, with the cores.
-
-A cold run's time goes to JIT builds its tests wait for, and builds sharing the cores out
-evenly each take about twice their time alone (docs/performance.md#op-builds). So every op is
-built at once, one process per op, each with every core (MAX_JOBS), in ``longest_first`` order
-of priority: the first at nice 0, the next at nice 10, the rest at nice 19. A build takes what
-the builds before it leave idle (an op of two source files keeps two cores busy), and all of
-it once they are done. Ops already in the extensions cache are not built again
-(``skip_cached``: the run's warm start costs nothing).
-
-Tests go on meanwhile: those that need no op run; the op tests wait for their op's build and
-only load and check it; a build that failed is reported by its op's test, with the diagnosis,
-from this build's result (no second attempt). Ranks that need an op wait for the build in
-torch's own lock, which the build process holds open while it works (dsconform.base.buildlock).
+"""Build the ops a run needs as it starts (docs/performance.md#op-builds): one process per op,
+all at once, each with every core (MAX_JOBS), in ``longest_first`` order of priority (nice 0,
+then 10, then 19); ops the extensions cache holds are not built again (``skip_cached``). Tests
+that need no op run meanwhile; an op's tests wait for its build and report a failure from its
+result; ranks that need an op wait in torch's build lock (dsconform.base.buildlock).
 ``dsconform build-ops`` (dsconform.ops.build_cli) runs the same builds ahead of a run.
 """
 
@@ -65,23 +56,6 @@ TYPICAL_BUILD_S = {"gds": 57.4, "async_io": 51.7, "fused_adam": 41.7, "cpu_adam"
 def longest_first(ops: Sequence[str]) -> list[str]:
     """``ops`` by TYPICAL_BUILD_S, longest first; ops it does not list keep their order, last."""
     return sorted(dict.fromkeys(ops), key=lambda op: -TYPICAL_BUILD_S.get(op, 0.0))
-
-
-#: Of RUN_OPS, those the acceptance tier loads only where the profile promises them: gds
-#: (NVME-GDS-1 is marked promised_ops_only, NVME-GDS-2 runs on paths with gds = true).
-PROMISED_ONLY = ("gds",)
-
-#: Of RUN_OPS, those only the nightly tier's cells load on GPUs (the optimizer suite's Adagrad,
-#: Lion and LAMB ops): an acceptance run neither builds nor waits for them unless promised.
-NIGHTLY_ONLY = ("cpu_adagrad", "cpu_lion", "fused_lion", "fused_lamb")
-
-
-def acceptance_ops(accelerator: str, promised: Sequence[str]) -> list[str]:
-    """The ops ``pytest -m gpu`` loads on this accelerator: the promised ones, then RUN_OPS's
-    but those of PROMISED_ONLY and NIGHTLY_ONLY the profile does not promise."""
-    return list(dict.fromkeys([*promised, *(
-        op for op in RUN_OPS.get(accelerator, ())
-        if op not in PROMISED_ONLY + NIGHTLY_ONLY or op in promised)]))
 
 
 def available_cores() -> int:
@@ -194,8 +168,7 @@ class ParallelBuilds:
         """Start building ``ops``, the first the most awaited, with ``cores`` (default: this
         process's); skip_cached: leave out ops the extensions cache holds (else they only
         load, at nice NICE_STEP); share_cpu_info: settle py-cpuinfo's answer first, for the
-        builds to inherit (it waits for the answer: a second where nothing asked yet; each
-        build asks once otherwise)."""
+        builds to inherit (each build asks once otherwise, docs/performance.md)."""
         order = list(dict.fromkeys(ops))
         if ext_dir is None:
             from dsconform.ops.cache import ensure_extensions_dir

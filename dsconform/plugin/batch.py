@@ -1,40 +1,15 @@
-"""Cell batches: the rank calls of many selected cells run at once, each checked by its own test.
+"""Cell batches: the rank calls of many selected cells run at once, each checked by its own test
+(docs/performance.md#what-the-acceptance-tiers-time-goes-to-2xh200).
 
-A correctness cell (ZeRO against DDP, a checkpoint round trip, a loss-scaling run) spends most of
-its second on Python, kernel launches and engine set-up, not on the GPUs. A test function marked
-``@batched(plan)`` hands its rank call to the run's cell batch: once collection ends, every
-selected, runnable cell of every batched test function is planned (``plan(params, workdir,
-run) -> RankCall``) and their calls start in a background thread through
-``dsconform.harness.lanes.run_concurrently`` (several rank groups per world size; one-rank cells
-on every GPU in turn). Each test then takes its own outcome with ``cell_results(request)``,
-waiting for it if need be, and checks it exactly as it would have checked a run_ranks call: the same
-results, the same RankError, RankTimeout or skip, raised in that test, and the same tolerance
-and known-issue handling.
-
-What it changes:
-* The order (``phases``): the tests that neither are batched nor measure run first, while the
-  batch runs; then the batched tests, whose outcomes are ready or nearly; then the tests that
-  measure (the ``metrics`` fixture), each of which waits for the whole batch to end
-  (``wait_for_batch``), so nothing of the batch shares the node with a measurement. The
-  profile's promise tests still come first (the plugin).
-* The time: a test that waited for the batch shows it in its duration, and in junit.xml as
-  ``dsconform_batch_wait_seconds``; each batched cell's own call seconds are in
-  ``dsconform_batch_seconds``; the summary prints the batch (cells, lanes, seconds, waits).
-* Cells that the gate will skip, or fail as a broken promise, are left out of the batch and
-  take their usual path.
-* A cell's plan gets a directory of its own under --scratch (``workdir``), removed as soon as
-  its call ends, instead of the test's ``scratch`` fixture.
-* The batch's calls see the environment and sys.path of the end of collection, whatever a test
-  running meanwhile changes.
-* A cell may be several steps (a plan returning a list of RankCalls): they run in turn on one
-  lane, and a ``fresh=True`` step on new, never warmed-up ranks, started while the step before
-  it runs (the resume in a fresh process).
-* A cell that loads an op the run still builds waits for that build, and such cells go last.
-
-Batches are off (every cell runs its call in its own test, in the usual order) with one lane
-(``DSCONFORM_LANES``, "auto": only on cuda machines with >= 16 cores), under pytest-xdist
-(another worker may own a cell) and under torchrun/Slurm. A session that ends early (-x,
-Ctrl-C) stops the batch and kills its ranks.
+A test function marked ``@batched(plan)`` hands its rank call to the run's cell batch: once
+collection ends, every selected cell the gate will run is planned (``plan(params, workdir, run)
+-> RankCall``) and the calls start in a background thread on the lanes
+(``dsconform.harness.lanes.run_concurrently``), with the environment of the end of collection.
+Each test takes its outcome with ``cell_results(request)`` and checks it as it would a run_ranks
+call's: the same results, RankError, RankTimeout or skip. The tests that neither are batched nor
+measure run first, beside the batch; then the batched ones; then those that measure, each after
+the whole batch (``wait_for_batch``). Batches are off with one lane (``DSCONFORM_LANES``), under
+pytest-xdist and under torchrun/Slurm; a session that ends early stops the batch.
 """
 
 from __future__ import annotations
@@ -58,56 +33,36 @@ from dsconform.harness.xdist import xdist_worker
 from dsconform.plugin.runstate import STATE, RunState, run_state
 from dsconform.results import durations
 
-__all__ = ["Plan", "RankCall", "batch_stats", "batched", "cell_results", "cost", "enabled",
-           "has_plan", "in_batch", "measures", "phases", "select", "start", "stop",
-           "wait_for_batch"]
-
 #: plan(params, workdir, run) -> the cell's RankCall, or a list of RankCalls (steps run in turn on
 #: one lane, a fresh=True step on new processes; the cell's results are then the list of each
-#: step's), or either with a cleanup, (calls, cleanup), where cleanup() runs once the call ended
-#: (a directory of its own on an NVMe path). params: the cell's parametrize
-#: values (item.callspec.params); workdir: a fresh directory under --scratch, removed after the
-#: call (the test's ``scratch`` when the cell runs alone); run: this run's RunState. An exception
-#: it raises (a preflight refusal, a skip) is the cell's outcome.
+#: step's), or either with a cleanup, (calls, cleanup), run once the call ended. params: the
+#: cell's parametrize values; workdir: a fresh directory under --scratch, removed after the call
+#: (the test's ``scratch`` when the cell runs alone); run: this run's RunState. An exception it
+#: raises (a preflight refusal, a skip) is the cell's outcome.
 Plan = Callable[[dict, Path, RunState],
                 "RankCall | list[RankCall] | tuple[RankCall | list[RankCall], Callable[[], Any]]"]
 _PLAN_ATTR = "_dsconform_batch_plan"
-#: The user property (junit.xml) holding a batched cell's call seconds, its lane's wait included.
-BATCH_SECONDS = durations.BATCH_SECONDS
 #: The user property holding the seconds a test waited for the background batch (its cell, or,
 #: for a measuring test, the whole batch).
 BATCH_WAIT = "dsconform_batch_wait_seconds"
 
 
-def batched(plan: Plan, *, cost: float | Callable[[dict], float] = 1.0,
-            where: Callable[[dict], bool] | None = None) -> Callable:
-    """Decorate a parametrized test whose body gets its rank results from cell_results().
-    A batch starts the costliest cells first, so that no long cell is left to run alone at the
-    end, and the batched tests take their outcomes in the order the cells are expected to end; a
-    cell's cost is its seconds in the last run's records (``cost``). cost: what a cell without
-    a record costs, or a function of its parametrize values (default 1.0 for every cell, a
-    neutral order; suites leave it out and let the records speak). where: which cells are
-    batched, from their parametrize values (default all); the body of the others makes its own
-    calls and must not call cell_results()."""
+def batched(plan: Plan, *, where: Callable[[dict], bool] | None = None) -> Callable:
+    """Decorate a parametrized test whose body gets its rank results from cell_results(). A
+    batch starts the costliest cells first (cost()), so that no long cell is left to run alone
+    at the end. where: which cells are batched, from their parametrize values (default all); the
+    body of the others makes its own calls and must not call cell_results()."""
     def decorate(fn: Callable) -> Callable:
-        setattr(fn, _PLAN_ATTR, (plan, cost if callable(cost) else float(cost), where))
+        setattr(fn, _PLAN_ATTR, (plan, where))
         return fn
     return decorate
 
 
-def _batched_of(item: pytest.Item) -> tuple[Plan, float] | None:
-    found = getattr(getattr(item, "function", None), _PLAN_ATTR, None)
-    if found is None:
-        return None
-    plan, cost_s, where = found
-    if where is not None and not where(_params(item)):
-        return None
-    return plan, float(cost_s(_params(item)) if callable(cost_s) else cost_s)
-
-
 def _plan_of(item: pytest.Item) -> Plan | None:
-    found = _batched_of(item)
-    return found[0] if found is not None else None
+    found = getattr(getattr(item, "function", None), _PLAN_ATTR, None)
+    if found is None or (found[1] is not None and not found[1](_params(item))):
+        return None
+    return found[0]
 
 
 def has_plan(item: pytest.Item) -> bool:
@@ -117,15 +72,13 @@ def has_plan(item: pytest.Item) -> bool:
 
 def cost(item: pytest.Item) -> float:
     """About how long the cell's call takes (0 for a test not batched): its seconds in the last
-    run's records (dsconform.results.durations), else the @batched cost, by default a neutral
-    1.0 for every cell."""
-    found = _batched_of(item)
-    if found is None:
+    run's records (dsconform.results.durations), else a neutral 1.0."""
+    if not has_plan(item):
         return 0.0
     config = getattr(item, "config", None)
     state = config.stash.get(STATE, None) if config is not None else None
     recorded = state.last_seconds.get(item.nodeid) if state is not None else None
-    return recorded if recorded is not None else found[1]
+    return recorded if recorded is not None else 1.0
 
 
 @dataclass
@@ -160,12 +113,14 @@ def batch_stats(config: pytest.Config) -> list[dict]:
                 for b in state.batches]
 
 
+def lane_count(rs: RunState) -> int:
+    """Lanes per world size on this run's accelerator (DSCONFORM_LANES)."""
+    return lanes_for("cuda" if rs.node.gpu_count else "cpu")
+
+
 def enabled(rs: RunState) -> bool:
     """Whether this run batches cells (lanes > 1, not under xdist or torchrun/Slurm)."""
-    if xdist_worker()[1] > 1 or external_rendezvous():
-        return False
-    accel = "cuda" if rs.node.gpu_count else "cpu"
-    return lanes_for(accel) > 1
+    return xdist_worker()[1] <= 1 and not external_rendezvous() and lane_count(rs) > 1
 
 
 def measures(item: pytest.Item) -> bool:
@@ -248,9 +203,7 @@ def select(session: pytest.Session, rs: RunState) -> list[pytest.Item]:
 def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None = None) -> int:
     """Plan every selected cell the gate will run (``cells``: select()'s, if taken already)
     and start their calls in a background thread (the plugin calls this once collection ends,
-    with batches enabled); returns how many cells it started. The other tests run meanwhile:
-    each batched test waits for its own cell (cell_results), each measuring test for the whole
-    batch (wait_for_batch)."""
+    with batches enabled); returns how many cells it started."""
     state = _state(session.config)
     if state.thread is not None:
         return 0
@@ -275,7 +228,7 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None
         calls.append(call)
         owners.append((it, workdir, cleanup))
         state.pending.add(it.nodeid)
-    lanes = lanes_for("cuda" if rs.node.gpu_count else "cpu")
+    lanes = lane_count(rs)
     builds = rs.op_builds
 
     def before(index: int) -> None:
@@ -416,7 +369,7 @@ def cell_results(request: pytest.FixtureRequest, workdir: Path | str | None = No
         outcome = state.outcomes.pop(nodeid, None)
         seconds = state.seconds.get(nodeid)
     if seconds is not None:  # in junit.xml: what this cell's call took in the batch
-        item.user_properties.append((BATCH_SECONDS, round(seconds, 2)))
+        item.user_properties.append((durations.BATCH_SECONDS, round(seconds, 2)))
     if outcome is None:
         call, cleanup = _split(plan(_params(item),
                                     Path(workdir if workdir is not None else rs.scratch), rs))

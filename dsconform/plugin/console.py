@@ -1,15 +1,7 @@
-"""What a run shows on the console beside pytest's own lines: failures as the check states them,
-a line while a test waits for an op's build, and the node's verdict as the last line.
-
-- A failure's report keeps the test's own frames and what the check says; the frames of this
-  package (the rank harness, the checks' helpers), pytest's and pluggy's are left out unless
-  ``-v``, ``--tb`` or ``--showlocals`` asks for pytest's full report. A failing rank's own
-  traceback is part of the check's message and stays.
-- A wait for an op's build (dsconform.ops.prebuild) says every PROGRESS_S which op it waits
-  for and how long it has been building, through pytest's terminal reporter with the output
-  capture suspended, as pytest's live logging writes.
-- ``dsconform: NODE <host> PASSED`` or ``FAILED (...)`` (dsconform.results.verdict) follows
-  pytest's short test summary.
+"""What a run shows on the console beside pytest's own lines: failures as the check states them
+(this package's, pytest's and pluggy's frames left out unless -v, --tb or --showlocals asks for
+pytest's full report; a failing rank's traceback is part of the check's message), a line every
+PROGRESS_S while a test waits for an op's build, and the node's verdict after the short summary.
 """
 
 from __future__ import annotations
@@ -66,29 +58,6 @@ def rank_lines(text: str, *, short: bool) -> str:
                       *lines[-RANK_LINES_SHOWN:]]) + "\n"
 
 
-class BuildProgress:
-    """ParallelBuilds.on_progress for a pytest run: the line on the terminal, between pytest's
-    progress lines. Only from the main thread, which pytest's own output comes from (a
-    background wait, the cell batch's, stays silent), and not in an xdist worker, whose
-    terminal nobody sees."""
-
-    def __init__(self, config: pytest.Config) -> None:
-        self.config = config
-        self.wrote = False  # since the last test report: its file's line must start again
-
-    def __call__(self, progress: Any) -> None:
-        plugins = self.config.pluginmanager
-        reporter = plugins.get_plugin("terminalreporter")
-        if (reporter is None or threading.current_thread() is not threading.main_thread()
-                or is_xdist_worker(self.config)):
-            return
-        capture = plugins.get_plugin("capturemanager")
-        # The wait runs inside a test's setup or call, whose output pytest captures.
-        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-            reporter.write_line(f"dsconform: {progress.line()}")
-        self.wrote = True
-
-
 class Console:
     """Registered in pytest_configure, in the controller and in every xdist worker (where the
     reports are made)."""
@@ -96,7 +65,7 @@ class Console:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.short = shortens_failures(config)
-        self.progress = BuildProgress(config)
+        self.wrote = False  # since the last test report: its file's line must start again
         self._say_lock = threading.Lock()
 
     def say(self, line: str) -> None:
@@ -110,17 +79,22 @@ class Console:
         capture = plugins.get_plugin("capturemanager")
         with self._say_lock, (capture.global_and_fixture_disabled() if capture
                               else contextlib.nullcontext()):
-            reporter.ensure_newline()
-            reporter.write_line(f"dsconform: {line}")
-        self.progress.wrote = True
+            reporter.write_line(f"dsconform: {line}")  # write_line ends pytest's line first
+        self.wrote = True
+
+    def progress(self, progress: Any) -> None:
+        """ParallelBuilds.on_progress: its line, only from the main thread, which pytest's own
+        output comes from (a background wait, the cell batch's, stays silent)."""
+        if threading.current_thread() is threading.main_thread():
+            self.say(progress.line())
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         """After a build's progress lines the waiting test's outcome starts a line that names
         its file again, as pytest's lines do (with -v pytest names the test again itself)."""
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
-        if self.progress.wrote and reporter is not None:
-            self.progress.wrote = False
+        if self.wrote and reporter is not None:
+            self.wrote = False
             if reporter.showfspath and reporter.verbosity <= 0:
                 reporter.write_fspath_result(report.nodeid, "")
 

@@ -1,11 +1,7 @@
 """pytest glue: gating, report header, collection (tiers, known issues, op builds, standby
-ranks, the cell batch) and the hooks around each test.
-
-Logic lives in ``dsconform``; this module only adapts it to pytest's hooks. The command-line
-options come from the installed package's entry point (``dsconform.plugin.options``), so they
-parse before this module is loaded; suites reach this run's state through the public module
-``dsconform.suite``, never through the plugin. The checkout's ``fixtures/plugin.py`` loads it.
-"""
+ranks, the cell batch) and the hooks around each test; the logic lives in ``dsconform``. The
+options come from ``dsconform.plugin.options``; the checkout's ``fixtures/plugin.py`` loads this
+module (docs/architecture.md#how-a-run-flows)."""
 
 from __future__ import annotations
 
@@ -58,19 +54,16 @@ pytest_plugins = ["dsconform.plugin.refusal"]
 RANK_LOG = pytest.StashKey[object]()
 RANK_LOG_NAME = "ranks.log"
 
+
 def pytest_addoption(parser: pytest.Parser) -> None:
-    # Normally the installed entry point registered them already, before argument parsing. With
-    # PYTEST_DISABLE_PLUGIN_AUTOLOAD it did not: register them here (then only --opt=VALUE
-    # forms parse when the value is a path outside the checkout). add_options is idempotent.
+    # The entry point registered them already, unless PYTEST_DISABLE_PLUGIN_AUTOLOAD (then only
+    # --opt=VALUE forms parse a path outside the checkout); add_options is idempotent.
     add_options(parser)
 
 
 @pytest.hookimpl(tryfirst=True)  # before junitxml's configure reads xmlpath
 def pytest_configure(config: pytest.Config) -> None:
     timeline.mark("pytest configures")
-    # Before anything imports torch's lazy modules or starts a rank (dsconform.ops.cache).
-    from dsconform.ops.cache import enable_bytecode_cache
-    enable_bytecode_cache()
     for name, text in _MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {text}")
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -179,27 +172,20 @@ def _profile_named(config: pytest.Config) -> str:
 
 
 def _stop_on_sigint(config: pytest.Config) -> None:
-    """SIGINT stops a run and still writes its results (Ctrl-C, a time limit's `timeout -s
-    INT`). A shell starts a background job (`cmd &` in a script) with SIGINT ignored, and Python
-    then installs no handler: that run would miss its time limit, be killed at the limit's
-    grace and leave no results. The controller takes SIGINT back."""
+    """SIGINT stops a run and still writes its results (Ctrl-C, `timeout -s INT`), but a shell
+    starts a background job (`cmd &`) with SIGINT ignored and Python then installs no handler:
+    the controller takes SIGINT back."""
     if (not is_xdist_worker(config) and threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _use_stable_extension_cache() -> list[str]:
-    """Ops built once are reused by every later run and by every rank process (they inherit the
-    environment). Keyed per environment: two environments sharing one cache rebuild each
-    other's ops (docs/findings.md#op-builds). A lock left there by a killed build is removed
-    when provably stale; one that cannot be proven stale stops the run at once (StaleBuildLock)
-    instead of letting the next build wait for it forever; so is an inductor kernel whose
-    compile was killed (dsconform.ops.cache.sweep_inductor_cache)."""
-    try:
-        from dsconform.ops.cache import ensure_extensions_dir, sweep_inductor_cache
-    except ImportError:
-        return []
+    """The op cache of this environment, for this run and its ranks (docs/findings.md#op-builds),
+    rid of a killed build's lock (StaleBuildLock where it cannot be proven stale) and of
+    inductor kernels whose compile was killed (dsconform.ops.cache.sweep_inductor_cache)."""
     from dsconform.base.buildlock import clear_stale
+    from dsconform.ops.cache import ensure_extensions_dir, sweep_inductor_cache
     return clear_stale(ensure_extensions_dir()) + sweep_inductor_cache()
 
 
@@ -234,9 +220,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         if sink is not None:
             rank_output.release(sink)
     if _owns_process(config):
-        # pytest's end (five full garbage collections, then the interpreter's) walks every
-        # object torch and DeepSpeed made, seconds after the summary; none of them is garbage
-        # to collect now. Frozen, they are skipped, and the process exits at once.
+        # pytest's end walks every object torch and DeepSpeed made, none of them garbage now:
+        # frozen, they are skipped (docs/performance.md#the-end-of-a-run).
         gc.freeze()
 
 
@@ -267,10 +252,6 @@ def _stop_everything(config: pytest.Config) -> None:
         shutil.rmtree(state.scratch, ignore_errors=True)
 
 
-def _not_written(config: pytest.Config) -> str:
-    return "not written (--collect-only)" if config.option.collectonly else "not written"
-
-
 def pytest_report_header(config: pytest.Config) -> list[str]:
     state = run_state(config)
     n, p = state.node, state.profile
@@ -279,6 +260,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
                 f"({n.hardware.source}), {n.gpu_count} usable by torch")
     else:
         gpus = "no GPUs"
+    not_written = "not written (--collect-only)" if config.option.collectonly else "not written"
     lines = [
         f"dsconform {__version__}: node {n.hostname}: {gpus}, {n.cpu_cores} cores",
         f"dsconform versions: deepspeed {n.deepspeed_version}, torch {n.torch_version}, "
@@ -288,7 +270,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"dsconform profile: {p.name} ({state.selection.how})",
         f"dsconform run: {state.kind.description}" if state.kind else "",
         f"dsconform scratch: {state.scratch}{' (temporary)' if state.scratch_is_temp else ''}; "
-        f"results: {state.results or _not_written(config)}",
+        f"results: {state.results or not_written}",
     ]
     lines += [f"dsconform NOTE: {notice}" for notice in state.notices]
     if state.kind is not None and state.kind.failure:  # said once, before any test runs
@@ -315,26 +297,19 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             item.add_marker(pytest.mark.gpu)
         _mark_known_issues(item, state)
     _select_tier(config, items)
-    # The profile's promises are checked first: a node that breaks one is known at once. With a
-    # background cell batch, the rest goes in its phases (dsconform.plugin.batch.phases): what runs
-    # beside the batch, the batched cells, then the measurements on a quiet node.
+    # The profile's promises first (a broken one is known at once); with a cell batch, the rest
+    # in its phases (dsconform.plugin.batch.phases).
     from dsconform.plugin import batch
     phase = batch.phases(items) if batch.enabled(state) else {}
     items.sort(key=lambda it: order_key(it, phase.get(id(it), 0)))
 
 
 def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The acceptance tier leaves out `slow` tests (the full matrices) unless -m names `slow`
-    itself or --nightly asks for them: `pytest -m gpu` accepts a node in minutes, and
-    `pytest -m gpu --nightly` runs every cell.
-
-    On a node with one GPU the acceptance tier takes the one-rank cells marked `one_gpu_tier`
-    (they cover every pair of the matrix's other axes at one rank) in place of the two-rank
-    cells marked `covered_on_one_gpu`, which could only skip there.
-
-    A test marked `promised_ops_only` joins it only where the profile promises the ops it loads
-    (GDS handles on a node without nvidia-fs: the longest build, for an op it does not
-    promise; docs/performance.md); the summary's NOTE names what the nightly tier adds."""
+    """The acceptance tier leaves out `slow` tests unless -m names `slow` or --nightly asks for
+    them; on a node with one GPU it takes the cells marked `one_gpu_tier` in place of those
+    marked `covered_on_one_gpu`; a test marked `promised_ops_only` joins it only where the
+    profile promises its ops (docs/suites.md). The summary's NOTE names what the nightly tier
+    adds."""
     markexpr = config.option.markexpr or ""
     if config.getoption("--nightly") or not markexpr or re.search(r"\bslow\b", markexpr):
         return
@@ -379,11 +354,9 @@ def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the ops' builds (ops_to_build) once the selection is known, longest first, those
-    the cache holds left out: they overlap with the tests that
-    need no op (dsconform.ops.prebuild). Under xdist every worker starts them; torch's build
-    lock makes the later ones wait and load. What this prints (DeepSpeed's probes, compilers)
-    goes to the rank log, not between pytest's lines."""
+    """Start the ops' builds (dsconform.ops.prebuild), the standby ranks and the cell batch once
+    the selection is known; what this prints goes to the rank log, not between pytest's lines.
+    Under xdist every worker starts the builds; torch's build lock makes the later ones wait."""
     state = run_state(session.config)
     if session.config.option.collectonly:
         return
@@ -413,7 +386,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             state.op_builds.on_progress = session.config.pluginmanager.get_plugin(
                 "dsconform-console").progress
         step("op builds")
-        started = _start_cell_batch(session, state, cells)
+        started = 0
+        if batch.enabled(state):  # the ops suite's checks start beside it
+            _start_ops_suite(session, state)
+            started = batch.start(session, state, cells)
         step("cell batch")
     timeline.mark("tests start")
     # Where the time between collection and the first test goes (docs/performance.md).
@@ -421,11 +397,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         f"{what} {secs:.2f} s" for what, secs in took))
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if started and reporter is not None:  # the tests that wait for it show nothing meanwhile
-        from dsconform.harness.lanes import lanes_for
-        lanes = lanes_for("cuda" if state.node.gpu_count else "cpu")
         reporter.write_line(
-            f"cell batch: {started} cells started in the background ({lanes} lanes per world "
-            "size); the tests that measure wait for it to end")
+            f"cell batch: {started} cells started in the background "
+            f"({batch.lane_count(state)} lanes per world size); the tests that measure wait for "
+            "it to end")
 
 
 def _gpu_run(config: pytest.Config) -> bool:
@@ -452,16 +427,6 @@ def _start_standby_ranks(session: pytest.Session, state: RunState) -> None:
     if batch.enabled(state) and any(batch.has_plan(it) for it in gpu_items):
         from dsconform.harness.lanes import start_lanes
         start_lanes(sizes, "cuda")
-
-
-def _start_cell_batch(session: pytest.Session, state: RunState, cells: list) -> int:
-    """Start the background cell batch (dsconform.plugin.batch) of these cells, and the ops
-    suite's checks beside it; returns how many cells it started."""
-    from dsconform.plugin import batch
-    if not batch.enabled(state):
-        return 0
-    _start_ops_suite(session, state)
-    return batch.start(session, state, cells)
 
 
 def _start_ops_suite(session: pytest.Session, state: RunState) -> None:
@@ -509,8 +474,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     elif verdict is not None and not verdict.ok:
         raise pytest.skip.Exception(verdict.skip_reason, _use_item_location=True)
     elif state.op_builds is not None:
-        # A rank that loads an op this run still builds would wait for the build's lock, or,
-        # where the build has not started, build the op itself, unseen by the scheduler
+        # Else a rank waits for the build's lock or builds the op itself, unseen by the scheduler
         # (docs/performance.md#what-dominates-cold-and-warm-1xh200-pytest-suites--m-gpu-auto).
         for op in gating.item_ops(item):
             state.op_builds.wait(op)

@@ -1,14 +1,7 @@
-"""Hypothesis profiles, registered in one place.
-
-ci:   derandomized, no example database, few examples: reproducible and quick (CI uses it).
-dev:  the default on a workstation: a few more examples, database kept.
-soak: nightly runs: many examples.
-Select with ``--hypothesis-profile NAME`` or HYPOTHESIS_PROFILE; default ``dev`` (``ci`` when the
-CI variable is set, and for the acceptance tier, ``-m gpu`` without ``--nightly``: a node's
-verdict takes the same examples on every node, in seconds, and writes no database).
-DSCONFORM_HYPOTHESIS_DIR moves hypothesis's ``.hypothesis`` folder (its
-example database) out of the working directory: examples/nightly-node.sh points it at a
-node-local folder, so nodes never write into a shared (maybe read-only) checkout.
+"""Hypothesis profiles, registered in one place (docs/options.md): ci (derandomized, no example
+database, few examples), dev (the default; ci where CI is set and for the acceptance tier) and
+soak (nightly: many examples). DSCONFORM_HYPOTHESIS_DIR moves hypothesis's example database out
+of the working directory, so nodes never write into a shared (maybe read-only) checkout.
 """
 
 from __future__ import annotations

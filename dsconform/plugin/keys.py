@@ -5,12 +5,6 @@ import pytest
 from dsconform.results import records
 
 ITEM_CAPABILITY = pytest.StashKey[str]()
-
-
 BROKEN_PROMISE = pytest.StashKey[str]()
-
-
 RECORDER = pytest.StashKey[records.MetricsRecorder]()
-
-
 COVERED_BY = pytest.StashKey[list]()  # the known issues covering this case on this DeepSpeed

@@ -1,16 +1,10 @@
-"""dsconform's pytest entry point (``pytest11``): only what must exist before argument parsing.
+"""dsconform's pytest entry point (``pytest11``): the options, registered before pytest parses
+the command line, which a conftest is too late for (docs/findings.md#running-the-suite).
 
-pytest parses the command line before it reads a project's conftest.py: an option that a
-conftest registers is unknown at that moment, so ``--scratch /mnt/nvme`` (value after a space)
-made pytest take ``/mnt/nvme`` for a test path, pick ``/`` as rootdir and never read the suite's
-tox.ini or conftest.py. Options registered here, from the installed package, are known first.
-
-This module is loaded by every pytest run of an environment where dsconform is installed, so it
-MUST stay inert outside the suite: it registers options and does nothing else until the conftest
-files have loaded the suite's plugin. Outside the suite:
-no import of torch or DeepSpeed, no header, no summary, no results directory, no hypothesis
-profile. The suite itself (markers, gating, fixtures, results) is ``fixtures/plugin.py``, loaded
-by the checkout's conftest.py.
+Every pytest run of an environment where dsconform is installed loads it, so it MUST stay inert
+outside the suite: no import of torch or DeepSpeed, no header, no summary, no results directory,
+no hypothesis profile. The suite itself is ``fixtures/plugin.py``, loaded by the checkout's
+conftest.py.
 """
 
 from __future__ import annotations
@@ -18,10 +12,6 @@ from __future__ import annotations
 import pytest
 
 from dsconform import settings
-
-#: The name under which pytest registers this module
-#: (pyproject.toml, [project.entry-points.pytest11]).
-ENTRY_POINT = "dsconform"
 
 
 def add_options(parser: pytest.Parser) -> None:

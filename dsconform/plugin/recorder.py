@@ -21,9 +21,7 @@ from dsconform.node import nccl_env
 from dsconform.plugin import refusal
 from dsconform.plugin.keys import ITEM_CAPABILITY
 from dsconform.plugin.runstate import RunState, describe
-from dsconform.profile.select import (
-    rendezvous_info,
-)
+from dsconform.profile.select import rendezvous_info
 from dsconform.results import aggregate, durations, prometheus, records, summary, verdict
 from dsconform.results import format as results_format
 from dsconform.results.node_folder import node_from_summary
@@ -35,7 +33,6 @@ def must_statement(doc: str | None) -> str:
     a statement wrapped over several lines is kept whole)."""
     first = inspect.cleandoc(doc or "").split("\n\n")[0]
     return " ".join(line.strip() for line in first.splitlines() if line.strip())
-
 
 
 def _reason(report: pytest.TestReport) -> str:

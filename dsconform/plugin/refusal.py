@@ -1,10 +1,7 @@
 """A run refused at its start: the checks of its options (each refusal a usage error naming the
-option, the value and what to fix), and the verdict files around them.
-
-Before anything can refuse a run, the previous run's verdict in --results is set aside and
-dsconform.prom says "not finished" there and in --prometheus-textfile DIR
-(dsconform.results.run_files): a refused or killed run never leaves an older pass for a reader to
-find. A refused run then writes its own verdict, "refused" with the reason, wherever it can.
+option, the value and what to fix), and the verdict files around them: before any check the last
+run's verdict is set aside and dsconform.prom says "not finished" (dsconform.results.run_files),
+so a refused or killed run never leaves an older pass; a refused run writes "refused" and why.
 """
 
 from __future__ import annotations

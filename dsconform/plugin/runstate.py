@@ -1,9 +1,5 @@
-"""The state of one suite run, as the plugin sets it up and the suites read it.
-
-``run_state(config)`` is how a suite's ``pytest_generate_tests`` reaches the profile, the node,
-the scratch and results directories (fixtures cover everything else). The plugin owns the
-object; suites only read it.
-"""
+"""The state of one suite run: the plugin sets it up and owns it; suites only read it, a
+``pytest_generate_tests`` through ``run_state(config)`` (fixtures cover everything else)."""
 
 from __future__ import annotations
 
@@ -87,7 +83,6 @@ class RunState:
         except InsufficientGPUs as e:
             n = e.available
         return dataclasses.replace(node, gpus=node.gpus[:n])
-
 
     def op_compatible(self, op: str) -> bool | None:
         """ds_report's probe for ``op`` (dsconform.gate.requires.op_compatible), asked once per

@@ -41,9 +41,9 @@ def _call(fn, ws: int = 2, *args, timeout_s: float = TIMEOUT_S) -> RankCall:
 def test_auto_lanes_only_on_big_cuda_machines(monkeypatch):
     monkeypatch.setattr(harness_lanes, "LANES", "auto")
     monkeypatch.setattr(os, "cpu_count", lambda: 32)
-    monkeypatch.setattr(harness_lanes, "my_gpus", lambda: (0, 1, ["0", "1"], ["0", "1"]))
+    monkeypatch.setattr(harness_lanes, "worker_gpus", lambda: ["0", "1"])
     assert harness_lanes.lanes_for("cuda") == harness_lanes.LANES_AUTO
-    monkeypatch.setattr(harness_lanes, "my_gpus", lambda: (0, 1, ["0"], ["0"]))
+    monkeypatch.setattr(harness_lanes, "worker_gpus", lambda: ["0"])
     assert harness_lanes.lanes_for("cuda") == harness_lanes.LANES_ONE_GPU  # one-rank lanes only
     monkeypatch.setattr(harness_lanes, "check_accelerator", lambda a=None: a or "cuda")
     assert harness_lanes._lane_threads() == 32 // harness_lanes.LANES_ONE_GPU
@@ -118,6 +118,7 @@ def test_one_lane_runs_calls_in_turn_through_run_ranks(clean):
 def test_one_rank_lanes_take_the_gpus_in_turn(monkeypatch):
     monkeypatch.setattr(pool, "visible_gpus", lambda: ["0", "1"])
     monkeypatch.setattr(pool, "xdist_worker", lambda: (0, 1))
+    monkeypatch.setattr(harness_lanes, "worker_gpus", lambda: ["0", "1"])
     keys = harness_lanes._lane_keys(1, "cuda", 4)
     assert [k[2] for k in keys] == [("0",), ("1",), ("0",), ("1",)]
     assert harness_lanes._lane_keys(2, "cuda", 2) == [(2, "cuda", ("0", "1"))] * 2
@@ -268,5 +269,3 @@ def test_a_fresh_step_may_change_the_world_size(clean, lanes):
     kept = [key for key, _ in GROUPS.table.values()]  # one lane of 1 rank, two of 2 ranks
     assert kept.count((1, "cpu", (), "lane")) <= 1 and kept.count((2, "cpu", (), "lane")) <= 2, \
         f"a fresh step's group of another world size was kept as a lane's: {kept}"
-
-

@@ -236,7 +236,7 @@ def test_cells_of_steps_and_a_batch_that_ended_on_its_own(pytester, monkeypatch,
 
 def test_where_batches_only_the_cells_it_names():
     """@batched(where=...): a cell whose parametrize values it rejects is no batch cell (its
-    body makes its own calls), the others are, with the plan and cost given."""
+    body makes its own calls, cost 0), the others are (without a record, the neutral cost)."""
     from types import SimpleNamespace
 
     from dsconform.plugin import batch
@@ -244,7 +244,7 @@ def test_where_batches_only_the_cells_it_names():
     def plan(params, workdir, run):
         raise AssertionError("not planned here")
 
-    @batch.batched(plan, cost=3, where=lambda params: params["world_size"] == 1)
+    @batch.batched(plan, where=lambda params: params["world_size"] == 1)
     def test_fn(world_size):
         pass
 
@@ -252,7 +252,7 @@ def test_where_batches_only_the_cells_it_names():
         return SimpleNamespace(function=test_fn,
                                callspec=SimpleNamespace(params={"world_size": world_size}))
 
-    assert batch.has_plan(item(1)) and batch.cost(item(1)) == 3
+    assert batch.has_plan(item(1)) and batch.cost(item(1)) == 1.0
     assert not batch.has_plan(item(2)) and batch.cost(item(2)) == 0
     assert batch.has_plan(SimpleNamespace(function=batch.batched(plan)(lambda: None),
                                           callspec=SimpleNamespace(params={})))

@@ -183,7 +183,7 @@ def test_a_build_older_than_its_sources_is_not_in_the_cache(monkeypatch, tmp_pat
 class _Item:
     """Just enough of a collected test for ops_to_build, build_needs and the batch."""
 
-    def __init__(self, path: str, *marks, plan=None, cost: float = 1.0, measures=False) -> None:
+    def __init__(self, path: str, *marks, plan=None, measures=False) -> None:
         self.fspath = path
         self.nodeid = f"{path}::t{id(self)}"
         self._marks = [m.mark for m in marks]
@@ -193,7 +193,7 @@ class _Item:
 
             def function():
                 pass
-            self.function = batched(plan, cost=cost)(function)
+            self.function = batched(plan)(function)
 
     def get_closest_marker(self, name):
         return next((m for m in self._marks if m.name == name), None)

@@ -234,8 +234,12 @@ class ParallelBuilds:
                 result = json.loads(line[len(_MARK):])
             result.update(wall_seconds=b.ended - b.started, jobs=b.jobs, nice=b.nice,
                           started_at=b.started_at, cached=b.op in self.cached)
-            b.result = result
+        # The printer says how the build ended before a wait() returns it (build-ops' last line).
         self._event(b.op, "done", result)
+        with self.lock:
+            b.result = result
+        with self.changed:
+            self.changed.notify_all()
 
     def wait(self, op: str, timeout_s: float = 900, *, ticker: _Ticker | None = None
              ) -> dict[str, Any] | None:

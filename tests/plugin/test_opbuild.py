@@ -108,6 +108,26 @@ def test_every_build_starts_at_once_each_nicer_than_the_one_before(monkeypatch):
     assert line.startswith("op builds: aio ") and "adam" in line and "nice 10" in line
 
 
+def test_a_build_is_reported_before_its_wait_returns(monkeypatch):
+    """build-ops prints how each build ended (its "done" event) and then its last line, once
+    every wait has returned: the event must have run by then, however slow the printer."""
+    monkeypatch.setenv("FAKE_BUILDS", json.dumps({"a": {"seconds": 0.1, "fail": True}}))
+    order = []
+
+    def slow_printer(op, what, info):
+        if what == "done":
+            time.sleep(0.5)
+            order.append("reported")
+
+    builds = ParallelBuilds.start(["a"], 1, command=_fake_command, on_event=slow_printer)
+    try:
+        assert not builds.wait("a", timeout_s=60)["loaded"]
+        order.append("returned")
+    finally:
+        builds.close()
+    assert order == ["reported", "returned"]
+
+
 def test_a_failed_build_is_its_ops_result_and_the_summary_says_so(monkeypatch):
     specs = {"a": {"seconds": 0.5}, "b": {"seconds": 0.2, "fail": True}}
     builds, r, _ = _run_fake(monkeypatch, specs, ["a", "b"], 2)

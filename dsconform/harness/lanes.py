@@ -42,6 +42,9 @@ LANES_AUTO = 3
 LANES_MIN_CORES = 16
 LANES_ONE_GPU = 9
 
+#: How often a lane with no ready entry looks again (an op build it waits for has ended).
+READY_POLL_S = 0.25
+
 
 @dataclass(frozen=True)
 class RankCall:
@@ -146,18 +149,33 @@ def _check_steps(steps: tuple[RankCall, ...]) -> str:
     return accels.pop()
 
 
-def _lane(key: tuple, queue: deque, calls: list, pickled: list,
+def _take(queue: deque, lock: threading.Lock, ready: Callable[[int], bool] | None,
+          cancel: threading.Event) -> int | None:
+    """The first entry of the queue that is ready (all of them without ready()), taken off it;
+    while none is, wait; None once the queue is empty or the run is cancelled."""
+    while not cancel.is_set():
+        with lock:
+            i = next((i for i in queue if ready is None or ready(i)), None)
+            if i is not None or not queue:
+                if i is not None:
+                    queue.remove(i)
+                return i
+        cancel.wait(READY_POLL_S)
+    return None
+
+
+def _lane(key: tuple, queue: deque, lock: threading.Lock, calls: list, pickled: list,
           finish: Callable[[int, tuple, float], None], cancel: threading.Event,
           context: tuple[list, dict], labels: list[str | None],
-          before: Callable[[int], None] | None = None) -> None:
+          before: Callable[[int], None] | None = None,
+          ready: Callable[[int], bool] | None = None) -> None:
     """One lane: take calls of its world size off the shared queue until none is left. The
     steps of an entry run in turn on one group; a fresh step on new ranks that ran no call (of
     another world size, if it says so: that group is not kept as a lane's)."""
     threads = _lane_threads()
     while not cancel.is_set():
-        try:
-            i = queue.popleft()
-        except IndexError:
+        i = _take(queue, lock, ready, cancel)
+        if i is None:
             return
         # The ranks' output of this call is logged as its cell's test (output.record).
         with output.labelled(labels[i] or output.current_label()):
@@ -205,7 +223,8 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
                      on_done: Callable[[int, tuple, float], None] | None = None,
                      cancel: threading.Event | None = None,
                      labels: list[str] | None = None,
-                     before: Callable[[int], None] | None = None) -> list[tuple]:
+                     before: Callable[[int], None] | None = None,
+                     ready: Callable[[int], bool] | None = None) -> list[tuple]:
     """Run independent calls at once over `lanes` groups per world size (one-rank groups on
     every GPU in turn), in their order; with one lane, under torchrun/Slurm or for a single call,
     in turn through run_ranks. Each outcome is ("ok", the per-rank results) or ("raise", what
@@ -215,9 +234,10 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
     results. On lanes, calls see sys.path and the environment as at this call (through
     run_ranks: as each call starts). on_done(index, outcome, seconds since its lane took it)
     runs as each call ends; labels: what each call's rank output is logged as (default: the test
-    running then); before(index): run by the lane before that entry. cancel: setting it kills
-    every lane's ranks, and unfinished calls get no outcome (None) and no on_done; Ctrl-C kills
-    every lane and re-raises."""
+    running then); before(index): run by the lane before that entry; ready(index): whether an
+    entry may start now (a lane takes the first ready one and waits while none is). cancel:
+    setting it kills every lane's ranks, and unfinished calls get no outcome (None) and no
+    on_done; Ctrl-C kills every lane and re-raises."""
     outcomes: list = [None] * len(calls)
     lanes = lanes_for() if lanes is None else lanes
     labels = list(labels) if labels is not None else [None] * len(calls)
@@ -266,10 +286,10 @@ def run_concurrently(calls: list[RankCall | list[RankCall]], *, lanes: int | Non
             for i in indices:
                 finish(i, ("raise", exc))
             continue
-        queue = deque(indices)
+        queue, lock = deque(indices), threading.Lock()
         threads += [threading.Thread(target=_lane, name=f"dsconform-lane-ws{ws}", daemon=True,
-                                     args=(key, queue, calls, pickled, finish, cancel, context,
-                                           labels, before)) for key in keys]
+                                     args=(key, queue, lock, calls, pickled, finish, cancel,
+                                           context, labels, before, ready)) for key in keys]
     for t in threads:
         t.start()
     try:

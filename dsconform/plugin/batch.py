@@ -231,13 +231,26 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None
     lanes = lane_count(rs)
     builds = rs.op_builds
 
+    ops = [gating.item_ops(it) if builds is not None else [] for it, _, _ in owners]
+    built: set[str] = set()
+
+    def ready(index: int) -> bool:
+        """Whether the cell's ops are built: lanes run ready cells while the others wait."""
+        for op in ops[index]:
+            if op not in built:
+                if not builds.finished(op):
+                    return False
+                built.add(op)
+        return True
+
     def before(index: int) -> None:
         """A rank that loads an op the run still builds would wait for the build's lock, or
         build it itself, unseen by the build scheduler: the cell waits for the build."""
-        for op in gating.item_ops(owners[index][0]) if builds is not None else ():
+        for op in ops[index]:
             builds.wait(op)
 
-    state.thread = threading.Thread(target=_run, args=(state, calls, owners, lanes, before),
+    state.thread = threading.Thread(target=_run,
+                                    args=(state, calls, owners, lanes, before, ready),
                                     name="dsconform-cell-batch", daemon=True)
     state.thread.start()
     return len(calls)
@@ -245,7 +258,7 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None
 
 def _run(state: _State, calls: list[RankCall | list[RankCall]],
          owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]], lanes: int,
-         before: Callable[[int], None]) -> None:
+         before: Callable[[int], None], ready: Callable[[int], bool]) -> None:
     """The batch's thread: run the calls, hand each outcome to its test as it ends."""
     t0 = time.monotonic()
 
@@ -274,7 +287,8 @@ def _run(state: _State, calls: list[RankCall | list[RankCall]],
     try:
         # Each call's rank output is logged as its cell's test (dsconform.harness.output).
         run_concurrently(calls, lanes=lanes, on_done=done, cancel=state.cancel,
-                         labels=[it.nodeid for it, _, _ in owners], before=before)
+                         labels=[it.nodeid for it, _, _ in owners], before=before,
+                         ready=ready)
     except BaseException as exc:  # the harness failed: each waiting cell says so
         with state.cond:
             for it, _, _ in owners:

@@ -269,3 +269,16 @@ def test_a_fresh_step_may_change_the_world_size(clean, lanes):
     kept = [key for key, _ in GROUPS.table.values()]  # one lane of 1 rank, two of 2 ranks
     assert kept.count((1, "cpu", (), "lane")) <= 1 and kept.count((2, "cpu", (), "lane")) <= 2, \
         f"a fresh step's group of another world size was kept as a lane's: {kept}"
+
+
+def test_lanes_take_the_first_ready_call_and_wait_while_none_is(clean):
+    """An entry that is not ready (its op still building) waits while later ones run: two lanes
+    take entries 1 and 2, and entry 0 only once entry 2 has ended."""
+    taken: list[int] = []
+    ended: set[int] = set()
+    out = harness_lanes.run_concurrently(
+        [_call(rank_fns.sleep_then_pid, 1, 0.1) for _ in range(3)], lanes=2,
+        before=taken.append, ready=lambda i: i != 0 or 2 in ended,
+        on_done=lambda i, outcome, seconds: ended.add(i))
+    assert [o[0] for o in out] == ["ok", "ok", "ok"], out
+    assert sorted(taken[:2]) == [1, 2] and taken[2] == 0, taken

@@ -236,9 +236,8 @@ class ParallelBuilds:
                           started_at=b.started_at, cached=b.op in self.cached)
         # The printer says how the build ended before a wait() returns it (build-ops' last line).
         self._event(b.op, "done", result)
-        with self.lock:
-            b.result = result
         with self.changed:
+            b.result = result
             self.changed.notify_all()
 
     def wait(self, op: str, timeout_s: float = 900, *, ticker: _Ticker | None = None

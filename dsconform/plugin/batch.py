@@ -232,16 +232,10 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None
     builds = rs.op_builds
 
     ops = [gating.item_ops(it) if builds is not None else [] for it, _, _ in owners]
-    built: set[str] = set()
 
     def ready(index: int) -> bool:
         """Whether the cell's ops are built: lanes run ready cells while the others wait."""
-        for op in ops[index]:
-            if op not in built:
-                if not builds.finished(op):
-                    return False
-                built.add(op)
-        return True
+        return all(builds.finished(op) for op in ops[index])
 
     def before(index: int) -> None:
         """A rank that loads an op the run still builds would wait for the build's lock, or

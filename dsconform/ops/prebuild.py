@@ -169,23 +169,32 @@ class ParallelBuilds:
         process's); skip_cached: leave out ops the extensions cache holds (else they only
         load, at nice NICE_STEP); share_cpu_info: settle py-cpuinfo's answer first, for the
         builds to inherit (each build asks once otherwise, docs/performance.md)."""
-        order = list(dict.fromkeys(ops))
+        self = cls(order=[], cores=max(1, cores or available_cores()), **kw)
+        self.add(ops, skip_cached=skip_cached, ext_dir=ext_dir, share_cpu_info=share_cpu_info)
+        return self
+
+    def add(self, ops: Sequence[str], *, skip_cached: bool = True, ext_dir: Path | None = None,
+            share_cpu_info: bool = True) -> None:
+        """Start building those of ``ops`` not asked for yet, after the builds started so far
+        in priority (``start``'s arguments)."""
         if ext_dir is None:
             from dsconform.ops.cache import ensure_extensions_dir
             ext_dir = ensure_extensions_dir()
-        cached = [op for op in order if is_cached(op, ext_dir)]
+        new = [op for op in dict.fromkeys(ops) if op not in self.order and op not in self.cached]
+        cached = [op for op in new if is_cached(op, ext_dir)]
+        self.cached += cached
         if skip_cached:
-            order = [op for op in order if op not in cached]
-        self = cls(order=order, cores=max(1, cores or available_cores()), cached=cached, **kw)
-        if order and share_cpu_info:  # each build's CPU question answered from here
+            new = [op for op in new if op not in cached]
+        if new and share_cpu_info:  # each build's CPU question answered from here
             from dsconform.base import cpu_info
             cpu_info.share()
-        self.t0 = time.monotonic()  # after it: started_at counts from the first build
-        to_build = [op for op in order if op not in cached]
-        for op in order:
+        if new and not self.builds:
+            self.t0 = time.monotonic()  # after it: started_at counts from the first build
+        self.order += new
+        to_build = [op for op in self.order if op not in self.cached]
+        for op in new:
             nice = min(19, NICE_STEP * to_build.index(op)) if op in to_build else NICE_STEP
             self._start(op, nice)
-        return self
 
     def _start(self, op: str, nice: int) -> None:
         with self.lock:

@@ -137,12 +137,14 @@ def _shares_module_fixture(item: pytest.Item) -> bool:
 
 
 def phases(items: list[pytest.Item]) -> dict[int, int]:
-    """Where each item goes in a run with a background batch, by id(item): 0 the tests that
-    neither are batched nor measure (they run while the batch does), 1 batched cells (their
-    outcomes are ready, or soon), 2 measuring tests (after the batch, on a quiet node). The
+    """Where each item goes in a run with a background batch, by id(item): the tests that
+    neither are batched nor measure run while the batch does, 0 those that load no op, then 1
+    those that do (each waits for its ops' builds); 2 batched cells (their outcomes are ready,
+    or soon); 3 measuring tests (after the batch, on a quiet node). The
     items of a module with a module-scoped fixture (the ops suite's ds_report and op checks)
     stay together, at the latest phase among them, so that fixture is set up once."""
-    phase = {id(it): 2 if measures(it) else 1 if has_plan(it) else 0 for it in items}
+    phase = {id(it): 3 if measures(it) else 2 if has_plan(it) else int(bool(gating.item_ops(it)))
+             for it in items}
     latest: dict[str, int] = {}
     shared = set()
     for it in items:

@@ -119,6 +119,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if selection.node.unusable_gpus():
         state.notices.append(f"GPUs not usable: {selection.node.unusable_gpus()}")
     config.stash[STATE] = state
+    if _gpu_run(config) and selection.node.is_gpu_node and _runs_ops_suite(config):
+        from dsconform.ops.prebuild import ParallelBuilds, longest_first
+        state.op_builds = ParallelBuilds.start(longest_first(selection.profile.ops),
+                                               skip_cached=True)
     if selects_gpu_tests(config.option.markexpr) and not config.getoption("--nightly"):
         from dsconform.plugin.hypothesis_profiles import use_for_acceptance
         use_for_acceptance(config)
@@ -379,7 +383,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         ops = ops_to_build(session.items, state)
         if ops:
             from dsconform.ops.prebuild import ParallelBuilds, longest_first
-            state.op_builds = ParallelBuilds.start(longest_first(ops), skip_cached=True)
+            if state.op_builds is None:
+                state.op_builds = ParallelBuilds.start(longest_first(ops), skip_cached=True)
+            else:  # the promised ops' builds started as the run configured
+                state.op_builds.add(longest_first(ops))
         if state.op_builds is not None and state.op_builds.on_progress is None:
             # a wait for any of this run's builds says how it goes (those started by another
             # plugin's collection_finish too)
@@ -408,6 +415,22 @@ def _gpu_run(config: pytest.Config) -> bool:
     the fork server starts as it configures."""
     return (not config.option.collectonly and not is_xdist_worker(config)
             and selects_gpu_tests(config.option.markexpr))
+
+
+def _runs_ops_suite(config: pytest.Config) -> bool:
+    """Whether the run's arguments name the ops suite (its file or a folder above it), no -k
+    or --deselect can leave it out, and this process collects (no xdist): its promised ops
+    are then built from the start, not after collection, which takes seconds of a cold run
+    (docs/performance.md#op-builds)."""
+    if config.option.keyword or config.getoption("deselect", None) or \
+            getattr(config.option, "numprocesses", None):  # xdist: its workers collect
+        return False
+    suite = (config.rootpath / "suites" / "test_ops.py").resolve()
+    for arg in config.args:
+        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
+        if path == suite or path in suite.parents:
+            return True
+    return False
 
 
 def _start_standby_ranks(session: pytest.Session, state: RunState) -> None:

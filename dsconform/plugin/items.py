@@ -20,12 +20,12 @@ def is_xdist_worker(config: pytest.Config) -> bool:
 
 def order_key(item: pytest.Item, phase: int) -> tuple[int, int, int, bool]:
     """Where an item runs: `run_first`, the profile's promises, the batch's phase (0 without a
-    batch), `run_last`. Among the measurements (phase 2) those a known issue covers come last:
+    batch), `run_last`. Among the measurements (phase 3) those a known issue covers come last:
     their failure stops their ranks, and the measurement after one would wait for new ranks."""
     path = Path(str(item.fspath))
     if path.name == PROMISE_MODULE and path.parent.name == "suites":
         return (run_order(item), 0, 0, False)
-    return (run_order(item), 1, phase, phase == 2 and COVERED_BY in item.stash)
+    return (run_order(item), 1, phase, phase == 3 and COVERED_BY in item.stash)
 
 
 def run_order(item: pytest.Item) -> int:

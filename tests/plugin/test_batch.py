@@ -273,10 +273,33 @@ def test_known_issue_measurements_run_after_the_others():
                                get_closest_marker=lambda _: None)
 
     known, plain = item("known", True), item("plain", False)
-    assert sorted([known, plain], key=lambda it: _order_key(it, 2)) == [plain, known]
-    assert sorted([known, plain], key=lambda it: _order_key(it, 0)) == [known, plain]
-    assert sorted([known, plain], key=lambda it: _order_key(it, 1)) == [known, plain]
+    assert sorted([known, plain], key=lambda it: _order_key(it, 3)) == [plain, known]
+    for phase in (0, 1, 2):
+        assert sorted([known, plain], key=lambda it: _order_key(it, phase)) == [known, plain]
     # A measurement a known issue covers still runs before a `run_last` test.
     last = SimpleNamespace(fspath="/x/suites/test_last.py", stash={}, name="last",
                            get_closest_marker=lambda m: m == "run_last" or None)
-    assert sorted([last, known], key=lambda it: _order_key(it, 2)) == [known, last]
+    assert sorted([last, known], key=lambda it: _order_key(it, 3)) == [known, last]
+
+
+def test_tests_beside_the_batch_that_load_an_op_run_after_those_that_load_none(pytester):
+    """A test beside the batch that loads an op waits for its build at setup: the tests that
+    load none run first, while the builds go on."""
+    from dsconform.plugin.items import order_key
+
+    items = pytester.getitems("""
+import pytest
+
+@pytest.mark.requires(op="async_io")
+def test_loads_an_op():
+    pass
+
+def test_loads_none():
+    pass
+""")
+    from dsconform.plugin import batch
+
+    phase = batch.phases(items)
+    assert [phase[id(it)] for it in items] == [1, 0]
+    ordered = sorted(items, key=lambda it: order_key(it, phase[id(it)]))
+    assert [it.name for it in ordered] == ["test_loads_none", "test_loads_an_op"]

@@ -128,6 +128,28 @@ def test_a_build_is_reported_before_its_wait_returns(monkeypatch):
     assert order == ["reported", "returned"]
 
 
+def test_builds_added_later_start_once_after_the_first_in_priority(monkeypatch, tmp_path):
+    """A run starts its promised ops' builds as it configures and adds the ops its selected
+    tests load once collection ends: an op asked for again is not built twice, one in the
+    cache is left out, the new ones follow in priority."""
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "c.so").write_bytes(b"")
+    monkeypatch.setenv("FAKE_BUILDS", json.dumps(
+        {"a": {"seconds": 0.5}, "b": {"seconds": 0.2}, "c": {"seconds": 0.1}}))
+    events = []
+    run = ParallelBuilds.start(["a"], 2, skip_cached=True, ext_dir=tmp_path,
+                               command=_fake_command,
+                               on_event=lambda op, what, info: events.append((op, what)))
+    try:
+        run.add(["a", "b", "c"], ext_dir=tmp_path)
+        r = run.wait_all(timeout_s=30)
+        assert run.order == ["a", "b"] and run.timings()["cached"] == ["c"]
+        assert [op for op, what in events if what == "start"] == ["a", "b"]
+        assert r["a"]["niceness"] == 0 and r["b"]["niceness"] == 10
+    finally:
+        run.close()
+
+
 def test_a_failed_build_is_its_ops_result_and_the_summary_says_so(monkeypatch):
     specs = {"a": {"seconds": 0.5}, "b": {"seconds": 0.2, "fail": True}}
     builds, r, _ = _run_fake(monkeypatch, specs, ["a", "b"], 2)
@@ -299,3 +321,22 @@ def test_ops_of_gpu_tests_that_will_skip_are_not_built():
         ["async_io", "fused_adam"]
 
 
+
+
+def test_the_promised_ops_build_from_the_start_only_where_the_ops_suite_surely_runs(pytester):
+    """The run's arguments name the ops suite (its file, or a folder above it) and nothing
+    can deselect it: its promised ops are built as the run configures, not after collection."""
+    from dsconform.plugin.hooks import _runs_ops_suite
+
+    pytester.mkdir("suites")
+    for name in ("test_ops.py", "test_zero.py"):
+        (pytester.path / "suites" / name).write_text("def test_x():\n    pass\n")
+
+    def runs(*args: str) -> bool:
+        return _runs_ops_suite(pytester.parseconfig(*args))
+
+    assert runs(".") and runs("suites") and runs("suites/test_ops.py")
+    assert runs("suites/test_ops.py::test_x") and runs("suites/test_zero.py", "suites")
+    assert not runs("suites/test_zero.py")
+    assert not runs("suites", "-k", "zero") and not runs("suites", "--deselect", "suites/x")
+    assert not runs("suites", "-n", "2")

@@ -155,10 +155,11 @@ def _take(queue: deque, lock: threading.Lock, ready: Callable[[int], bool] | Non
     while none is, wait; None once the queue is empty or the run is cancelled."""
     while not cancel.is_set():
         with lock:
+            if not queue:
+                return None
             i = next((i for i in queue if ready is None or ready(i)), None)
-            if i is not None or not queue:
-                if i is not None:
-                    queue.remove(i)
+            if i is not None:
+                queue.remove(i)
                 return i
         cancel.wait(READY_POLL_S)
     return None

@@ -1,7 +1,8 @@
-"""What each test took in the last run, from its journal (``records.jsonl`` in --results).
+"""What each test took in the last run, from its journal in --results: ``records.previous.jsonl``,
+where this run set the last run's ``records.jsonl`` aside (dsconform.results.run_files).
 
-The plugin reads it at configure, before this run's journal starts empty, so that a cell batch
-starts the cells that took longest last time first (dsconform.plugin.batch.cost). A batched
+The plugin reads it at configure, so that a cell batch starts the cells that took longest last
+time first (dsconform.plugin.batch.cost). A batched
 cell's own call seconds (``batch_seconds``) count over its test's duration, which only waited
 for that call. A test that was skipped, or is absent, has no recorded duration: the batch then
 uses a neutral default.
@@ -14,7 +15,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-JOURNAL = "records.jsonl"
+from dsconform.results.format import RECORDS_JSONL, previous_name
+
+JOURNAL = RECORDS_JSONL
 #: A batched cell's call seconds, as a test's user property (junit.xml) and journal field.
 BATCH_SECONDS = "dsconform_batch_seconds"
 #: Outcomes whose duration says nothing about what the test costs when it runs.
@@ -36,12 +39,13 @@ def seconds_by_test(entries: Iterable[dict[str, Any]]) -> dict[str, float]:
 
 
 def last_run_seconds(results: Path | None) -> dict[str, float]:
-    """``seconds_by_test`` of the journal in the results folder; empty where there is none or
-    it cannot be read (a partial last line, from a run that was killed, is skipped)."""
+    """``seconds_by_test`` of the last run's journal, set aside in the results folder; empty
+    where there is none or it cannot be read (a partial last line, from a run that was killed,
+    is skipped)."""
     if results is None:
         return {}
     try:
-        lines = (Path(results) / JOURNAL).read_text().splitlines()
+        lines = (Path(results) / previous_name(JOURNAL)).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
         return {}
     entries = []

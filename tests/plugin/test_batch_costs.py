@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
+
 from dsconform.plugin import batch
 from dsconform.plugin.runstate import STATE
 from dsconform.results import durations
@@ -24,7 +26,7 @@ def test_the_journal_gives_each_test_its_seconds(tmp_path):
     test and a torn last line (a killed run) give nothing."""
     lines = [_entry("s::a", "passed", 0.2, batch_seconds=7.5), _entry("s::b", "failed", 3.0),
              _entry("s::c", "skipped", 0.0), {"metric": {"name": "m"}}]
-    (tmp_path / durations.JOURNAL).write_text(
+    (tmp_path / "records.previous.jsonl").write_text(
         "\n".join(json.dumps(e) for e in lines) + '\n{"outcome": {"nodeid": "s::d"')
     assert durations.last_run_seconds(tmp_path) == {"s::a": 7.5, "s::b": 3.0}
     assert durations.last_run_seconds(tmp_path / "none") == {}
@@ -58,3 +60,35 @@ def test_the_batch_order_follows_the_recorded_seconds():
     state.last_seconds = {"t[short]": 12.0, "t[long]": 9.0}  # the last run says otherwise
     assert [it.name for it in batch.start_order([short, new, long], rs)] == \
         ["short", "long", "new"]
+
+
+SEES_LAST_SECONDS = """
+import json, time
+from pathlib import Path
+
+def test_slow():
+    time.sleep(0.3)
+
+def test_sees(request):
+    from dsconform.plugin.runstate import STATE
+    seen = request.config.stash[STATE].last_seconds
+    Path(request.config.getoption("--results"), "seen.json").write_text(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("twice", ["same folder", "a refused run between"])
+def test_a_run_reads_the_seconds_of_the_last_run_in_its_results_folder(pytester, tmp_path,
+                                                                       twice):
+    """The last run's journal is set aside as the run begins (fail closed): its seconds are
+    still what the next run's batch orders by, and a refused run between them loses nothing."""
+    pytester.makepyfile(test_two=SEES_LAST_SECONDS)
+    res = tmp_path / "res"
+    args = ("-p", "fixtures.plugin", "-p", "no:cacheprovider", "--results", str(res))
+    pytester.runpytest(*args).assert_outcomes(passed=2)
+    assert json.loads((res / "seen.json").read_text()) == {}
+    if twice == "a refused run between":
+        assert pytester.runpytest(*args, "--profile", str(tmp_path / "none.toml")).ret == 4
+    pytester.runpytest(*args).assert_outcomes(passed=2)
+    seen = json.loads((res / "seen.json").read_text())
+    assert set(seen) == {"test_two.py::test_slow", "test_two.py::test_sees"}
+    assert seen["test_two.py::test_slow"] >= 0.3

@@ -81,8 +81,26 @@ def _keep_standby(base: tuple, kind: str) -> bool:
     return False
 
 
-def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, kwargs: dict,
-                 accelerator: str, reuse: bool) -> list:
+def run_ranks(fn: Callable, world_size: int | None, *, timeout_s: float, args: tuple = (),
+              kwargs: dict | None = None, accelerator: str | None = None,
+              reuse: bool = True) -> list:
+    """Run fn(*args, **kwargs) on world_size ranks; return the per-rank results (index = rank).
+
+    accelerator: "cuda" (nccl, rank i on the i-th GPU of this xdist worker), "cpu" (gloo,
+    DeepSpeed's CPU accelerator even on a GPU node), or None (cuda if the parent sees a GPU).
+    reuse: keep the rank processes for the next call of the same world size and accelerator.
+    timeout_s: how long fn may run; startup has its own STARTUP_TIMEOUT_S.
+    Raises RankError (a rank raised or died, or ranks disagreed on a skip), RankTimeout,
+    pytest's Skipped when every rank skipped for the same reason, InsufficientGPUs.
+    Under torchrun/Slurm (external_rendezvous()), runs fn in this process as one rank; there
+    world_size must equal the job's size or be None/-1 ("whatever the job has").
+    """
+    check_timeout(timeout_s)
+    args, kwargs = tuple(args), dict(kwargs or {})
+    if external_rendezvous():
+        return run_external(fn, world_size, timeout_s, args, kwargs, accelerator)
+    check_world_size(world_size)
+    accelerator, timeout_s = check_accelerator(accelerator), float(timeout_s)
     call = pickle_call(fn, args, kwargs)
     base = (world_size, accelerator, gpus_for(world_size, accelerator))
     token = object()
@@ -106,26 +124,3 @@ def _run_spawned(fn: Callable, world_size: int, timeout_s: float, args: tuple, k
             # After the call, not during it: the replacement must not share the node with
             # what the call measured.
             _keep_standby(base, "standby")
-
-
-def run_ranks(fn: Callable, world_size: int | None, *, timeout_s: float, args: tuple = (),
-              kwargs: dict | None = None, accelerator: str | None = None,
-              reuse: bool = True) -> list:
-    """Run fn(*args, **kwargs) on world_size ranks; return the per-rank results (index = rank).
-
-    accelerator: "cuda" (nccl, rank i on the i-th GPU of this xdist worker), "cpu" (gloo,
-    DeepSpeed's CPU accelerator even on a GPU node), or None (cuda if the parent sees a GPU).
-    reuse: keep the rank processes for the next call of the same world size and accelerator.
-    timeout_s: how long fn may run; startup has its own STARTUP_TIMEOUT_S.
-    Raises RankError (a rank raised or died, or ranks disagreed on a skip), RankTimeout,
-    pytest's Skipped when every rank skipped for the same reason, InsufficientGPUs.
-    Under torchrun/Slurm (external_rendezvous()), runs fn in this process as one rank; there
-    world_size must equal the job's size or be None/-1 ("whatever the job has").
-    """
-    check_timeout(timeout_s)
-    kwargs = dict(kwargs or {})
-    if external_rendezvous():
-        return run_external(fn, world_size, timeout_s, tuple(args), kwargs, accelerator)
-    check_world_size(world_size)
-    return _run_spawned(fn, world_size, float(timeout_s), tuple(args), kwargs,
-                        check_accelerator(accelerator), reuse)

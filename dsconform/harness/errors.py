@@ -57,11 +57,14 @@ def describe(outcome: tuple | None) -> str:
     return f"raised {outcome[1]}: {outcome[2]}"
 
 
-def rank_error(index: int, world_size: int, outcome: tuple, others: str = "") -> RankError:
-    _, exc_type, message, remote_tb = outcome
-    text = f"rank {index} of {world_size} raised {exc_type}: {message}"
-    if others:
-        text += f"\n{others}"
+def rank_error(outcomes: list, note: str = "") -> RankError:
+    """The first rank that raised, the others that did after it (note: a line between)."""
+    errors = [i for i, o in enumerate(outcomes) if o is not None and o[0] == "error"]
+    index, world_size = errors[0], len(outcomes)
+    _, exc_type, message, remote_tb = outcomes[index]
+    lines = [f"rank {index} of {world_size} raised {exc_type}: {message}", note]
+    lines += [f"also rank {i}: {describe(outcomes[i])}" for i in errors[1:]]
+    text = "\n".join(line for line in lines if line)
     if remote_tb:
         text += f"\n\nRemote traceback (rank {index}):\n{remote_tb.rstrip()}"
     return RankError(text, rank=index, world_size=world_size, exc_type=exc_type,
@@ -70,12 +73,8 @@ def rank_error(index: int, world_size: int, outcome: tuple, others: str = "") ->
 
 def resolve(outcomes: list[tuple]) -> list:
     """All ranks reported: return their values, or raise one RankError / skip for the call."""
-    world_size = len(outcomes)
-    errors = [i for i, o in enumerate(outcomes) if o[0] == "error"]
-    if errors:
-        first = errors[0]
-        others = "".join(f"\nalso rank {i}: {describe(outcomes[i])}" for i in errors[1:])
-        raise rank_error(first, world_size, outcomes[first], others.lstrip("\n"))
+    if any(o[0] == "error" for o in outcomes):
+        raise rank_error(outcomes)
     skips = {o[1] for o in outcomes if o[0] == "skip"}
     if skips:
         if len(skips) == 1 and all(o[0] == "skip" for o in outcomes):
@@ -83,9 +82,9 @@ def resolve(outcomes: list[tuple]) -> list:
 
             raise pytest.skip.Exception(skips.pop())
         listing = "\n".join(f"  rank {i}: {describe(o)}" for i, o in enumerate(outcomes))
-        raise RankError(f"the {world_size} ranks disagree about skipping; a skip must be "
+        raise RankError(f"the {len(outcomes)} ranks disagree about skipping; a skip must be "
                         f"decided identically on every rank (gate in the parent):\n{listing}",
-                        world_size=world_size)
+                        world_size=len(outcomes))
     return [o[1] for o in outcomes]
 
 

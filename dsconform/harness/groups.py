@@ -13,6 +13,7 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from queue import SimpleQueue
 
@@ -77,52 +78,51 @@ class RankGroups:
     # -- the starter ------------------------------------------------------------------------
     def _serve(self) -> None:
         while True:
-            key, pg_timeout_s, threads, label, slot, done = self.requests.get()
+            key, pg_timeout_s, threads, label, future = self.requests.get()
             try:
                 with output.labelled(label):
                     clear_build_locks()
-                    kind = key[3]
-                    slot.append(Pool(
+                    future.set_result(Pool(
                         key[0], key[1], key[2], pg_timeout_s, threads=threads, label=label,
-                        warm=RANK_WARMUP and kind in ("standby", "lane"),
-                        primed=RANK_WARMUP and kind in ("fresh", "lane-fresh")))
+                        warm=RANK_WARMUP and key[3] in ("standby", "lane"),
+                        primed=RANK_WARMUP and key[3] in ("fresh", "lane-fresh")))
             except BaseException as exc:  # the caller raises or logs it
-                slot.append(exc)
-            done.set()
+                future.set_exception(exc)
 
     def _start(self, key: tuple, pg_timeout_s: float, holder: object, label: str,
                threads: int | None = None) -> Pool:
         """A new group of key (its ranks started, not yet ready), entered in the table."""
-        slot: list = []
-        done = threading.Event()
+        future: Future = Future()
         with self.lock:
             if self.starter is None or not self.starter.is_alive():
                 self.starter = threading.Thread(target=self._serve, daemon=True,
                                                 name="dsconform-rank-starter")
                 self.starter.start()
-        self.requests.put((key, pg_timeout_s, threads, label, slot, done))
-        done.wait()
-        if isinstance(slot[0], BaseException):
-            raise slot[0]
+        self.requests.put((key, pg_timeout_s, threads, label, future))
+        pool = future.result()
         with self.lock:
-            self.table[slot[0]] = [key, holder]
+            self.table[pool] = [key, holder]
             if key[3].startswith("lane"):
                 self.stats["lanes"] += 1
-        return slot[0]
+        return pool
 
     # -- leases -----------------------------------------------------------------------------
-    def _take_idle(self, key: tuple, pg_timeout_s: float) -> Pool | None:
-        """An idle group of key taken out of the idle set (call with the lock held)."""
-        for pool, (k, holder) in list(self.table.items()):
-            if k != key or holder is not None:
-                continue
-            if pool.closed or pool.pg_timeout_s < pg_timeout_s or \
-                    (pool.ready and not pool.alive()):
-                del self.table[pool]
-                pool.kill()
-                continue
-            return pool
-        return None
+    def _take_idle(self, base: tuple, kinds: tuple[str, ...], pg_timeout_s: float,
+                   holder: object) -> tuple[Pool | None, str | None]:
+        """An idle group of base and the first of these kinds that has one, leased to holder
+        (call with the lock held); dead or too-short-timeout groups met are killed."""
+        for kind in kinds:
+            for pool, (k, h) in list(self.table.items()):
+                if k != (*base, kind) or h is not None:
+                    continue
+                if pool.closed or pool.pg_timeout_s < pg_timeout_s or \
+                        (pool.ready and not pool.alive()):
+                    del self.table[pool]
+                    pool.kill()
+                    continue
+                self.table[pool][1] = holder
+                return pool, kind
+        return None, None
 
     def lease(self, base: tuple, kinds: tuple[str, ...], new_kind: str, pg_timeout_s: float,
               holder: object, threads: int | None = None) -> Pool:
@@ -132,14 +132,8 @@ class RankGroups:
         failure (RankError)."""
         t0 = time.monotonic()
         lanes = new_kind.startswith("lane")
-        pool, taken = None, None
         with self.lock:
-            for kind in kinds:
-                pool = self._take_idle((*base, kind), pg_timeout_s)
-                if pool is not None:
-                    self.table[pool][1] = holder
-                    taken = kind
-                    break
+            pool, taken = self._take_idle(base, kinds, pg_timeout_s, holder)
         try:
             if pool is not None and not pool.ready:
                 try:

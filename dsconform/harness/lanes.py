@@ -174,10 +174,7 @@ def _lane(key: tuple, queue: deque, lock: threading.Lock, calls: list, pickled: 
     steps of an entry run in turn on one group; a fresh step on new ranks that ran no call (of
     another world size, if it says so: that group is not kept as a lane's)."""
     threads = _lane_threads()
-    while not cancel.is_set():
-        i = _take(queue, lock, ready, cancel)
-        if i is None:
-            return
+    while (i := _take(queue, lock, ready, cancel)) is not None:
         # The ranks' output of this call is logged as its cell's test (output.record).
         with output.labelled(labels[i] or output.current_label()):
             steps = _steps(calls[i])

@@ -15,9 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# fd capture itself is dsconform/base/fdcapture.py (the op builders use it too).
-from dsconform.base.fdcapture import FdCapture as FdCapture
-from dsconform.base.fdcapture import fds_to as fds_to
+from dsconform.base.fdcapture import FdCapture, fds_to
 
 #: What a test's report keeps of its ranks' output: the last this many characters per test.
 KEPT_CHARS = 64 * 1024
@@ -93,14 +91,13 @@ def record(label: str, who: str, text: str) -> None:
     lines = text.splitlines()
     with _LOCK:
         sink = _SINKS[-1] if _SINKS else None
+        prefix = f"{sink.worker} " if sink is not None and sink.worker else ""
+        block = "".join(f"{prefix}{who} | {label} | {ln}\n" for ln in lines)
         if sink is None:
-            block = "".join(f"{who} | {label} | {ln}\n" for ln in lines)
             with contextlib.suppress(Exception):
                 sys.stderr.write(block)
             return
-        prefix = f"{sink.worker} " if sink.worker else ""
         if sink.fd is not None:
-            block = "".join(f"{prefix}{who} | {label} | {ln}\n" for ln in lines)
             with contextlib.suppress(OSError):  # a full disk must not fail the test
                 os.write(sink.fd, block.encode("utf-8", errors="replace"))
         if not label.startswith("("):
@@ -123,10 +120,7 @@ def fds_to_log() -> Iterator[None]:
     multiprocessing's resource tracker and the fork server ranks start from."""
     with _LOCK:
         fd = _SINKS[-1].fd if _SINKS else None
-    if fd is None:
-        yield
-        return
-    with fds_to(fd):
+    with fds_to(fd) if fd is not None else contextlib.nullcontext():
         yield
 
 

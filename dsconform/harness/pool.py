@@ -4,6 +4,7 @@ down. Which groups exist and who uses them: dsconform.harness.groups."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pickle
@@ -112,34 +113,32 @@ class Pool:
             for index in range(world_size):
                 env = dict(self.spawn_env, **base_env, RANK=str(index), LOCAL_RANK=str(index),
                            **{SPAWNED_AT_ENV: repr(time.time())})
-                self._start_rank(index, env, (accelerator, pg_timeout_s,
-                                              self.output_paths[index], warm, primed))
+                self._start_rank(index, env, warm, primed)
         except BaseException:
             self.kill()
             raise
 
-    def _start_rank(self, index: int, env: dict, rest: tuple) -> None:
+    def _start_rank(self, index: int, env: dict, warm: bool, primed: bool) -> None:
         """Start rank index: forked from the fork server, or spawned where it fails (then
         every later rank is spawned too; harness.zygote)."""
         while True:
             ctx = zygote.context()
-            parent_conn, child_conn = ctx.Pipe(duplex=True)
-            accelerator, pg_timeout_s, *tail = rest
             forked = ctx.get_start_method() == "forkserver"
-            proc = ctx.Process(target=rank_main, name=f"dsconform-rank{index}",
-                               args=(index, self.world_size, env, child_conn,
-                                     self.stack_paths[index], accelerator, pg_timeout_s,
-                                     None if forked else os.getpid(), *tail))
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=rank_main, name=f"dsconform-rank{index}", args=(
+                index, self.world_size, env, child_conn, self.stack_paths[index],
+                self.accelerator, self.pg_timeout_s, None if forked else os.getpid(),
+                self.output_paths[index], warm, primed))
             try:
                 proc.start()
             except Exception as exc:
                 parent_conn.close()
-                child_conn.close()
-                if ctx.get_start_method() != "forkserver":
+                if not forked:
                     raise
                 output.record(self.label, "dsconform.harness", zygote.give_up(exc))
                 continue
-            child_conn.close()
+            finally:
+                child_conn.close()
             self.procs.append(proc)
             self.conns.append(parent_conn)
             self.pids.append(proc.pid)
@@ -180,10 +179,8 @@ class Pool:
     def request_exit(self) -> None:
         """Ask the ranks to exit (they flush their output first); close_pools waits for them."""
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send_bytes(b"")
-            except OSError:
-                pass
 
     def kill(self) -> None:
         """SIGKILL every rank and whatever it started, reap them, remove their leftovers."""
@@ -200,21 +197,15 @@ class Pool:
         descendants = []
         for proc in self.procs:
             if proc.exitcode is None:
-                try:
+                with contextlib.suppress(psutil.Error):
                     descendants += psutil.Process(proc.pid).children(recursive=True)
-                except psutil.Error:
-                    pass
             # Ranks lead their own process group; kill it before reaping so the id is not reused.
             for kill in (os.killpg, os.kill):
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     kill(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
         for child in descendants:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 child.kill()
-            except Exception:  # already gone
-                pass
         return True
 
     def reap(self) -> None:
@@ -222,33 +213,25 @@ class Pool:
         for proc in self.procs:
             proc.join(timeout=10)
         self.drain(final=True)
-        self._release()
-
-    def close(self) -> None:
-        """Ask healthy ranks to exit, then make sure of it."""
-        close_pools([self])
-
-    def _release(self) -> None:
         for conn in self.conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.close()
-            except OSError:
-                pass
         for proc in self.procs:
-            try:
+            # ValueError: still running after SIGKILL + 10 s: leave the handle
+            with contextlib.suppress(ValueError):
                 proc.close()
-            except ValueError:
-                pass  # still running after SIGKILL + 10 s: leave the handle, nothing else to do
         # DeepSpeed's shm comm op never unlinks its segments (~tens of MiB per rank, named after
         # the port); without this /dev/shm fills up over a long session.
         pattern = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{self.port}_*"
         for path in glob.glob(pattern):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         self.store = None  # the port is free again once no rank is left to use it
+
+    def close(self) -> None:
+        """Ask healthy ranks to exit, then make sure of it."""
+        close_pools([self])
 
     def start_up(self) -> Pool:
         """Wait for every rank to report ready (STARTUP_TIMEOUT_S after the start); a group
@@ -266,7 +249,8 @@ class Pool:
         # rank.rank_main's ("ready", pid, start-up phases, start facts for the timeline)
         self.phases = [r[2] for r in replies]
         for r in replies:
-            timeline.mark_rank(r[3])
+            for step, at in r[3].items():
+                timeline.mark(step, at)
         self.ready = True
         self.drain()
         return self
@@ -312,11 +296,9 @@ class Pool:
         """Make the given live ranks write their Python stacks (faulthandler) and read them."""
         signalled = []
         for index in ranks:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pids[index], STACK_DUMP_SIGNAL)
                 signalled.append(index)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + STACK_DUMP_WAIT_S
         while time.monotonic() < deadline:
             if all(os.path.getsize(self.stack_paths[i]) > 0 for i in signalled
@@ -344,14 +326,11 @@ class Pool:
             dead = self._sweep(pending, replies)
             if first_skip is None and any(r is not None and r[0] == "skip" for r in replies):
                 first_skip = time.monotonic()
-            errors = [i for i, r in enumerate(replies) if r is not None and r[0] == "error"]
-            if dead or errors:
+            if dead or any(r is not None and r[0] == "error" for r in replies):
                 # Ranks often fail together (a dead peer makes gloo raise in the others): take
                 # one more look so the report names the cause, not only the first symptom.
                 time.sleep(0.05)
-                dead += self._sweep(pending, replies)
-                errors = [i for i, r in enumerate(replies) if r is not None and r[0] == "error"]
-                self._fail(dead, errors, replies, phase)
+                self._fail(dead + self._sweep(pending, replies), replies, phase)
         if pending:
             self._timeout(sorted(pending), replies, deadline, first_skip, phase, limit)
         return replies  # type: ignore[return-value]
@@ -373,7 +352,8 @@ class Pool:
                 dead.append(index)
         return dead
 
-    def _fail(self, dead: list[int], errors: list[int], replies: list, phase: str) -> None:
+    def _fail(self, dead: list[int], replies: list, phase: str) -> None:
+        errors = [i for i, r in enumerate(replies) if r is not None and r[0] == "error"]
         exitcodes = {i: self.procs[i].exitcode for i in dead}
         crash_stacks = self.read_stacks(dead)
         self.kill()
@@ -396,12 +376,8 @@ class Pool:
                          f"\n{tail}")
             elif not crash_stacks.get(index):
                 text += f"\n(rank {index} printed nothing)"
-            raise RankError(text, rank=index, world_size=n, exc_type=None)
-        index = errors[0]
-        others = "\n".join(f"also rank {i}: {describe(replies[i])}" for i in errors[1:])
-        if phase.startswith("while starting"):
-            others = f"(raised {phase})\n{others}".rstrip()
-        raise rank_error(index, n, replies[index], others)
+            raise RankError(text, rank=index, world_size=n)
+        raise rank_error(replies, f"(raised {phase})" if phase.startswith("while starting") else "")
 
     def _timeout(self, pending: list[int], replies: list, deadline: float,
                  first_skip: float | None, phase: str, limit: str) -> None:

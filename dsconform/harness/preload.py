@@ -3,6 +3,7 @@ imports lazily, before any rank is forked. No CUDA context or thread pool may st
 forked child cannot use either); an import that fails is left to the rank to report.
 """
 
+import contextlib
 import os
 import sys
 import time
@@ -29,10 +30,8 @@ MODULES = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compi
            "numpy")
 
 for _name in MODULES:
-    try:
+    with contextlib.suppress(Exception):  # the rank reports it
         __import__(_name)
-    except Exception:  # noqa: BLE001 - the rank reports it
-        pass
 
 cpu_info.remembered()
 

@@ -5,6 +5,7 @@ environment before deepspeed picks an accelerator."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import gc
 import importlib
@@ -84,11 +85,8 @@ def seed_everything(seed: int, per_rank: bool = False) -> int:
     if per_rank:
         seed += rank()
     random.seed(seed)
-    try:
+    with contextlib.suppress(ImportError):
         import numpy
-    except ImportError:
-        pass
-    else:
         numpy.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
@@ -191,16 +189,12 @@ def _flush() -> None:
     """Flush Python's streams, then C stdio: printf and std::cout (NCCL_DEBUG, DeepSpeed's C++
     ops) are fully buffered into the rank's output file, and os._exit would drop what they hold."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        # A closed stream: nothing to keep, and it must not block the exit.
+        with contextlib.suppress(Exception):
             stream.flush()
-        except Exception:  # a closed stream: nothing to keep, and it must not block the exit
-            pass
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
-
         ctypes.CDLL(None).fflush(None)
-    except (OSError, AttributeError):
-        pass
 
 
 def _flush_and_exit(code: int) -> None:
@@ -240,10 +234,8 @@ def _restore(environ: dict, cwd: str, default_dtype: Any, grad_enabled: bool) ->
     if dict(os.environ) != environ:
         os.environ.clear()
         os.environ.update(environ)
-    try:
+    with contextlib.suppress(OSError):
         os.chdir(cwd)
-    except OSError:
-        pass
     torch.set_default_dtype(default_dtype)
     torch.set_grad_enabled(grad_enabled)
     gc.collect()
@@ -265,10 +257,8 @@ def prime() -> None:
     import torch
 
     for name in LAZY_IMPORTS:
-        try:
+        with contextlib.suppress(ImportError):  # not in this release
             importlib.import_module(name)
-        except ImportError:  # not in this release
-            pass
     a = torch.ones(16, 16, device=device())
     (a @ a).sum().item()
     del a
@@ -305,16 +295,16 @@ def warm_up() -> None:
 
 
 def _start_facts(parent_pid: int | None) -> dict[str, float]:
-    """When this rank was ready and, forked, when its fork server started and ended its imports
-    (time.time(); dsconform.harness.timeline)."""
-    facts = {"ready": time.time()}
+    """The start-up line's steps this rank saw (time.time(); dsconform.harness.timeline): when
+    it was ready and, forked, when its fork server started and ended its imports."""
+    facts = {"first rank ready": time.time()}
     server = sys.modules.get("dsconform.harness.preload")
     if parent_pid is None and server is not None:
         from dsconform.harness.timeline import process_started_at
         started = process_started_at(os.getppid())
         if started is not None:
-            facts["server started"] = started
-        facts["server ready"] = getattr(server, "READY_AT", facts["ready"])
+            facts["fork server started"] = started
+        facts["fork server imported torch"] = getattr(server, "READY_AT", facts["first rank ready"])
     return facts
 
 
@@ -332,10 +322,8 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
     os.setpgrp()
     _redirect_output(output_path)
     _take_environment(env)
-    try:
+    with contextlib.suppress(Exception):  # a replaced stdout may not support it
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
-    except Exception:  # a replaced stdout may not support it
-        pass
     stack_file = open(stack_path, "w")  # must stay open for the signal handler
     # Fatal signals (segfault) and the parent's timeout signal both write every thread's stack.
     faulthandler.enable(file=stack_file, all_threads=True)
@@ -357,10 +345,9 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
         marks.append(("import deepspeed", time.time()))
         if chosen != accelerator:
             raise RuntimeError(
-                f"deepspeed picked accelerator {chosen!r} in this rank, not {accelerator!r}: "
-                "it was "
-                "imported before DS_ACCELERATOR was set, most likely by the __main__ module that "
-                "spawn re-imports; import deepspeed inside functions or under "
+                f"deepspeed picked accelerator {chosen!r} in this rank, not {accelerator!r}: it "
+                "was imported before DS_ACCELERATOR was set, most likely by the __main__ module "
+                "that spawn re-imports; import deepspeed inside functions or under "
                 "`if __name__ == '__main__':` there")
         if accelerator == "cuda":
             torch.cuda.set_device(rank_index)

@@ -41,18 +41,6 @@ def mark(step: str, at: float | None = None, *, first: bool = True) -> None:
             _MARKS[step] = at
 
 
-#: The steps a rank's start facts mark (dsconform.harness.rank._start_facts): step, fact.
-RANK_STEPS = (("fork server started", "server started"),
-              ("fork server imported torch", "server ready"), ("first rank ready", "ready"))
-
-
-def mark_rank(facts: dict) -> None:
-    """Mark what a rank said of its start (time.time() values)."""
-    for step, key in RANK_STEPS:
-        if isinstance(facts.get(key), float):
-            mark(step, facts[key])
-
-
 def marks() -> dict[str, float]:
     """Each marked step's seconds after this process started, in time order (empty where
     /proc cannot give the start)."""

@@ -101,11 +101,6 @@ BIND_ATTEMPTS = 10
 AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
-def _address_in_use(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return "eaddrinuse" in text or "address already in use" in text
-
-
 def bind_rendezvous_store(timeout_s: float,
                           log: Callable[[str], None] | None = None) -> tuple[Any, int]:
     """A TCPStore server for one rank group, bound here, not in rank 0: (store, port). A port
@@ -120,7 +115,7 @@ def bind_rendezvous_store(timeout_s: float,
             store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout_s),
                              wait_for_workers=False)
         except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
-            if not _address_in_use(exc):
+            if not any(s in str(exc).lower() for s in ("eaddrinuse", "address already in use")):
                 raise
             taken.append(port)
             if log is not None:

@@ -6,10 +6,10 @@ that rank start, and every later one, spawn instead, and the rank log says why.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import sys
-import threading
 
 from dsconform import settings
 
@@ -17,8 +17,7 @@ from dsconform import settings
 #: import it again) and dsconform.harness.preload (torch and what a first engine imports).
 PRELOAD = ["__main__", "dsconform.harness.preload"]
 
-_LOCK = threading.Lock()
-_STATE: dict = {"configured": False, "broken": None}
+_STATE: dict = {"broken": None}
 
 
 def enabled() -> bool:
@@ -38,19 +37,14 @@ def context() -> multiprocessing.context.BaseContext:
     if not enabled():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    with _LOCK:
-        if not _STATE["configured"]:
-            ctx.set_forkserver_preload(list(PRELOAD))
-            _STATE["configured"] = True
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts, ignored after
     return ctx
 
 
 def give_up(exc: BaseException) -> str:
     """Spawn every rank from now on, after the server failed with exc; returns the line the
     rank log gets."""
-    with _LOCK:
-        if _STATE["broken"] is None:
-            _STATE["broken"] = f"{type(exc).__name__}: {exc}"
+    _STATE["broken"] = _STATE["broken"] or f"{type(exc).__name__}: {exc}"
     return (f"rank processes are spawned from now on: the fork server failed "
             f"({_STATE['broken']}); DSCONFORM_FORKSERVER=0 spawns them from the start")
 
@@ -85,15 +79,10 @@ def stop() -> None:
     server = getattr(forkserver, "_forkserver", None)
     pid = getattr(server, "_forkserver_pid", None)
     if pid is not None:
-        try:
+        with contextlib.suppress(OSError):  # gone already
             os.kill(pid, signal.SIGKILL)
-        except OSError:  # gone already
-            pass
     for holder in (server, getattr(resource_tracker, "_resource_tracker", None)):
         stopper = getattr(holder, "_stop", None)
-        if stopper is None:
-            continue
-        try:
-            stopper()
-        except (OSError, ChildProcessError):  # gone already
-            pass
+        if stopper is not None:
+            with contextlib.suppress(OSError, ChildProcessError):  # gone already
+                stopper()

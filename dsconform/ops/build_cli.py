@@ -7,6 +7,7 @@ every op built and loaded; 1: a build failed (its diagnosis printed); 2: bad inp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import threading
 import time
@@ -16,37 +17,26 @@ from typing import Any
 from dsconform.base.fdcapture import FdCapture
 
 
-def _accelerator_and_ops() -> tuple[str, dict[str, Any]]:
-    """DeepSpeed's accelerator here and its op builders (importing DeepSpeed prints; kept off
-    the console)."""
-    cap = FdCapture(warnings_too=True)
-    with cap.capture():
+def _accelerator_and_ops() -> tuple[str, list[str]]:
+    """DeepSpeed's accelerator here and its ops (importing DeepSpeed prints; kept off the
+    console)."""
+    with FdCapture(warnings_too=True).capture():
         from deepspeed.accelerator import get_accelerator
-        from deepspeed.ops.op_builder.all_ops import ALL_OPS
-        accel = get_accelerator()._name
-    return accel, dict(ALL_OPS)
+
+        from dsconform.ops.load import op_builders
+        return get_accelerator()._name, list(op_builders())
 
 
-def _compatible(builder: Any) -> bool:
-    cap = FdCapture(warnings_too=True)
-    try:
-        with cap.capture():
-            return bool(builder.is_compatible(verbose=False))
-    except Exception:  # a probe that raises: not buildable here
-        return False
-
-
-def default_ops(profile_ops: list[str], accel: str, builders: dict[str, Any]) -> list[str]:
+def default_ops(profile_ops: list[str], accel: str) -> list[str]:
     """What a run of the suites builds here: the profile's promised ops, then those of
     RUN_OPS[accel] that DeepSpeed calls compatible here (the suites' gates run their tests
     there, and the run builds them at its start)."""
+    from dsconform.gate.requires import op_compatible
     from dsconform.ops.prebuild import RUN_OPS
 
     ops = list(profile_ops)
-    for op in RUN_OPS.get(accel, ()):
-        if op not in ops and op in builders and _compatible(builders[op]):
-            ops.append(op)
-    return ops
+    with FdCapture(warnings_too=True).capture():  # the probes print
+        return ops + [op for op in RUN_OPS.get(accel, ()) if op not in ops and op_compatible(op)]
 
 
 def _say(text: str) -> None:
@@ -68,26 +58,18 @@ class _Progress:
 
     def __call__(self, op: str, what: str, info: dict[str, Any]) -> None:
         with self.lock:
-            if what == "start":
-                if info.get("cached"):  # its build is in the cache: it only loads
-                    _say(f"{op}: cached, loading it")
-                    return
+            if what == "start":  # a cached op only loads
                 beside = (f", nice {info['nice']}, beside {', '.join(info['beside'])}"
-                          if info["beside"] else "")
-                _say(f"{op}: building (MAX_JOBS={info['jobs']}{beside})")
-                return
-            secs = info.get("wall_seconds", 0.0)
-            if info.get("loaded"):
-                if info.get("built_now"):
-                    how = "built"
-                elif info.get("cached"):  # in the cache when it started
-                    how = "cached, loaded"
-                else:  # another build built it meanwhile (shm_comm, on CPU accelerator init)
-                    how = "found built by then, loaded"
-                _say(f"{op}: {how} in {secs:.1f} s")
+                          if info.get("beside") else "")
+                _say(f"{op}: cached, loading it" if info.get("cached")
+                     else f"{op}: building (MAX_JOBS={info['jobs']}{beside})")
+            elif info.get("loaded"):  # else another build built it meanwhile (CPU's shm_comm)
+                how = ("built" if info.get("built_now") else "cached, loaded" if info.get("cached")
+                       else "found built by then, loaded")
+                _say(f"{op}: {how} in {info.get('wall_seconds', 0.0):.1f} s")
             else:
                 failure = str(info.get("failure") or "no reason given").replace("\n", "\n    ")
-                _say(f"{op}: FAILED after {secs:.1f} s:\n    {failure}")
+                _say(f"{op}: FAILED after {info.get('wall_seconds', 0.0):.1f} s:\n    {failure}")
 
 
 #: The most build-ops waits for its rank warm-up once the builds are done.
@@ -105,12 +87,9 @@ def _warm_up_rank(accel: str, said: list[str]) -> None:
     t0 = time.monotonic()
     sink = output.configure(None)  # DeepSpeed's start-up lines: only an error quotes them
     try:
-        pool = Pool(1, accel, gpus_for(1, accel), POOL_PG_TIMEOUT_S, warm=True,
-                    label="(build-ops warm-up)")
-        try:
+        with contextlib.closing(Pool(1, accel, gpus_for(1, accel), POOL_PG_TIMEOUT_S,
+                                     warm=True, label="(build-ops warm-up)")) as pool:
             pool.start_up()
-        finally:
-            pool.close()
     except Exception as exc:
         said.append(f"rank warm-up failed ({str(exc).splitlines()[0]}); runs compile its "
                     "imports themselves")
@@ -135,26 +114,20 @@ def _compile_run_packages(said: list[str]) -> None:
     import importlib.util
 
     t0 = time.monotonic()
-    names = list(RUN_PACKAGES)
-    for ep in importlib.metadata.entry_points(group="pytest11"):
-        names.append(ep.value.split(":")[0].split(".")[0])
-    dirs = []
+    names = [*RUN_PACKAGES, *(ep.value.split(":")[0].split(".")[0]
+                              for ep in importlib.metadata.entry_points(group="pytest11"))]
+    dirs, ok = 0, True
     for name in dict.fromkeys(names):
         try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
+            origin = Path(importlib.util.find_spec(name).origin)
+        except (ImportError, ValueError, AttributeError, TypeError):  # not found, no file
             continue
-        if spec is None or not spec.origin:
-            continue
-        origin = Path(spec.origin)
-        dirs.append(origin.parent if origin.name == "__init__.py" else origin)
-    ok = True
-    for d in dirs:
-        if d.is_dir():
-            ok &= bool(compileall.compile_dir(d, quiet=2))
-        elif d.suffix == ".py":
-            ok &= bool(compileall.compile_file(d, quiet=2))
-    said.append(f"run packages compiled: {len(dirs)} in {time.monotonic() - t0:.1f} s"
+        dirs += 1
+        if origin.name == "__init__.py":
+            ok &= bool(compileall.compile_dir(origin.parent, quiet=2))
+        elif origin.suffix == ".py":
+            ok &= bool(compileall.compile_file(origin, quiet=2))
+    said.append(f"run packages compiled: {dirs} in {time.monotonic() - t0:.1f} s"
                 + ("" if ok else " (some files did not compile: runs compile them)"))
 
 
@@ -197,7 +170,7 @@ def cmd_build_ops(args: argparse.Namespace) -> int:
             return bad(f"profile {sel.profile.name} is of a GPU node, but DeepSpeed builds for "
                        f"its {accel} accelerator here (no GPU seen): export DS_ACCELERATOR=cuda "
                        "and TORCH_CUDA_ARCH_LIST (e.g. 9.0 for H100/H200) to build for the GPUs")
-        ops = default_ops(list(sel.profile.ops), accel, builders)
+        ops = default_ops(list(sel.profile.ops), accel)
         how = f", profile {sel.profile.name}"
     cores = args.jobs or available_cores()
     _say(f"{len(ops)} ops ({', '.join(ops) or 'none'}) for DeepSpeed's {accel} accelerator into "

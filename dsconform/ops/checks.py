@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -27,12 +29,9 @@ if TYPE_CHECKING:
     from dsconform.ops.prebuild import ParallelBuilds
 
 
-def _needs_scratch(name: str, scratch_dir: str | os.PathLike[str] | None) -> str | os.PathLike[str]:
-    if scratch_dir is None:
-        raise ValueError(f"check_op({name!r}) writes a file: "
-                         "pass scratch_dir (the suite's --scratch DIR)")
-    return scratch_dir
-
+#: Ops whose check reads and writes the disk (under scratch_dir) and records its rates: their
+#: checks run one at a time, so a rate is never measured while another op's check does I/O.
+IO_OPS = frozenset({"async_io", "gds"})
 
 # The Adam ops run in both of their modes: AdamW, and Adam with L2 weight decay.
 FUNCTIONAL_CHECKS: dict[str, Callable[[str, Any], dict[str, Any]]] = {
@@ -40,8 +39,8 @@ FUNCTIONAL_CHECKS: dict[str, Callable[[str, Any], dict[str, Any]]] = {
     "fused_adam": lambda device, scratch: check_adam_modes(check_fused_adam, device),
     "cpu_adagrad": lambda device, scratch: check_cpu_adagrad(),
     "cpu_lion": lambda device, scratch: check_cpu_lion(),
-    "async_io": lambda device, scratch: check_async_io(_needs_scratch("async_io", scratch)),
-    "gds": lambda device, scratch: check_gds(_needs_scratch("gds", scratch)),
+    "async_io": lambda device, scratch: check_async_io(scratch),
+    "gds": lambda device, scratch: check_gds(scratch),
 }
 
 
@@ -54,6 +53,9 @@ def check_op(name: str, *, device: str = "cpu",
     result: dict[str, Any] = load.summary()
     check = FUNCTIONAL_CHECKS.get(name)
     result["checked"] = "functional" if check else "load only"
+    if name in IO_OPS and scratch_dir is None:
+        raise ValueError(f"check_op({name!r}) writes a file: "
+                         "pass scratch_dir (the suite's --scratch DIR)")
     if check:
         result.update(check(device, scratch_dir))
     return result
@@ -98,8 +100,6 @@ class IsolatedOpCheck:
     @classmethod
     def start(cls, name: str, *, device: str = "cpu",
               scratch_dir: str | os.PathLike[str] | None = None) -> IsolatedOpCheck:
-        import subprocess
-
         from dsconform.base import cpu_info
 
         cpu_info.share()  # the child's op load asks py-cpuinfo: answered from here
@@ -119,22 +119,16 @@ class IsolatedOpCheck:
         """Wait for the check's process, reading its output meanwhile (a bare proc.wait()
         would hang on a child whose output filled the pipe); a check past timeout_s is killed
         and result() says so."""
-        import subprocess
-
-        if self._out is not None:
-            return
-        try:
-            self._out = self.proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            stdout, stderr = self.proc.communicate()
-            self._timed_out = timeout_s
-            self._out = (str(stdout or ""), str(stderr or ""))
+        if self._out is None:
+            try:
+                self._out = self.proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self._timed_out = timeout_s
+                self._out = tuple(str(out or "") for out in self.proc.communicate())
 
     def result(self, timeout_s: float = 900) -> dict[str, Any]:
         """The check's result (a dict); raises OpUnavailableText, AssertionError or OpCrashed."""
-        import signal as _signal
-
         name, proc = self.name, self.proc
         self.wait(timeout_s)
         stdout, stderr = self._out
@@ -144,7 +138,7 @@ class IsolatedOpCheck:
         output = stdout + stderr
         marker = stdout.rfind(_MARK)
         if marker < 0:
-            how = (f"killed by {_signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+            how = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
                    else f"exited {proc.returncode}")
             raise OpCrashed(f"op {name}: the process running its check {how} before reporting "
                             f"(a crash in native code)\noutput (tail):\n{log_tail(output)}")
@@ -162,11 +156,6 @@ class IsolatedOpCheck:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.communicate()
-
-
-#: Ops whose check reads and writes the disk and records its rates: their checks run one at a
-#: time, so a rate is never measured while another op's check does I/O.
-IO_OPS = frozenset({"async_io", "gds"})
 
 
 class OpChecks:
@@ -193,10 +182,10 @@ class OpChecks:
         self.closed = False
         self._start_ready()
 
-    def start_all(self) -> threading.Thread:
+    def start_all(self) -> None:
         """Start every check in the background, each once its build has ended, the I/O ones one
         after another (a run with a background cell batch: the ops tests then only read the
-        results). Returns the thread doing it."""
+        results)."""
         def run() -> None:
             for op in self.ops:
                 if self.closed:
@@ -205,9 +194,7 @@ class OpChecks:
                     self.get(op)
                 except Exception:  # the op's own test calls get() and reports it
                     pass
-        thread = threading.Thread(target=run, name="dsconform-op-checks", daemon=True)
-        thread.start()
-        return thread
+        threading.Thread(target=run, name="dsconform-op-checks", daemon=True).start()
 
     def _start_ready(self) -> None:
         for op in self.eager:

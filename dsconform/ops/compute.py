@@ -27,14 +27,6 @@ def _assert_close_step(check: str, step: int, params: Sequence[Any], refs: Seque
     return worst_abs, worst_rel
 
 
-def _assert_moved(check: str, params: Sequence[Any], initial: Sequence[Any]) -> float:
-    """A no-op optimizer would match a no-op reference: make sure the parameters moved."""
-    moved = max(float((p.detach().cpu() - p0).abs().max()) for p, p0 in zip(params, initial))
-    if moved == 0.0:
-        raise AssertionError(f"{check}: parameters did not change after the steps")
-    return moved
-
-
 def _gradient(n: int, gen: Any) -> Any:
     """N(0, 1) gradients whose magnitudes span 10 decades (each element times 10**-u, u uniform
     in [0, 10)): a fifth of them sit at or below eps, so a wrong eps fails
@@ -73,22 +65,13 @@ def _run_optimizer_pair(check: str, make_opt: Callable[[list], Any],
             ref_step(refs, grads, step)
         a, r = _assert_close_step(check, step, params, refs, tol)
         worst_abs, worst_rel = max(worst_abs, a), max(worst_rel, r)
-    moved = _assert_moved(check, params, initial)
+    # A no-op optimizer would match a no-op reference: make sure the parameters moved.
+    moved = max(float((p.detach().cpu() - p0).abs().max()) for p, p0 in zip(params, initial))
+    if moved == 0.0:
+        raise AssertionError(f"{check}: parameters did not change after the steps")
     return {"steps": steps, "elements": list(sizes), "device": str(device),
             "max_abs_diff": worst_abs, "max_rel_diff": worst_rel, "rtol": tol.rtol,
             "atol": tol.atol, "max_param_change": moved}
-
-
-def _tampered(make: Callable[[list], Any],
-              tamper: Callable[[Any], None] | None) -> Callable[[list], Any]:
-    """The optimizer ``make`` builds, then ``tamper(optimizer)`` before its first step (the
-    project's red tests perturb the real DeepSpeed optimizer there, e.g. drop its weight decay)."""
-    def build(ps: list) -> Any:
-        opt = make(ps)
-        if tamper is not None:
-            tamper(opt)
-        return opt
-    return build
 
 
 def _check_adam(op: str, make: Callable[..., Any], device: str, adamw_mode: bool,
@@ -101,9 +84,14 @@ def _check_adam(op: str, make: Callable[..., Any], device: str, adamw_mode: bool
     load = require_op(op)
     hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
     ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
-    result = _run_optimizer_pair(op, _tampered(lambda ps: make(ps, adamw_mode, **hp), tamper),
-                                 lambda ps: ref_cls(ps, **hp), None, steps=5, sizes=(53, 4103),
-                                 device=device)
+    def make_opt(ps: list) -> Any:  # the red tests' ``tamper`` perturbs it before its first step
+        opt = make(ps, adamw_mode, **hp)
+        if tamper is not None:
+            tamper(opt)
+        return opt
+
+    result = _run_optimizer_pair(op, make_opt, lambda ps: ref_cls(ps, **hp), None, steps=5,
+                                 sizes=(53, 4103), device=device)
     return {"op": op, "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp,
             "load_seconds": load.seconds, **result}
 
@@ -140,30 +128,27 @@ def check_adam_modes(check: Callable[..., dict[str, Any]], *args: Any) -> dict[s
             "load_seconds": sum(r["load_seconds"] for r in runs), "modes": runs}
 
 
-def check_cpu_adagrad(*, steps: int = 5, weight_decay: float = 0.01, lr: float = 1e-2,
-                      sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
+def check_cpu_adagrad() -> dict[str, Any]:
     """DeepSpeedCPUAdagrad against torch.optim.Adagrad (lr_decay 0, initial accumulator 0)."""
     import torch
     from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
     load = require_op("cpu_adagrad")
-    hp = dict(lr=lr, eps=1e-10, weight_decay=weight_decay)
+    hp = dict(lr=1e-2, eps=1e-10, weight_decay=0.01)
     result = _run_optimizer_pair(
         "cpu_adagrad", lambda ps: DeepSpeedCPUAdagrad(ps, **hp),
         lambda ps: torch.optim.Adagrad(ps, lr_decay=0, initial_accumulator_value=0, **hp), None,
-        steps=steps, sizes=sizes)
+        steps=5, sizes=(53, 4103))
     return {"op": "cpu_adagrad", "reference": "Adagrad", **hp, "load_seconds": load.seconds,
             **result}
 
 
-def check_cpu_lion(*, steps: int = 5, weight_decay: float = 0.01, lr: float = 1e-3,
-                   betas: tuple[float, float] = (0.9, 0.99),
-                   sizes: Sequence[int] = (53, 4103)) -> dict[str, Any]:
+def check_cpu_lion() -> dict[str, Any]:
     """DeepSpeedCPULion against Lion written out (Chen et al. 2023, Algorithm 2);
     torch has no Lion."""
     import torch
     from deepspeed.ops.lion import DeepSpeedCPULion
     load = require_op("cpu_lion")
-    momenta: dict[int, Any] = {}
+    lr, betas, weight_decay, momenta = 1e-3, (0.9, 0.99), 0.01, {}
 
     def lion_reference(refs: list, grads: list, step: int) -> None:
         b1, b2 = betas
@@ -176,6 +161,6 @@ def check_cpu_lion(*, steps: int = 5, weight_decay: float = 0.01, lr: float = 1e
 
     result = _run_optimizer_pair(
         "cpu_lion", lambda ps: DeepSpeedCPULion(ps, lr=lr, betas=betas, weight_decay=weight_decay),
-        None, lion_reference, steps=steps, sizes=sizes)
+        None, lion_reference, steps=5, sizes=(53, 4103))
     return {"op": "cpu_lion", "reference": "Lion (written out)", "lr": lr, "betas": betas,
             "weight_decay": weight_decay, "load_seconds": load.seconds, **result}

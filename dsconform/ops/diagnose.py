@@ -5,7 +5,7 @@ logs copied from another node."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,8 +17,6 @@ class Diagnosis:
     cause: str
     fix: str
 
-
-Rule = Callable[[str, Mapping[str, str]], "Diagnosis | None"]
 
 LIBAIO_FIX = ("install libaio-dev (Debian/Ubuntu) or libaio-devel, or, for a libaio outside "
               "system paths, set CPATH and LIBRARY_PATH (the async_io JIT build ignores "
@@ -45,14 +43,10 @@ def _libaio(text: str, env: Mapping[str, str]) -> Diagnosis | None:
     return Diagnosis(cause, LIBAIO_FIX)
 
 
-def _arch_entries_with_suffix(value: str) -> list[str]:
-    return [cc for cc in re.split(r"[;\s]+", value.strip())
-            if re.fullmatch(r"\d+\.\d+[A-Za-z]+(\+PTX)?", cc)]
-
-
 def _arch_suffix(text: str, env: Mapping[str, str]) -> Diagnosis | None:
     value = env.get("TORCH_CUDA_ARCH_LIST", "")
-    bad = _arch_entries_with_suffix(value)
+    bad = [cc for cc in re.split(r"[;\s]+", value.strip())
+           if re.fullmatch(r"\d+\.\d+[A-Za-z]+(\+PTX)?", cc)]
     literal = re.search(r"invalid literal for int\(\) with base 10: '(\d*[A-Za-z]+)'", text)
     if not bad and not literal:
         return None
@@ -95,14 +89,13 @@ def _cuda_mismatch(text: str, env: Mapping[str, str]) -> Diagnosis | None:
 
 
 def _ninja(text: str, env: Mapping[str, str]) -> Diagnosis | None:
-    if not re.search(r"Ninja is required to load C\+\+ extensions|"
-                     r"due to ninja not being installed", text):
-        return None
-    return Diagnosis("ninja is not on PATH; "
-                     "DeepSpeed's JIT loader needs it even for an op built before",
-                     "pip install ninja in the environment that runs the suite "
-                     "(or apt-get install ninja-build) "
-                     "and make sure `ninja --version` works on PATH")
+    if re.search(r"Ninja is required to load C\+\+ extensions|due to ninja not being installed",
+                 text):
+        return Diagnosis("ninja is not on PATH; DeepSpeed's JIT loader needs it even for an op "
+                         "built before", "pip install ninja in the environment that runs the "
+                         "suite (or apt-get install ninja-build) and make sure `ninja --version` "
+                         "works on PATH")
+    return None
 
 
 def _compiler(text: str, env: Mapping[str, str]) -> Diagnosis | None:
@@ -132,20 +125,18 @@ def _cuda_home(text: str, env: Mapping[str, str]) -> Diagnosis | None:
 
 
 def _shm_text(text: str, env: Mapping[str, str]) -> Diagnosis | None:
-    if not re.search(r"/dev/shm[^\n]*No space left on device|"
-                     r"No space left on device[^\n]*/dev/shm|"
-                     r"Error while creating shared memory segment|"
-                     r"/dev/shm size might be too small", text):
-        return None
-    return Diagnosis("/dev/shm ran out of space", SHM_FIX)
+    if re.search(r"/dev/shm[^\n]*No space left on device|No space left on device[^\n]*/dev/shm|"
+                 r"Error while creating shared memory segment|/dev/shm size might be too small",
+                 text):
+        return Diagnosis("/dev/shm ran out of space", SHM_FIX)
+    return None
 
 
 SHM_FIX = ("give the container more shared memory (docker run --shm-size=16g, or a Kubernetes "
            "emptyDir with medium: Memory at /dev/shm), "
            "or remount: mount -o remount,size=16G /dev/shm")
 
-RULES: tuple[Rule, ...] = (_arch_suffix, _cuda_mismatch, _cuda_home, _ninja, _compiler, _libaio,
-                           _shm_text)
+RULES = (_arch_suffix, _cuda_mismatch, _cuda_home, _ninja, _compiler, _libaio, _shm_text)
 
 
 def diagnose(error_text: str, log_tail: str, env: Mapping[str, str], *,

@@ -41,18 +41,9 @@ PREAMBLE_TEXT = {
     "JIT compiled ops requires ninja",
 }
 
-# ds_report's labels -> our keys. Labels not listed here are snake_cased.
-ENV_KEYS = {
-    "torch install path": "torch_install_path",
-    "torch version": "torch_version",
-    "deepspeed install path": "deepspeed_install_path",
-    "deepspeed info": "deepspeed_info",
-    "torch cuda version": "torch_cuda_version",
-    "torch hip version": "torch_hip_version",
-    "nvcc version": "nvcc_version",
-    "deepspeed wheel compiled w.": "deepspeed_wheel_compiled",
-    "shared memory (/dev/shm) size": "shm_size_text",
-}
+# ds_report's labels -> our keys where the label snake_cased is not the key.
+ENV_KEYS = {"deepspeed wheel compiled w.": "deepspeed_wheel_compiled",
+            "shared memory (/dev/shm) size": "shm_size_text"}
 # Always present in the result (None when ds_report did not print them, e.g. the CUDA lines on the
 # CPU accelerator), so callers can index without guessing which accelerator produced the text.
 STANDARD_ENV_KEYS = (
@@ -176,7 +167,7 @@ def _warning_text(line: str) -> str:
 
 
 def _add_env(env: dict[str, Any], label: str, value: str) -> None:
-    key = ENV_KEYS.get(label) or _snake(label)
+    key = ENV_KEYS.get(label) or re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
     parsed = _env_value(value)
     env[key] = parsed
     if key == "deepspeed_info":
@@ -199,10 +190,6 @@ def _env_value(value: str) -> Any:
             return value
         return items[0] if len(items) == 1 else items
     return value
-
-
-def _snake(label: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "_", label.lower()).strip("_")
 
 
 def shm_bytes(text: str) -> int | None:

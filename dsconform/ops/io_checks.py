@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from dsconform.base import compat
+from dsconform.checks.aio import AioSettings
 from dsconform.ops.load import require_op
 from dsconform.units import GB
 
@@ -25,27 +26,8 @@ def _first_mismatch(a: Any, b: Any) -> str:
             f"(wrote {int(a[i])}, read {int(b[i])})")
 
 
-def _io_roundtrip(handle: Any, wbuf: Any, rbuf: Any, path: Path,
-                  tamper: Callable[[Path], None] | None) -> tuple[float, float]:
-    """Synchronous write then read of one file; returns (write_s, read_s)."""
-    t0 = time.perf_counter()
-    handle.sync_pwrite(wbuf, str(path))
-    write_s = time.perf_counter() - t0
-    size = path.stat().st_size
-    if size != wbuf.numel():
-        raise AssertionError(f"wrote {wbuf.numel()} bytes to {path}, the file has {size}")
-    if tamper is not None:
-        tamper(path)
-    t0 = time.perf_counter()
-    handle.sync_pread(rbuf, str(path))
-    read_s = time.perf_counter() - t0
-    return write_s, read_s
-
-
-def _handle_args(block_size: int, queue_depth: int, intra_op_parallelism: int) -> tuple:
-    # aio_handle / gds_handle(block_size, queue_depth, single_submit, overlap_events,
-    # intra_op_parallelism)
-    return block_size, queue_depth, False, True, intra_op_parallelism
+#: aio_handle / gds_handle's parameters for the checks (queue depth 32, else DeepSpeed's defaults).
+SETTINGS = AioSettings(queue_depth=32)
 
 
 def _check_aligned(op: str, handle: Any, nbytes: int) -> None:
@@ -61,14 +43,13 @@ def _check_aligned(op: str, handle: Any, nbytes: int) -> None:
 
 
 def check_async_io(scratch_dir: str | os.PathLike[str], nbytes: int = 64 * 1024**2, *,
-                   block_size: int = 1024**2, queue_depth: int = 32, intra_op_parallelism: int = 1,
                    tamper: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """aio_handle: write random bytes from a page-locked CPU tensor to a file under scratch_dir,
     read them back into another, compare every byte; report GB/s (1e9 bytes/s). The file is removed.
     `tamper(path)` runs between write and read; tests use it to prove the comparison goes red."""
     import torch
     load = require_op("async_io")
-    handle = load.module.aio_handle(*_handle_args(block_size, queue_depth, intra_op_parallelism))
+    handle = load.module.aio_handle(*SETTINGS.handle_args())
     _check_aligned("async_io", handle, nbytes)
     path = Path(scratch_dir) / f"dsconform-aio-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
     example = torch.empty(0, dtype=torch.uint8)
@@ -78,7 +59,16 @@ def check_async_io(scratch_dir: str | os.PathLike[str], nbytes: int = 64 * 1024*
         wbuf.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
                                  generator=torch.Generator().manual_seed(0)))
         rbuf.zero_()
-        write_s, read_s = _io_roundtrip(handle, wbuf, rbuf, path, tamper)
+        t0 = time.perf_counter()
+        handle.sync_pwrite(wbuf, str(path))
+        write_s = time.perf_counter() - t0
+        if (size := path.stat().st_size) != nbytes:
+            raise AssertionError(f"wrote {nbytes} bytes to {path}, the file has {size}")
+        if tamper is not None:  # tests prove the comparison goes red
+            tamper(path)
+        t0 = time.perf_counter()
+        handle.sync_pread(rbuf, str(path))
+        read_s = time.perf_counter() - t0
         if not torch.equal(wbuf, rbuf):
             raise AssertionError(f"async_io: data read back from {path} differs from what was "
                                  f"written: {_first_mismatch(wbuf, rbuf)} of {nbytes}")
@@ -87,19 +77,18 @@ def check_async_io(scratch_dir: str | os.PathLike[str], nbytes: int = 64 * 1024*
         handle.free_cpu_locked_tensor(rbuf)
         path.unlink(missing_ok=True)
     return {"op": "async_io", "bytes": nbytes, "file_dir": str(scratch_dir),
-            "block_size": block_size,
-            "queue_depth": queue_depth, "intra_op_parallelism": intra_op_parallelism,
+            "block_size": SETTINGS.block_size, "queue_depth": SETTINGS.queue_depth,
+            "intra_op_parallelism": SETTINGS.intra_op_parallelism,
             "write_s": write_s, "read_s": read_s, "write_gbps": nbytes / write_s / GB,
             "read_gbps": nbytes / read_s / GB, "gb": "1e9 bytes", "equal": True,
             "load_seconds": load.seconds}
 
 
-def check_gds(scratch_dir: str | os.PathLike[str], *, block_size: int = 1024**2,
-              queue_depth: int = 32, intra_op_parallelism: int = 1) -> dict[str, Any]:
+def check_gds(scratch_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """gds_handle creation only (scratch_dir: where the isolated check runs, as async_io's).
     GDS file I/O needs a GDS-capable file system (docs/findings.md#deepnvme): it is checked
     through dsconform.storage.io on paths a profile marks gds = true."""
     load = require_op("gds")
-    load.module.gds_handle(*_handle_args(block_size, queue_depth, intra_op_parallelism))
+    load.module.gds_handle(*SETTINGS.handle_args())
     return {"op": "gds", "handle": True, "load_seconds": load.seconds,
             "io": "not tried: handle only"}

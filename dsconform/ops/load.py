@@ -4,6 +4,7 @@ op did not load (dsconform.ops.diagnose); `require_op` raises OpUnavailable."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import time
@@ -97,8 +98,7 @@ def log_tail(text: str, n: int = LOG_TAIL_LINES) -> str:
 
 
 def _so_path(ext_dir: Path, name: str) -> Path:
-    # torch.utils.cpp_extension.load builds `name` in TORCH_EXTENSIONS_DIR/name/name.so
-    return ext_dir / name / f"{name}{'.pyd' if os.name == 'nt' else '.so'}"
+    return ext_dir / name / f"{name}.so"  # where torch.utils.cpp_extension.load builds `name`
 
 
 def load_op(name: str) -> OpLoad:
@@ -137,16 +137,12 @@ def load_op(name: str) -> OpLoad:
     return result
 
 
-_LOADED: dict[str, OpLoad] = {}
-
-
+@functools.cache  # a failure raises, and functools.cache keeps no exception: the next call retries
 def require_op(name: str) -> OpLoad:
     """The loaded op `name`, built and loaded once per process (a warm load still costs seconds:
     py-cpuinfo, probes); OpUnavailable when it does not load. For the checks, and for library
     code that calls an op's module (dsconform.storage.io)."""
-    if name not in _LOADED:
-        load = load_op(name)
-        if not load.loaded:
-            raise OpUnavailable(load)
-        _LOADED[name] = load
-    return _LOADED[name]
+    load = load_op(name)
+    if not load.loaded:
+        raise OpUnavailable(load)
+    return load

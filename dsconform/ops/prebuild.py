@@ -8,6 +8,8 @@ result; ranks that need an op wait in torch's build lock (dsconform.base.buildlo
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import signal
@@ -76,19 +78,14 @@ def is_cached(op: str, ext_dir: Path) -> bool:
         rules = (built.parent / "build.ninja").read_text()
     except OSError:
         return built.exists()
-    for line in rules.splitlines():
-        if not line.startswith("build ") or ":" not in line:
-            continue
-        for token in line.split(":", 1)[1].split()[1:]:  # after the rule: the inputs
-            if token in ("|", "||"):
-                break
-            source = Path(token)
-            try:
-                if "$" not in token and source.is_absolute() and \
-                        source.stat().st_mtime > built_at:
-                    return False
-            except OSError:
-                continue
+    for line in rules.splitlines():  # "build OUT: RULE IN... | IMPLICIT || ORDER-ONLY"
+        if line.startswith("build ") and ":" in line:
+            inputs = line.split(":", 1)[1].split()[1:]
+            for token in itertools.takewhile(lambda t: t not in ("|", "||"), inputs):
+                with contextlib.suppress(OSError):
+                    if "$" not in token and os.path.isabs(token) and \
+                            os.stat(token).st_mtime > built_at:
+                        return False
     return True
 
 
@@ -105,10 +102,6 @@ class Build:
     failure: str | None = None  # why the run stopped it (its timeout)
     follower: threading.Thread | None = None
     ended: float | None = None
-
-    @property
-    def running(self) -> bool:
-        return self.ended is None and self.proc.poll() is None
 
 
 def _command(op: str, nice: int) -> list[str]:
@@ -159,7 +152,6 @@ class ParallelBuilds:
     closed: bool = False
     t0: float = 0.0
     lock: threading.RLock = field(default_factory=threading.RLock)
-    changed: threading.Condition = field(default_factory=threading.Condition)
 
     @classmethod
     def start(cls, ops: Sequence[str], cores: int | None = None, *, skip_cached: bool = False,
@@ -206,31 +198,25 @@ class ParallelBuilds:
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                     process_group=0)
             now = time.monotonic()
-            b = self.builds[op] = Build(op, proc, now, self.cores, nice, now - self.t0)
-            b.follower = threading.Thread(target=self._follow, args=(b,),
+            b = Build(op, proc, now, self.cores, nice, now - self.t0)
+            b.follower = threading.Thread(target=self._finish, args=(b,),
                                           name=f"dsconform-build-{op}", daemon=True)
             b.follower.start()
+            self.builds[op] = b  # followed already: wait() joins its follower
         self._event(op, "start", {"jobs": b.jobs, "nice": nice, "started_at": b.started_at,
                                   "beside": running, "cached": op in self.cached})
 
-    def _follow(self, b: Build) -> None:
+    def _event(self, op: str, what: str, info: dict[str, Any]) -> None:
+        if self.on_event is not None and not self.closed:
+            with contextlib.suppress(Exception):  # a progress printer must not stop the builds
+                self.on_event(op, what, info)
+
+    def _finish(self, b: Build) -> None:
         """Read the build's output as it comes (a build that prints more than a pipe holds,
         64 KiB of compiler warnings, would otherwise stop there and hold the extension lock
         that ranks needing the op wait on), then finish its result as it ends."""
         b.output = "".join(b.proc.stdout)
         b.proc.wait()
-        self._finish(b)
-
-    def _event(self, op: str, what: str, info: dict[str, Any]) -> None:
-        with self.changed:
-            self.changed.notify_all()
-        if self.on_event is not None and not self.closed:
-            try:
-                self.on_event(op, what, info)
-            except Exception:  # a progress printer must not stop the builds
-                pass
-
-    def _finish(self, b: Build) -> None:
         with self.lock:
             b.ended = time.monotonic()
             line = next((ln for ln in b.output.splitlines() if ln.startswith(_MARK)), None)
@@ -245,9 +231,7 @@ class ParallelBuilds:
                           started_at=b.started_at, cached=b.op in self.cached)
         # The printer says how the build ended before a wait() returns it (build-ops' last line).
         self._event(b.op, "done", result)
-        with self.changed:
-            b.result = result
-            self.changed.notify_all()
+        b.result = result  # wait() joins this thread: a result waits for its event
 
     def wait(self, op: str, timeout_s: float = 900, *, ticker: _Ticker | None = None
              ) -> dict[str, Any] | None:
@@ -257,20 +241,17 @@ class ParallelBuilds:
         b = self.builds.get(op)
         if b is None:
             return None
-        deadline = time.monotonic() + timeout_s
-        ticker = ticker or _Ticker()
-        while True:
-            with self.changed:
-                if b.result is not None:
-                    return b.result
-                until = deadline if self.on_progress is None else min(deadline, ticker.next_at)
-                self.changed.wait(min(1.0, max(0.01, until - time.monotonic())))
-            if b.result is None and time.monotonic() >= deadline:
+        deadline, ticker = time.monotonic() + timeout_s, ticker or _Ticker()
+        while b.follower.is_alive():
+            if time.monotonic() >= deadline:
                 b.failure = f"op {op}: the parallel build did not finish within {timeout_s:.0f} s"
                 self._kill(b)
                 b.follower.join()
-                return b.result
+                break
+            until = deadline if self.on_progress is None else min(deadline, ticker.next_at)
+            b.follower.join(min(1.0, max(0.01, until - time.monotonic())))
             self._tick(op, ticker)
+        return b.result
 
     def _tick(self, op: str, ticker: _Ticker) -> None:
         now = time.monotonic()
@@ -278,11 +259,10 @@ class ParallelBuilds:
             return
         ticker.next_at = now + PROGRESS_S
         with self.lock:
-            building = [(b.op, now - b.started) for b in self.builds.values() if b.running]
-        try:
+            building = [(b.op, now - b.started) for b in self.builds.values()
+                        if b.ended is None and b.proc.poll() is None]
+        with contextlib.suppress(Exception):  # a progress printer must not stop the wait
             self.on_progress(Progress(op, now - ticker.started, building))
-        except Exception:  # a progress printer must not stop the wait
-            pass
 
     def finished(self, op: str) -> bool:
         """Whether ``wait(op)`` would return at once (no build of op, or it has ended)."""
@@ -300,9 +280,7 @@ class ParallelBuilds:
         (seconds after the first build started); the ops found in the cache."""
         builds = []
         for op in self.order:
-            b = self.builds.get(op)
-            r = b.result if b is not None else None
-            if r is None:
+            if (r := getattr(self.builds.get(op), "result", None)) is None:
                 continue
             builds.append({"op": op, "loaded": bool(r.get("loaded")),
                            "built_now": bool(r.get("built_now")),

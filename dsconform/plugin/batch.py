@@ -99,9 +99,7 @@ _STATE = pytest.StashKey[_State]()
 
 
 def _state(config: pytest.Config) -> _State:
-    if _STATE not in config.stash:
-        config.stash[_STATE] = _State()
-    return config.stash[_STATE]
+    return config.stash.setdefault(_STATE, _State())
 
 
 def batch_stats(config: pytest.Config) -> list[dict]:
@@ -202,14 +200,10 @@ def select(session: pytest.Session, rs: RunState) -> list[pytest.Item]:
     return [it for it in session.items if _plan_of(it) is not None and _will_run(it, rs)]
 
 
-def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item] | None = None) -> int:
-    """Plan every selected cell the gate will run (``cells``: select()'s, if taken already)
-    and start their calls in a background thread (the plugin calls this once collection ends,
-    with batches enabled); returns how many cells it started."""
+def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item]) -> int:
+    """Plan select()'s ``cells`` and start their calls in a background thread (the plugin calls
+    this once collection ends, with batches enabled); returns how many cells it started."""
     state = _state(session.config)
-    if state.thread is not None:
-        return 0
-    cells = list(select(session, rs) if cells is None else cells)
     if len(cells) < 2:
         return 0
     cells = start_order(cells, rs)

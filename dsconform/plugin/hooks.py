@@ -52,7 +52,6 @@ pytest_plugins = ["dsconform.plugin.refusal"]
 
 #: Where a pytest run's rank output goes (dsconform.harness.output): --results/ranks.log.
 RANK_LOG = pytest.StashKey[object]()
-RANK_LOG_NAME = "ranks.log"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -82,7 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # Every rank's stdout and stderr, by test (dsconform.harness.output): the controller starts
     # the file, xdist workers append to it.
     worker = getattr(config, "workerinput", {}).get("workerid", "")
-    log = results / RANK_LOG_NAME if results is not None else None
+    log = results / "ranks.log" if results is not None else None
     config.stash[RANK_LOG] = rank_output.configure(
         log, worker=worker, truncate=not worker)
     if not config.option.collectonly:
@@ -100,7 +99,11 @@ def pytest_configure(config: pytest.Config) -> None:
                 # the node and the profile begin with.
                 zygote.start_ahead()
     try:
-        notices = _use_stable_extension_cache()
+        # The op cache of this environment (docs/findings.md#op-builds), rid of a killed build's
+        # lock (StaleBuildLock where it cannot be proven stale) and of killed inductor compiles.
+        from dsconform.base.buildlock import clear_stale
+        from dsconform.ops.cache import ensure_extensions_dir, sweep_inductor_cache
+        notices = clear_stale(ensure_extensions_dir()) + sweep_inductor_cache()
         selection = select_profile(config.getoption("--profile"), named=_profile_named(config))
         timeline.mark("node and profile found")
         soak = _soak_minutes(config, selection.node, runs)
@@ -182,15 +185,6 @@ def _stop_on_sigint(config: pytest.Config) -> None:
     if (not is_xdist_worker(config) and threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def _use_stable_extension_cache() -> list[str]:
-    """The op cache of this environment, for this run and its ranks (docs/findings.md#op-builds),
-    rid of a killed build's lock (StaleBuildLock where it cannot be proven stale) and of
-    inductor kernels whose compile was killed (dsconform.ops.cache.sweep_inductor_cache)."""
-    from dsconform.base.buildlock import clear_stale
-    from dsconform.ops.cache import ensure_extensions_dir, sweep_inductor_cache
-    return clear_stale(ensure_extensions_dir()) + sweep_inductor_cache()
 
 
 _MARKERS = {
@@ -282,12 +276,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return [ln for ln in lines if ln]
 
 
-def _capability(item: pytest.Item) -> str:
-    """The suite module's CAPABILITY, else one derived from its file name."""
-    cap = getattr(getattr(item, "module", None), "CAPABILITY", None)
-    return cap or capability_from_nodeid(item.nodeid)
-
-
 @pytest.hookimpl(tryfirst=True)  # before -m deselects: `anynode` tests join `-m gpu` on GPU nodes
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config,
                                   items: list[pytest.Item]) -> None:
@@ -296,7 +284,9 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     # GPUs the promise tests must still run under -m gpu, and fail.
     on_gpu_node = state.node.is_gpu_node
     for item in items:
-        item.stash[ITEM_CAPABILITY] = _capability(item)
+        # The suite module's CAPABILITY, else one derived from its file name.
+        item.stash[ITEM_CAPABILITY] = getattr(getattr(item, "module", None), "CAPABILITY", None) \
+            or capability_from_nodeid(item.nodeid)
         if on_gpu_node and item.get_closest_marker("anynode"):
             item.add_marker(pytest.mark.gpu)
         _mark_known_issues(item, state)

@@ -336,7 +336,7 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
     try:
         import torch
         marks.append(("import torch", time.time()))
-        import deepspeed  # imported once per rank process: ~1.2 s that pooled calls do not repay
+        import deepspeed  # once per rank process: pooled calls do not repay it
         from deepspeed.accelerator import get_accelerator
 
         chosen = get_accelerator().device_name()

@@ -78,9 +78,9 @@ WARM_UP_WAIT_S = 120.0
 
 def _warm_up_rank(accel: str, said: list[str]) -> None:
     """Start one rank as a run does (import torch and DeepSpeed, init_distributed, a first tiny
-    engine) and stop it, so its imports are in the bytecode cache (on 1xH200 a first run after
-    build-ops without it: 59 s, rank warm-ups of 12.8 s against 6.8 s warm). Runs beside the
-    builds, needs no op; a failure only leaves that cache colder. It says its lines to ``said``."""
+    engine) and stop it, so its imports are in the bytecode cache (docs/performance.md, "Building
+    ahead"). Runs beside the builds, needs no op; a failure only leaves that
+    cache colder. It says its lines to ``said``."""
     from dsconform.harness import output
     from dsconform.harness.pool import POOL_PG_TIMEOUT_S, Pool, gpus_for
 

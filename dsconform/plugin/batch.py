@@ -292,9 +292,8 @@ def _run(state: _State, calls: list[RankCall | list[RankCall]],
             except Exception:  # the session goes on; the directory stays
                 pass
         close_lanes()
-        # The cells wrote checkpoints and files: what the page cache still holds of them goes
-        # to the disk now, not during the measurement that comes next (a checkpoint save
-        # measured at half its usual speed right after a batch on 2xH200).
+        # The cells' writes go to the disk now, not during the measurement that comes next
+        # (docs/performance.md#what-the-acceptance-tiers-time-goes-to-2xh200).
         t_sync = time.monotonic()
         if hasattr(os, "sync"):
             os.sync()

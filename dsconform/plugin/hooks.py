@@ -211,29 +211,22 @@ _MARKERS = {
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    sink = config.stash.get(RANK_LOG, None)
+    sink, state = config.stash.get(RANK_LOG, None), config.stash.get(STATE, None)
     try:
-        _stop_everything(config)
+        if state is not None:
+            _stop_everything(config, state)
     finally:
         if sink is not None:
             rank_output.release(sink)
-    if _owns_process(config):
-        # pytest's end walks every object torch and DeepSpeed made, none of them garbage now:
-        # frozen, they are skipped (docs/performance.md#the-end-of-a-run).
+    # The process ends with this run (not a pytester run inside another, not an xdist worker):
+    # pytest's end walks every object torch and DeepSpeed made, none of them garbage now:
+    # frozen, they are skipped (docs/performance.md#the-end-of-a-run).
+    if not is_xdist_worker(config) and \
+            tuple(map(str, config.invocation_params.args)) == tuple(sys.argv[1:]):
         gc.freeze()
 
 
-def _owns_process(config: pytest.Config) -> bool:
-    """Whether this pytest run is the one the process runs for (not a pytester run inside
-    another, not an xdist worker): the process ends with it."""
-    return not is_xdist_worker(config) and \
-        tuple(map(str, config.invocation_params.args)) == tuple(sys.argv[1:])
-
-
-def _stop_everything(config: pytest.Config) -> None:
-    state = config.stash.get(STATE, None)
-    if state is None:
-        return
+def _stop_everything(config: pytest.Config, state: RunState) -> None:
     if state.neighbours is not None:
         state.neighbours.stop()
     if state.op_checks is not None:
@@ -246,7 +239,7 @@ def _stop_everything(config: pytest.Config) -> None:
     if "dsconform.harness.api" in sys.modules:  # only if some test started ranks
         sys.modules["dsconform.harness.api"].shutdown_pools()
     zygote.stop()  # started at load even where no test started ranks
-    if state and state.scratch_is_temp:
+    if state.scratch_is_temp:
         shutil.rmtree(state.scratch, ignore_errors=True)
 
 
@@ -543,9 +536,8 @@ def pytest_runtest_call(item: pytest.Item):
             failure = known_issues.expected_failure(issues, exc)
             if getattr(failure, "issue_id", None):  # of several issues, the one that failed
                 run_state(item.config).known_issue_cases[item.nodeid] = failure.issue_id
-                # The failure the strict xfail expects: its message holds the check's whole,
-                # and no report shows its traceback, which pytest formats anyway, parsing the
-                # source file of every frame (30-60 ms per xfail, on the main thread).
+                # Its message holds the check's whole; no report shows the traceback pytest
+                # would format anyway (docs/performance.md, "What dominates").
                 __tracebackhide__ = True
                 raise failure from None
             raise failure from exc

@@ -20,7 +20,7 @@ from dsconform.gate import known_issues
 from dsconform.node import nccl_env
 from dsconform.plugin import refusal
 from dsconform.plugin.keys import ITEM_CAPABILITY
-from dsconform.plugin.runstate import RunState, describe
+from dsconform.plugin.runstate import RunState
 from dsconform.profile.select import rendezvous_info
 from dsconform.results import aggregate, durations, prometheus, records, summary, verdict
 from dsconform.results import format as results_format
@@ -284,7 +284,8 @@ class Recorder:
             if textfile:  # the "not finished" written there at the start must not stay
                 self._write_prom(None, textfile, session)
             return
-        prof = describe(state)
+        prof = {"name": state.profile.name, "source": state.profile.source,
+                "how": state.selection.how}  # the profile in force and how it was chosen
         doc = records.document(
             state.metrics, state.outcomes, machine_info=_machine_info(state),
             commit_info=_commit_info(), profile=prof,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -106,9 +106,3 @@ def run_state(config: pytest.Config) -> RunState:
         raise RuntimeError("the dsconform plugin is not active: run the suite from its checkout "
                            "(its conftest.py loads fixtures/plugin.py)")
     return state
-
-
-def describe(state: RunState) -> dict[str, Any]:
-    """JSON-friendly description of the profile in force and how it was chosen."""
-    return {"name": state.profile.name, "source": state.profile.source,
-            "how": state.selection.how}

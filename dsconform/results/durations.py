@@ -2,10 +2,9 @@
 where this run set the last run's ``records.jsonl`` aside (dsconform.results.run_files).
 
 The plugin reads it at configure, so that a cell batch starts the cells that took longest last
-time first (dsconform.plugin.batch.cost). A batched
-cell's own call seconds (``batch_seconds``) count over its test's duration, which only waited
-for that call. A test that was skipped, or is absent, has no recorded duration: the batch then
-uses a neutral default.
+time first (dsconform.plugin.batch.cost). A batched cell's own call seconds (``batch_seconds``)
+count over its test's duration, which only waited for that call. A test that was skipped, or is
+absent, has no recorded duration: the batch then uses a neutral default.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from typing import Any
 
 from dsconform.results.format import RECORDS_JSONL, previous_name
 
-JOURNAL = RECORDS_JSONL
 #: A batched cell's call seconds, as a test's user property (junit.xml) and journal field.
 BATCH_SECONDS = "dsconform_batch_seconds"
 #: Outcomes whose duration says nothing about what the test costs when it runs.
@@ -45,7 +43,7 @@ def last_run_seconds(results: Path | None) -> dict[str, float]:
     if results is None:
         return {}
     try:
-        lines = (Path(results) / previous_name(JOURNAL)).read_text().splitlines()
+        lines = (Path(results) / previous_name(RECORDS_JSONL)).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
         return {}
     entries = []

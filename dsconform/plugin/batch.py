@@ -30,8 +30,8 @@ from dsconform.gate import requires as gating
 from dsconform.harness.lanes import RankCall, close_lanes, lanes_for, run_concurrently, run_steps
 from dsconform.harness.launcher import external_rendezvous
 from dsconform.harness.xdist import xdist_worker
-from dsconform.plugin.runstate import STATE, RunState, run_state
-from dsconform.results import durations
+from dsconform.plugin.runstate import RunState, run_state
+from dsconform.results.records import BATCH_SECONDS
 
 #: plan(params, workdir, run) -> the cell's RankCall, or a list of RankCalls (steps run in turn on
 #: one lane, a fresh=True step on new processes; the cell's results are then the list of each
@@ -48,10 +48,9 @@ BATCH_WAIT = "dsconform_batch_wait_seconds"
 
 
 def batched(plan: Plan, *, where: Callable[[dict], bool] | None = None) -> Callable:
-    """Decorate a parametrized test whose body gets its rank results from cell_results(). A
-    batch starts the costliest cells first (cost()), so that no long cell is left to run alone
-    at the end. where: which cells are batched, from their parametrize values (default all); the
-    body of the others makes its own calls and must not call cell_results()."""
+    """Decorate a parametrized test whose body gets its rank results from cell_results().
+    where: which cells are batched, from their parametrize values (default all); the body of
+    the others makes its own calls and must not call cell_results()."""
     def decorate(fn: Callable) -> Callable:
         setattr(fn, _PLAN_ATTR, (plan, where))
         return fn
@@ -68,17 +67,6 @@ def _plan_of(item: pytest.Item) -> Plan | None:
 def has_plan(item: pytest.Item) -> bool:
     """Whether the item is a cell of a batched test."""
     return _plan_of(item) is not None
-
-
-def cost(item: pytest.Item) -> float:
-    """About how long the cell's call takes (0 for a test not batched): its seconds in the last
-    run's records (dsconform.results.durations), else a neutral 1.0."""
-    if not has_plan(item):
-        return 0.0
-    config = getattr(item, "config", None)
-    state = config.stash.get(STATE, None) if config is not None else None
-    recorded = state.last_seconds.get(item.nodeid) if state is not None else None
-    return recorded if recorded is not None else 1.0
 
 
 @dataclass
@@ -189,12 +177,6 @@ def _params(item: pytest.Item) -> dict:
     return dict(callspec.params) if callspec is not None else {}
 
 
-def start_order(cells: list[pytest.Item], rs: RunState) -> list[pytest.Item]:
-    """The order the batch starts its cells in: those that load an op still building (cold
-    cache) last, the rest running meanwhile; the costliest (cost()) first otherwise."""
-    return sorted(cells, key=lambda it: (_waits_for_a_build(it, rs), -cost(it)))
-
-
 def select(session: pytest.Session, rs: RunState) -> list[pytest.Item]:
     """The selected cells the gate will run: what start() batches."""
     return [it for it in session.items if _plan_of(it) is not None and _will_run(it, rs)]
@@ -206,7 +188,8 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item]) -> in
     state = _state(session.config)
     if len(cells) < 2:
         return 0
-    cells = start_order(cells, rs)
+    # Cells that load an op still building (cold cache) last, the rest running meanwhile.
+    cells = sorted(cells, key=lambda it: _waits_for_a_build(it, rs))
     calls: list[RankCall | list[RankCall]] = []
     owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]] = []
     for it in cells:
@@ -372,7 +355,7 @@ def cell_results(request: pytest.FixtureRequest, workdir: Path | str | None = No
         outcome = state.outcomes.pop(nodeid, None)
         seconds = state.seconds.get(nodeid)
     if seconds is not None:  # in junit.xml: what this cell's call took in the batch
-        item.user_properties.append((durations.BATCH_SECONDS, round(seconds, 2)))
+        item.user_properties.append((BATCH_SECONDS, round(seconds, 2)))
     if outcome is None:
         call, cleanup = _split(plan(_params(item),
                                     Path(workdir if workdir is not None else rs.scratch), rs))

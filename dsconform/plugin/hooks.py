@@ -41,7 +41,6 @@ from dsconform.profile.select import (
     select_profile,
     selects_gpu_tests,
 )
-from dsconform.results import durations
 from dsconform.results.records import CASE_PROPERTY
 
 _register_hypothesis_profiles()
@@ -114,8 +113,7 @@ def pytest_configure(config: pytest.Config) -> None:
     state = RunState(
         selection=selection, scratch=scratch, scratch_is_temp=scratch_is_temp, results=results,
         started=started, multinode=rendezvous_nodes() > 1, notices=notices,
-        kind=run_kind(config.option.markexpr, selection.node) if runs else None,
-        last_seconds=durations.last_run_seconds(results))
+        kind=run_kind(config.option.markexpr, selection.node) if runs else None)
     state.notices.append(versions.torch_note(selection.node.torch_version))
     if is_detected(selection.profile):
         state.notices.append(detected_warning())
@@ -444,8 +442,8 @@ def _start_ops_suite(session: pytest.Session, state: RunState) -> None:
         return
     from concurrent.futures import ThreadPoolExecutor
 
+    from dsconform.node.dsreport import run_ds_report
     from dsconform.ops.checks import checks_for_run
-    from dsconform.ops.dsreport import run_ds_report
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsconform-ds-report")
     state.ds_report = pool.submit(run_ds_report)
     pool.shutdown(wait=False)

@@ -22,7 +22,7 @@ from dsconform.plugin import refusal
 from dsconform.plugin.keys import ITEM_CAPABILITY
 from dsconform.plugin.runstate import RunState
 from dsconform.profile.select import rendezvous_info
-from dsconform.results import aggregate, durations, prometheus, records, summary, verdict
+from dsconform.results import aggregate, prometheus, records, summary, verdict
 from dsconform.results import format as results_format
 from dsconform.results.node_folder import node_from_summary
 from dsconform.results.run_files import write_atomically
@@ -143,7 +143,7 @@ class Recorder:
         # When the phase that decided it ran (epoch seconds): where a run's time went.
         entry = {"outcome": asdict(o), "start": round(report.start, 3),
                  "stop": round(report.stop, 3)}
-        batch_seconds = dict(report.user_properties).get(durations.BATCH_SECONDS)
+        batch_seconds = dict(report.user_properties).get(records.BATCH_SECONDS)
         if batch_seconds is not None:  # the cell's own call, which its test only waited for
             entry["batch_seconds"] = batch_seconds
         self._journal(entry)

@@ -54,9 +54,6 @@ class RunState:
     # A GPU or a CPU run, said in the header and the summary; a GPU tier where no GPU is found
     # fails (profile.select.run_kind). None: not decided (a state built outside configure).
     kind: RunKind | None = None
-    # Each test's seconds in the last run with this --results folder (node id -> seconds,
-    # dsconform.results.durations), read before this run's journal starts: the batch's order.
-    last_seconds: dict[str, float] = field(default_factory=dict)
     # --soak MINUTES (None: no burn-in), and a line to the console from any thread (the soak's
     # progress once a minute: dsconform.plugin.console.Console.say).
     soak_minutes: float | None = None

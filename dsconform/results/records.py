@@ -27,6 +27,9 @@ FACT_PROPERTY = "dsconform_fact"  # the same, for facts
 #: statement and known issue): an xdist controller never sees the items. On the setup and call
 #: reports only, so JUnit's properties (taken from the teardown report) stay the test's own.
 CASE_PROPERTY = "dsconform_case"
+#: A batched cell's call seconds, as a test's user property (junit.xml) and journal field
+#: (``batch_seconds``): what the cell's own call took, which its test only waited for.
+BATCH_SECONDS = "dsconform_batch_seconds"
 #: Units of performance values (times and rates). A performance value held to a limit carries
 #: at least MIN_ROUNDS samples, so a comparison can see its noise and a floor is not decided by
 #: one unlucky round.

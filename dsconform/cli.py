@@ -72,7 +72,7 @@ def _validate_catalogue(path: str) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from dsconform.ops import dsreport
+    from dsconform.node import dsreport
 
     text = dsreport.run_ds_report()
     try:

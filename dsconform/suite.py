@@ -90,13 +90,13 @@ from dsconform.node.detect import (
     usable_cpu_cores,
     usable_memory_bytes,
 )
+from dsconform.node.dsreport import parse_ds_report, run_ds_report
 from dsconform.ops.checks import (
     OpChecks,
     OpCrashed,
     OpUnavailableText,
     checks_for_run,
 )
-from dsconform.ops.dsreport import parse_ds_report, run_ds_report
 from dsconform.plugin.batch import RankCall, batched, cell_results
 from dsconform.plugin.runstate import RunState, run_state
 from dsconform.profile import known_answers

@@ -15,15 +15,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsconform.ops.compute import (
+from dsconform.checks.op_compute import (
     check_adam_modes,
     check_cpu_adagrad,
     check_cpu_adam,
     check_cpu_lion,
     check_fused_adam,
 )
-from dsconform.ops.io_checks import check_async_io, check_gds
-from dsconform.ops.load import log_tail, require_op
+from dsconform.checks.op_io import check_async_io, check_gds
+from dsconform.ops.load import OpLoad, log_tail, require_op
 
 if TYPE_CHECKING:
     from dsconform.ops.prebuild import ParallelBuilds
@@ -33,14 +33,15 @@ if TYPE_CHECKING:
 #: checks run one at a time, so a rate is never measured while another op's check does I/O.
 IO_OPS = frozenset({"async_io", "gds"})
 
-# The Adam ops run in both of their modes: AdamW, and Adam with L2 weight decay.
-FUNCTIONAL_CHECKS: dict[str, Callable[[str, Any], dict[str, Any]]] = {
-    "cpu_adam": lambda device, scratch: check_adam_modes(check_cpu_adam),
-    "fused_adam": lambda device, scratch: check_adam_modes(check_fused_adam, device),
-    "cpu_adagrad": lambda device, scratch: check_cpu_adagrad(),
-    "cpu_lion": lambda device, scratch: check_cpu_lion(),
-    "async_io": lambda device, scratch: check_async_io(scratch),
-    "gds": lambda device, scratch: check_gds(scratch),
+# (the op as loaded, device, scratch) -> the check's result. The Adam ops run in both of their
+# modes: AdamW, and Adam with L2 weight decay.
+FUNCTIONAL_CHECKS: dict[str, Callable[[OpLoad, str, Any], dict[str, Any]]] = {
+    "cpu_adam": lambda load, device, scratch: check_adam_modes(check_cpu_adam),
+    "fused_adam": lambda load, device, scratch: check_adam_modes(check_fused_adam, device),
+    "cpu_adagrad": lambda load, device, scratch: check_cpu_adagrad(),
+    "cpu_lion": lambda load, device, scratch: check_cpu_lion(),
+    "async_io": lambda load, device, scratch: check_async_io(load.module, scratch),
+    "gds": lambda load, device, scratch: check_gds(load.module),
 }
 
 
@@ -57,7 +58,7 @@ def check_op(name: str, *, device: str = "cpu",
         raise ValueError(f"check_op({name!r}) writes a file: "
                          "pass scratch_dir (the suite's --scratch DIR)")
     if check:
-        result.update(check(device, scratch_dir))
+        result.update(check(load, device, scratch_dir))
     return result
 
 

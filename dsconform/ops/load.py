@@ -14,9 +14,9 @@ from typing import Any
 
 from dsconform.base.fdcapture import FdCapture
 from dsconform.node.detect import shm_bytes
+from dsconform.node.dsreport import strip_ansi
 from dsconform.ops.cache import ensure_extensions_dir
 from dsconform.ops.diagnose import Diagnosis, diagnose, format_failure
-from dsconform.ops.dsreport import strip_ansi
 
 LOG_TAIL_LINES = 40
 LOG_LINE_CHARS = 600  # verbose ninja prints compiler command lines thousands of characters long

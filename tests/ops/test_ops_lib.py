@@ -1,6 +1,6 @@
-"""dsconform.ops (cache, load, compute, io_checks, checks) and dsconform.ops.diagnose: the
-extensions cache, real op builds and loads on this machine, the functional checks with real data,
-and the diagnosis of real build failures.
+"""dsconform.ops (cache, load, checks) and dsconform.ops.diagnose: the extensions cache, real op
+builds and loads on this machine, check_op's dispatch, and the diagnosis of real build failures
+(the functional checks themselves: tests/checks/test_op_checks.py).
 
 Ops build once into the stable cache (`extensions_dir()`); the first run on a machine pays the cold
 builds (on 2 cores: cpu_adam about 40 s, async_io about 150 s, more on a busy machine).
@@ -23,15 +23,9 @@ from pathlib import Path
 import pytest
 
 from dsconform.ops import checks as ops
-from dsconform.ops import compute, load
+from dsconform.ops import load
 from dsconform.ops.cache import ensure_extensions_dir, environment_key, extensions_dir
 from dsconform.ops.checks import check_op
-from dsconform.ops.compute import (
-    check_cpu_adagrad,
-    check_cpu_adam,
-    check_cpu_lion,
-    check_fused_adam,
-)
 from dsconform.ops.diagnose import (
     LIBAIO_FIX,
     Diagnosis,
@@ -39,7 +33,6 @@ from dsconform.ops.diagnose import (
     first_compiler_error,
     format_failure,
 )
-from dsconform.ops.io_checks import check_async_io
 from dsconform.ops.load import OpLoad, OpUnavailable, load_op
 
 REPO = Path(__file__).resolve().parents[2]
@@ -276,104 +269,6 @@ def test_op_builders_follow_the_accelerator() -> None:
         assert "gds" not in builders
         with pytest.raises(OpUnavailable, match="not provided by DeepSpeed's cpu accelerator"):
             check_op("gds", device="cpu", scratch_dir="/nonexistent")
-
-
-# --------------------------------------------------------------------------------------------
-# Functional checks with real data
-
-
-@pytest.mark.parametrize("adamw_mode", [True, False])
-def test_cpu_adam_matches_torch(adamw_mode: bool) -> None:
-    result = check_cpu_adam(adamw_mode=adamw_mode, weight_decay=0.01)
-    print(f"cpu_adam adamw_mode={adamw_mode}: max abs {result['max_abs_diff']:.2e} "
-          f"rel {result['max_rel_diff']:.2e}")
-    assert result["reference"] == ("AdamW" if adamw_mode else "Adam")
-    assert result["max_param_change"] > 0
-
-
-def test_optimizer_check_goes_red_on_wrong_semantics() -> None:
-    # Broken on purpose: DeepSpeed's AdamW (decoupled decay) against torch Adam (L2 decay).
-    import torch
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-    hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
-    with pytest.raises(AssertionError, match=r"cpu_adam: step 1, parameter 0 .* max rel diff"):
-        compute._run_optimizer_pair(
-            "cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=True, **hp),
-            lambda ps: torch.optim.Adam(ps, **hp), None, steps=2, sizes=(53,))
-
-
-@pytest.mark.parametrize("eps", [1e-6, 0.0])
-def test_optimizer_check_goes_red_on_a_wrong_eps(eps: float) -> None:
-    """DeepSpeed's CPU Adam with another eps (or none) than its torch reference MUST fail: the
-    check's gradients reach eps's scale."""
-    import torch
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-    hp = dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
-    with pytest.raises(AssertionError, match=r"cpu_adam: step 1, parameter \d .* max abs diff"):
-        compute._run_optimizer_pair("cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, eps=eps, **hp),
-                                    lambda ps: torch.optim.Adam(ps, eps=1e-8, **hp), None,
-                                    steps=2, sizes=(53, 4103))
-    # the control: the same eps on both sides passes
-    compute._run_optimizer_pair("cpu_adam", lambda ps: DeepSpeedCPUAdam(ps, eps=1e-8, **hp),
-                                lambda ps: torch.optim.Adam(ps, eps=1e-8, **hp), None, steps=2,
-                                sizes=(53, 4103))
-
-
-# Not promised by cpu-ci and not used by the CPU tier: each is a cold JIT build of 1-4 minutes on
-# the 2-core CI machine, so it runs in the nightly tier (-m slow).
-@pytest.mark.slow
-def test_fused_adam_cpu_matches_torch() -> None:
-    result = check_fused_adam("cpu")
-    print(f"fused_adam cpu: max abs {result['max_abs_diff']:.2e} rel {result['max_rel_diff']:.2e}")
-    assert result["device"] == "cpu"
-
-
-# Not promised by cpu-ci and not used by the CPU tier: each is a cold JIT build of 1-4 minutes on
-# the 2-core CI machine, so it runs in the nightly tier (-m slow).
-@pytest.mark.slow
-def test_cpu_adagrad_matches_torch() -> None:
-    assert check_cpu_adagrad()["max_param_change"] > 0
-
-
-# Not promised by cpu-ci and not used by the CPU tier: each is a cold JIT build of 1-4 minutes on
-# the 2-core CI machine, so it runs in the nightly tier (-m slow).
-@pytest.mark.slow
-def test_cpu_lion_matches_reference() -> None:
-    assert check_cpu_lion()["max_param_change"] > 0
-
-
-# whole blocks, and a partial last block
-@pytest.mark.parametrize("nbytes", [64 * 1024**2, 1024**2 + 512])
-def test_async_io_roundtrip(tmp_path: Path, nbytes: int) -> None:
-    result = check_async_io(tmp_path, nbytes)
-    print(f"async_io {nbytes} bytes: write {result['write_gbps']:.2f} GB/s, "
-          f"read {result['read_gbps']:.2f} GB/s")
-    assert result["equal"] and result["bytes"] == nbytes
-    assert result["write_gbps"] > 0 and result["read_gbps"] > 0
-    assert list(tmp_path.iterdir()) == [], "the check must remove its file"
-
-
-@pytest.mark.parametrize("nbytes", [1024**2 + 7, 4103, 0])
-def test_async_io_refuses_unaligned_sizes(tmp_path: Path, nbytes: int) -> None:
-    # DeepSpeed 0.19.8 would write a truncated file and then abort the process on the read.
-    with pytest.raises(ValueError, match="multiple of the handle's alignment"):
-        check_async_io(tmp_path, nbytes)
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_async_io_check_goes_red_on_corruption(tmp_path: Path) -> None:
-    def flip_one_byte(path: Path) -> None:
-        with open(path, "r+b") as f:
-            f.seek(4097)
-            byte = f.read(1)
-            f.seek(4097)
-            f.write(bytes([byte[0] ^ 0xFF]))
-            f.flush()
-            os.fsync(f.fileno())
-
-    with pytest.raises(AssertionError, match=r"1 differing bytes, first at offset 4097"):
-        check_async_io(tmp_path, 1024**2, tamper=flip_one_byte)
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_check_op_dispatch(tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
 """Adam with L2 weight decay MUST be checked, and the checks MUST go red when DeepSpeed drops the
 L2 term.
 
-- The op checks (OPS-LOAD-1's functional check, dsconform/ops/compute.py check_adam_modes) run
+- The op checks (OPS-LOAD-1's functional check, dsconform/checks/op_compute.py check_adam_modes) run
   cpu_adam and fused_adam in both modes: AdamW against torch AdamW, and Adam with weight decay
   as an L2 term of the gradient (adamw_mode / adam_w_mode false) against torch
   Adam(weight_decay=0.01). With the op's weight decay zeroed before its first step (the checks'
@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from dsconform.checks.equivalence import compare_rank_results
+from dsconform.checks.op_compute import check_adam_modes, check_cpu_adam, check_fused_adam
 from dsconform.checks.tolerances import tolerance
 from dsconform.checks.zero_vs_ddp import ZeroCase, train_zero_and_ddp
 from dsconform.harness.api import run_ranks
-from dsconform.ops.compute import check_adam_modes, check_cpu_adam, check_fused_adam
 from suites.zero_ranks import L2_WEIGHT_DECAY, l2_matrix
 from tests import perturbed_ranks
 

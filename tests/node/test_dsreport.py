@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dsconform.ops.dsreport import parse_ds_report, run_ds_report, shm_bytes, strip_ansi
+from dsconform.node.dsreport import parse_ds_report, run_ds_report, shm_bytes, strip_ansi
 
 DATA = Path(__file__).parents[1] / "data" / "ds_report"
 CAPTURES = sorted(DATA.glob("*.txt"))

@@ -1,5 +1,6 @@
 """Functional checks of the I/O ops: async_io writes a buffer, reads it back and compares every
-byte, with the rates (GB/s = 1e9 bytes/s); gds creates its handle."""
+byte, with the rates (GB/s = 1e9 bytes/s); gds creates its handle. Each takes the op's loaded
+module (dsconform.ops.load.require_op's ``module``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Any
 
 from dsconform.base import compat
 from dsconform.checks.aio import AioSettings
-from dsconform.ops.load import require_op
 from dsconform.units import GB
 
 
@@ -42,14 +42,14 @@ def _check_aligned(op: str, handle: Any, nbytes: int) -> None:
                          "on write and aborts on read")
 
 
-def check_async_io(scratch_dir: str | os.PathLike[str], nbytes: int = 64 * 1024**2, *,
+def check_async_io(module: Any, scratch_dir: str | os.PathLike[str],
+                   nbytes: int = 64 * 1024**2, *,
                    tamper: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """aio_handle: write random bytes from a page-locked CPU tensor to a file under scratch_dir,
     read them back into another, compare every byte; report GB/s (1e9 bytes/s). The file is removed.
     `tamper(path)` runs between write and read; tests use it to prove the comparison goes red."""
     import torch
-    load = require_op("async_io")
-    handle = load.module.aio_handle(*SETTINGS.handle_args())
+    handle = module.aio_handle(*SETTINGS.handle_args())
     _check_aligned("async_io", handle, nbytes)
     path = Path(scratch_dir) / f"dsconform-aio-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
     example = torch.empty(0, dtype=torch.uint8)
@@ -80,15 +80,12 @@ def check_async_io(scratch_dir: str | os.PathLike[str], nbytes: int = 64 * 1024*
             "block_size": SETTINGS.block_size, "queue_depth": SETTINGS.queue_depth,
             "intra_op_parallelism": SETTINGS.intra_op_parallelism,
             "write_s": write_s, "read_s": read_s, "write_gbps": nbytes / write_s / GB,
-            "read_gbps": nbytes / read_s / GB, "gb": "1e9 bytes", "equal": True,
-            "load_seconds": load.seconds}
+            "read_gbps": nbytes / read_s / GB, "gb": "1e9 bytes", "equal": True}
 
 
-def check_gds(scratch_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """gds_handle creation only (scratch_dir: where the isolated check runs, as async_io's).
-    GDS file I/O needs a GDS-capable file system (docs/findings.md#deepnvme): it is checked
-    through dsconform.storage.io on paths a profile marks gds = true."""
-    load = require_op("gds")
-    load.module.gds_handle(*SETTINGS.handle_args())
-    return {"op": "gds", "handle": True, "load_seconds": load.seconds,
-            "io": "not tried: handle only"}
+def check_gds(module: Any) -> dict[str, Any]:
+    """gds_handle creation only. GDS file I/O needs a GDS-capable file system
+    (docs/findings.md#deepnvme): it is checked through dsconform.storage.io on paths a profile
+    marks gds = true."""
+    module.gds_handle(*SETTINGS.handle_args())
+    return {"op": "gds", "handle": True, "io": "not tried: handle only"}

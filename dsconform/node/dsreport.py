@@ -9,7 +9,9 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Mapping, Sequence
+from importlib import metadata
 from typing import Any
 
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -63,12 +65,26 @@ class DsReportError(RuntimeError):
 
 
 def run_ds_report(timeout_s: float = 120) -> str:
-    """Run `python -m deepspeed.env_report` in this interpreter and return stdout+stderr, colours
-    kept: the `ds_report` on PATH may belong to another environment (pyenv shims, a second venv),
-    and the report must describe the DeepSpeed that the suite imports."""
+    """Run the `ds_report` script that DeepSpeed installed with this interpreter and return
+    stdout+stderr, colours kept. The script only calls into the deepspeed package, so run by
+    this interpreter it reports the DeepSpeed the suite imports, whatever the `ds_report` on
+    PATH belongs to (pyenv shims, a second venv). Where it is: the path DeepSpeed's installed
+    files list, ``bin/`` beside the package (``pip install --target``), this environment's
+    scripts folder."""
+    try:
+        dist = metadata.distribution("deepspeed")
+    except metadata.PackageNotFoundError as exc:
+        raise DsReportError("DeepSpeed is not installed: no ds_report to run") from exc
+    places = [dist.locate_file(f) for f in dist.files or () if f.name == "ds_report"]
+    places += [dist.locate_file("bin/ds_report"),
+               os.path.join(sysconfig.get_path("scripts"), "ds_report")]
+    script = next((os.fspath(p) for p in places if os.path.isfile(p)), None)
+    if script is None:
+        raise DsReportError(f"DeepSpeed {dist.version}'s ds_report script is not installed "
+                            f"(looked in {', '.join(map(os.fspath, places))})")
     # Unbuffered so that logger lines (stderr) and the report (stdout) keep their printed order.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "deepspeed.env_report"]
+    cmd = [sys.executable, script]
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                               timeout=timeout_s, check=False)

@@ -1,14 +1,13 @@
 """Functional checks of the compute ops (cpu_adam, fused_adam, cpu_adagrad, cpu_lion): a few
 real steps on real data, each compared after every step with torch's own optimizer under the
 one tolerance table (dsconform.checks.tolerances); AssertionError with values on a wrong
-result, OpUnavailable when the op does not load."""
+result. Each DeepSpeed optimizer loads its op as it is made: dsconform.ops.checks.check_op loads
+it first, so that an op that does not load says why."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from dsconform.ops.load import require_op
 
 
 def _assert_close_step(check: str, step: int, params: Sequence[Any], refs: Sequence[Any],
@@ -16,6 +15,7 @@ def _assert_close_step(check: str, step: int, params: Sequence[Any], refs: Seque
     """Compare every parameter after `step` with the one comparator (dsconform.checks.equivalence)
     under the one tolerance table's entry; AssertionError naming step, parameter and numbers."""
     from dsconform.checks.equivalence import tensor_difference
+
     worst_abs = worst_rel = 0.0
     for i, (p, r) in enumerate(zip(params, refs)):
         max_abs, max_rel, ok = tensor_difference(p, r, tol)
@@ -81,7 +81,6 @@ def _check_adam(op: str, make: Callable[..., Any], device: str, adamw_mode: bool
     gradient), same hyperparameters, on ``device``. weight_decay and adamw_mode are passed on both
     sides: DeepSpeed defaults to AdamW with weight_decay 0, torch's AdamW to weight_decay 0.01."""
     import torch
-    load = require_op(op)
     hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
     ref_cls = torch.optim.AdamW if adamw_mode else torch.optim.Adam
     def make_opt(ps: list) -> Any:  # the red tests' ``tamper`` perturbs it before its first step
@@ -92,8 +91,7 @@ def _check_adam(op: str, make: Callable[..., Any], device: str, adamw_mode: bool
 
     result = _run_optimizer_pair(op, make_opt, lambda ps: ref_cls(ps, **hp), None, steps=5,
                                  sizes=(53, 4103), device=device)
-    return {"op": op, "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp,
-            "load_seconds": load.seconds, **result}
+    return {"op": op, "reference": ref_cls.__name__, "adamw_mode": adamw_mode, **hp, **result}
 
 
 def check_cpu_adam(*, adamw_mode: bool = True, weight_decay: float = 0.01,
@@ -124,22 +122,19 @@ def check_adam_modes(check: Callable[..., dict[str, Any]], *args: Any) -> dict[s
             "adamw_mode": [r["adamw_mode"] for r in runs],
             "max_abs_diff": max(r["max_abs_diff"] for r in runs),
             "max_rel_diff": max(r["max_rel_diff"] for r in runs),
-            "max_param_change": min(r["max_param_change"] for r in runs),
-            "load_seconds": sum(r["load_seconds"] for r in runs), "modes": runs}
+            "max_param_change": min(r["max_param_change"] for r in runs), "modes": runs}
 
 
 def check_cpu_adagrad() -> dict[str, Any]:
     """DeepSpeedCPUAdagrad against torch.optim.Adagrad (lr_decay 0, initial accumulator 0)."""
     import torch
     from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
-    load = require_op("cpu_adagrad")
     hp = dict(lr=1e-2, eps=1e-10, weight_decay=0.01)
     result = _run_optimizer_pair(
         "cpu_adagrad", lambda ps: DeepSpeedCPUAdagrad(ps, **hp),
         lambda ps: torch.optim.Adagrad(ps, lr_decay=0, initial_accumulator_value=0, **hp), None,
         steps=5, sizes=(53, 4103))
-    return {"op": "cpu_adagrad", "reference": "Adagrad", **hp, "load_seconds": load.seconds,
-            **result}
+    return {"op": "cpu_adagrad", "reference": "Adagrad", **hp, **result}
 
 
 def check_cpu_lion() -> dict[str, Any]:
@@ -147,7 +142,6 @@ def check_cpu_lion() -> dict[str, Any]:
     torch has no Lion."""
     import torch
     from deepspeed.ops.lion import DeepSpeedCPULion
-    load = require_op("cpu_lion")
     lr, betas, weight_decay, momenta = 1e-3, (0.9, 0.99), 0.01, {}
 
     def lion_reference(refs: list, grads: list, step: int) -> None:
@@ -163,4 +157,4 @@ def check_cpu_lion() -> dict[str, Any]:
         "cpu_lion", lambda ps: DeepSpeedCPULion(ps, lr=lr, betas=betas, weight_decay=weight_decay),
         None, lion_reference, steps=5, sizes=(53, 4103))
     return {"op": "cpu_lion", "reference": "Lion (written out)", "lr": lr, "betas": betas,
-            "weight_decay": weight_decay, "load_seconds": load.seconds, **result}
+            "weight_decay": weight_decay, **result}

@@ -247,8 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     nvme_tune.add_cli(sub)
     from dsconform.tools import bundle  # air-gapped nodes: its command lives with it
     bundle.add_cli(sub)
-    from dsconform.ops import build_cli  # dsconform build-ops: lives with the op builds
-    build_cli.add_cli(sub)
+    from dsconform.tools import build_ops  # dsconform build-ops: the op builds ahead of a run
+    build_ops.add_cli(sub)
     from dsconform.results.render import timeline  # the radar's timeline and verdict
     from dsconform.tools import radar  # the upgrade radar: one run per DeepSpeed release
     radar.add_cli(sub, timeline.report)

@@ -113,7 +113,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("gate",),                          # requires(), known issues
     ("ops",),                           # building, loading and checking DeepSpeed's ops
     ("storage",),                       # NVMe paths, DeepNVMe I/O and tuning
-    ("plugin", "tools"),                # the pytest hooks; the bundle and the radar
+    ("plugin", "tools"),                # the pytest hooks; the commands beside a run
     ("suite", "cli"),                   # the suites' one facade; the command line
 )
 RANK = {area: n for n, layer in enumerate(LAYERS) for area in layer}

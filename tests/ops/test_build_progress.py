@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from dsconform.ops import build_cli
 from dsconform.ops import prebuild as opbuild
 from dsconform.ops.prebuild import ParallelBuilds, Progress
+from dsconform.tools import build_ops
 
 SLEEPER = f"""
 import json, sys, time
@@ -96,7 +96,7 @@ def test_progress_lines():
 
 
 def test_build_ops_prints_the_running_builds(capsys):
-    progress = build_cli._Progress()
+    progress = build_ops._Progress()
     progress.tick(Progress("a", 15.0, [("a", 15.2), ("b", 4.0)]))
     progress.tick(Progress("a", 30.0, []))  # nothing running: nothing to say
     assert capsys.readouterr().out.splitlines() == [
@@ -106,7 +106,7 @@ def test_build_ops_prints_the_running_builds(capsys):
 def test_build_ops_says_how_each_op_ended(capsys):
     """A cached op loads; a build that found its op built by another one (DeepSpeed's CPU
     accelerator builds shm_comm as it starts) says so rather than "cached"."""
-    progress = build_cli._Progress()
+    progress = build_ops._Progress()
     progress("cpu_adam", "start", {"cached": True})
     progress("cpu_adam", "done", {"loaded": True, "built_now": False, "cached": True,
                                   "wall_seconds": 2.0})

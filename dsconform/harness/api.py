@@ -34,12 +34,11 @@ from dsconform.harness.xdist import (
 )
 
 __all__ = [
-    "InsufficientGPUs", "RankError", "RankTimeout", "WorldSizeMismatch",
-    "all_agree", "device", "external_rendezvous", "free_port", "gather", "gpu_slice",
-    "gpus_per_worker", "hold_spares", "port_range", "rank", "run_ranks", "seed_everything",
-    "settle_spares", "shutdown_pools", "spares_enabled", "start_spares",
-    "startup_phases", "startup_stats",
-    "visible_gpus", "worker_gpus", "world", "xdist_worker",
+    "InsufficientGPUs", "RankError", "RankTimeout", "WorldSizeMismatch", "all_agree", "device",
+    "external_rendezvous", "free_port", "gather", "gpu_slice", "gpus_per_worker", "hold_spares",
+    "port_range", "rank", "run_ranks", "seed_everything", "settle_spares", "shutdown_pools",
+    "spares_enabled", "start_spares", "startup_phases", "startup_stats", "visible_gpus",
+    "worker_gpus", "world", "xdist_worker",
 ]
 
 #: The owner's operations under the names the plugin and fixtures use.
@@ -93,8 +92,7 @@ def run_ranks(fn: Callable, world_size: int | None, *, timeout_s: float, args: t
     Raises RankError (a rank raised or died, or ranks disagreed on a skip), RankTimeout,
     pytest's Skipped when every rank skipped for the same reason, InsufficientGPUs.
     Under torchrun/Slurm (external_rendezvous()), runs fn in this process as one rank; there
-    world_size must equal the job's size or be None/-1 ("whatever the job has").
-    """
+    world_size must equal the job's size or be None/-1 ("whatever the job has")."""
     check_timeout(timeout_s)
     args, kwargs = tuple(args), dict(kwargs or {})
     if external_rendezvous():

@@ -49,10 +49,9 @@ def fn_name(fn: Callable) -> str:
 def describe(outcome: tuple | None) -> str:
     if outcome is None:
         return "did not finish"
-    kind = outcome[0]
-    if kind == "ok":
+    if outcome[0] == "ok":
         return "returned"
-    if kind == "skip":
+    if outcome[0] == "skip":
         return f"skipped ({outcome[1]})"
     return f"raised {outcome[1]}: {outcome[2]}"
 
@@ -75,8 +74,7 @@ def resolve(outcomes: list[tuple]) -> list:
     """All ranks reported: return their values, or raise one RankError / skip for the call."""
     if any(o[0] == "error" for o in outcomes):
         raise rank_error(outcomes)
-    skips = {o[1] for o in outcomes if o[0] == "skip"}
-    if skips:
+    if skips := {o[1] for o in outcomes if o[0] == "skip"}:
         if len(skips) == 1 and all(o[0] == "skip" for o in outcomes):
             import pytest  # only a skip needs pytest, and then the caller is a pytest test
 

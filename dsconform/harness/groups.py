@@ -3,8 +3,7 @@ every idle and busy group, one lock, one starter. lease() and release() a group 
 keep(key, n) keeps n idle groups of a key started ahead (standby ranks, lanes); quiet() starts
 nothing while a measurement runs. One thread starts every group: a rank dies with the *thread*
 that started it (PR_SET_PDEATHSIG, harness.rank._exit_when_orphaned), and a lane's thread ends
-with its batch.
-"""
+with its batch."""
 
 from __future__ import annotations
 
@@ -51,11 +50,6 @@ def spares_enabled(accelerator: str) -> bool:
     if settings.is_on(SPARE_POOLS):
         return True
     return accelerator == "cuda" and (os.cpu_count() or 1) >= SPARE_MIN_CORES
-
-
-def _plain_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items()
-            if k not in RANK_OWNED_ENV and k not in _VOLATILE_ENV}
 
 
 class RankGroups:
@@ -214,7 +208,8 @@ class RankGroups:
             if self.quiet_depth:
                 return 0
             if key[3] in STANDBY_KINDS:
-                env = _plain_env()
+                env = {k: v for k, v in os.environ.items()
+                       if k not in RANK_OWNED_ENV and k not in _VOLATILE_ENV}
                 if self.env is None:
                     self.env = env
                 elif env != self.env:
@@ -281,9 +276,7 @@ class RankGroups:
         ranks that had it, in the order of a start-up."""
         with self.lock:
             phases = list(self.phases)
-        order: list[str] = []
-        for ph in phases:
-            order += [k for k in ph if k not in order]
+        order = dict.fromkeys(k for ph in phases for k in ph)
         return len(phases), {k: statistics.median(ph[k] for ph in phases if k in ph)
                              for k in order}
 

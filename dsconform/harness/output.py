@@ -2,8 +2,7 @@
 console; the parent hands each call's part here with its label (the test's node id). ``record``
 appends it to the run's log as ``[WORKER ]rank R/W | LABEL | LINE`` (``ranks.log`` in --results,
 O_APPEND, one block per write, so xdist workers share it) and keeps each label's tail for its
-test's report (``take``). Without a configured log the lines go to this process's stderr.
-"""
+test's report (``take``). Without a configured log the lines go to this process's stderr."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ def labelled(label: str) -> Iterator[None]:
 def current_label() -> str:
     """This thread's label, else the test pytest runs now (PYTEST_CURRENT_TEST without its
     phase), else NO_TEST."""
-    label = getattr(_LOCAL, "label", None)
-    if label:
+    if label := getattr(_LOCAL, "label", None):
         return label
     current = os.environ.get("PYTEST_CURRENT_TEST", "")
     return current.rsplit(" (", 1)[0] if current else NO_TEST
@@ -109,8 +107,7 @@ def take(label: str) -> str:
     """What was recorded for ``label`` so far (and forget it): the tail of its output, each line
     after the rank that printed it."""
     with _LOCK:
-        sink = _SINKS[-1] if _SINKS else None
-        return sink.kept.pop(label, "") if sink is not None else ""
+        return _SINKS[-1].kept.pop(label, "") if _SINKS else ""
 
 
 @contextlib.contextmanager

@@ -283,13 +283,10 @@ class Pool:
                 self.drain()
 
     def read_stacks(self, ranks: list[int]) -> dict[int, str]:
-        stacks = {}
+        stacks = dict.fromkeys(ranks, "")
         for index in ranks:
-            try:
-                with open(self.stack_paths[index]) as handle:
-                    stacks[index] = handle.read().strip()
-            except OSError:
-                stacks[index] = ""
+            with contextlib.suppress(OSError), open(self.stack_paths[index]) as handle:
+                stacks[index] = handle.read().strip()
         return stacks
 
     def dump_stacks(self, ranks: list[int]) -> dict[int, str]:
@@ -310,16 +307,13 @@ class Pool:
 
     def collect(self, deadline: float, phase: str, limit: str) -> list[tuple]:
         """Wait for one reply per rank; fail fast on the first error or death, dump on timeout.
-
-        phase says what the ranks were doing ("in module.fn"), limit which setting ran out.
-        """
+        phase says what the ranks were doing ("in module.fn"), limit which setting ran out."""
         replies: list[tuple | None] = [None] * self.world_size
         pending = set(range(self.world_size))
         first_skip: float | None = None
         while pending:
             until = deadline if first_skip is None else min(deadline, first_skip + SKIP_GRACE_S)
-            remaining = until - time.monotonic()
-            if remaining <= 0:
+            if (remaining := until - time.monotonic()) <= 0:
                 break
             waitables = [self.conns[i] for i in pending] + [self.procs[i].sentinel for i in pending]
             _wait_any(waitables, timeout=remaining)
@@ -370,8 +364,7 @@ class Pool:
                 text += f"\nalso rank {other}: {describe(replies[other])}"
             if crash_stacks.get(index):
                 text += f"\n\nFatal-signal stacks of rank {index}:\n{crash_stacks[index]}"
-            tail = "\n".join(self.tails[index])
-            if tail:
+            if tail := "\n".join(self.tails[index]):
                 text += (f"\n\nLast output of rank {index} (all of it: ranks.log in --results):"
                          f"\n{tail}")
             elif not crash_stacks.get(index):

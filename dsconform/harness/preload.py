@@ -1,7 +1,6 @@
 """Imported by the fork server only (dsconform.harness.zygote): torch and what a first engine
 imports lazily, before any rank is forked. No CUDA context or thread pool may start here (a
-forked child cannot use either); an import that fails is left to the rank to report.
-"""
+forked child cannot use either); an import that fails is left to the rank to report."""
 
 import contextlib
 import os

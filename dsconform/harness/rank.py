@@ -46,10 +46,8 @@ def _require_dist() -> Any:
     import torch.distributed as tdist
 
     if not (tdist.is_available() and tdist.is_initialized()):
-        raise RuntimeError(
-            "torch.distributed is not initialised here: call this inside a function run by "
-            "dsconform.harness.api.run_ranks"
-        )
+        raise RuntimeError("torch.distributed is not initialised here: call this inside a "
+                           "function run by dsconform.harness.api.run_ranks")
     return tdist
 
 
@@ -74,10 +72,8 @@ def device() -> torch.device:
 
 
 def seed_everything(seed: int, per_rank: bool = False) -> int:
-    """Seed python, numpy (if installed), torch and CUDA; returns the seed used.
-
-    Identical on all ranks unless per_rank=True, which adds the rank so ranks draw different data.
-    """
+    """Seed python, numpy (if installed), torch and CUDA; returns the seed used. Identical on all
+    ranks unless per_rank=True, which adds the rank so ranks draw different data."""
     import random
 
     import torch
@@ -106,21 +102,12 @@ def all_agree(ok: bool, message: str) -> None:
     """Collective assertion: if any rank is not ok, every rank raises with the failing messages
     (a plain `assert` on one rank would leave its peers blocked in their next collective)."""
     verdicts = gather((bool(ok), str(message)))
-    failing = [(index, text) for index, (good, text) in enumerate(verdicts) if not good]
-    if failing:
+    if failing := [(index, text) for index, (good, text) in enumerate(verdicts) if not good]:
         lines = "\n".join(f"  rank {index}: {text}" for index, text in failing)
         raise AssertionError(f"{len(failing)} of {len(verdicts)} ranks failed:\n{lines}")
 
 
 # -- Outcomes: what one rank reports about one call (spawned and external ranks) -------------
-
-def _skip_reason(exc: BaseException) -> str | None:
-    # pytest is never imported here: if fn called pytest.skip, pytest is already loaded.
-    outcomes = sys.modules.get("_pytest.outcomes")
-    if outcomes is not None and isinstance(exc, outcomes.Skipped):
-        return str(exc.msg) if getattr(exc, "msg", None) is not None else str(exc)
-    return None
-
 
 def _error_outcome(exc: BaseException, tb: Any = None) -> tuple:
     text = "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
@@ -132,9 +119,10 @@ def call_outcome(fn: Any, args: tuple, kwargs: dict) -> tuple:
     try:
         value = fn(*args, **kwargs)
     except BaseException as exc:  # SystemExit and pytest outcomes are reported too
-        reason = _skip_reason(exc)
-        if reason is not None:
-            return ("skip", reason)
+        # pytest is never imported here: if fn called pytest.skip, pytest is already loaded.
+        outcomes = sys.modules.get("_pytest.outcomes")
+        if outcomes is not None and isinstance(exc, outcomes.Skipped):
+            return ("skip", str(exc.msg) if getattr(exc, "msg", None) is not None else str(exc))
         # From fn's frame on: this frame is the harness's, in every rank's traceback.
         return _error_outcome(exc, exc.__traceback__ and exc.__traceback__.tb_next)
     return ("ok", value)
@@ -156,20 +144,16 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     """If the pytest process is SIGKILLed its atexit cleanup never runs: the ranks must leave
     by themselves instead of holding GPUs and ports forever. parent_pid: the process that
     started this one (a forked rank's is the fork server, which exits with pytest)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) == 0:
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) == 0:  # 1: PR_SET_PDEATHSIG
             if os.getppid() != parent_pid:  # the parent died before prctl took effect
                 os._exit(70)
             # The kernel kills us, so no watcher thread clutters the stack dumps. The signal
             # follows the parent *thread*: a pool started from a thread that then ends dies
             # with it, and the next call sees a dead pool and respawns.
             return
-    except (OSError, AttributeError):
-        pass
 
     def watch() -> None:
         while os.getppid() == parent_pid:
@@ -201,17 +185,6 @@ def _flush_and_exit(code: int) -> None:
     _flush()
     # os._exit: interpreter teardown can block in gloo/NCCL destructors waiting on dead peers.
     os._exit(code)
-
-
-def _redirect_output(path: str) -> None:
-    """This rank's fds 1 and 2, and so Python's streams, go to its own file (O_APPEND), never
-    to the console: the parent logs each call's part with its test (dsconform.harness.output).
-    Native writers (NCCL, c10d, TORCH_CPP_LOG, a JIT build's compiler) write to the fds."""
-    _flush()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
 
 
 def _take_environment(env: dict) -> None:
@@ -301,8 +274,7 @@ def _start_facts(parent_pid: int | None) -> dict[str, float]:
     server = sys.modules.get("dsconform.harness.preload")
     if parent_pid is None and server is not None:
         from dsconform.harness.timeline import process_started_at
-        started = process_started_at(os.getppid())
-        if started is not None:
+        if (started := process_started_at(os.getppid())) is not None:
             facts["fork server started"] = started
         facts["fork server imported torch"] = getattr(server, "READY_AT", facts["first rank ready"])
     return facts
@@ -320,7 +292,14 @@ def rank_main(rank_index: int, world_size: int, env: dict, conn: Connection, sta
     # parent_pid None: forked by the fork server (harness.zygote), which exits with pytest.
     watched = os.getppid() if parent_pid is None else parent_pid
     os.setpgrp()
-    _redirect_output(output_path)
+    # fds 1 and 2, and so Python's streams, go to the rank's own file (O_APPEND), never to the
+    # console: the parent logs each call's part with its test (dsconform.harness.output).
+    # Native writers (NCCL, c10d, TORCH_CPP_LOG, a JIT build's compiler) write to the fds.
+    _flush()
+    fd = os.open(output_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
     _take_environment(env)
     with contextlib.suppress(Exception):  # a replaced stdout may not support it
         sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]

@@ -1,8 +1,7 @@
 """When a run's start-up reached each of its steps, in seconds after pytest's process started
 (as the kernel records it, so the interpreter's own start-up counts): the summary's "start-up:"
 line (dsconform.plugin.recorder.Recorder.run_lines; docs/results-format.md). Steps are marked
-in pytest's process, or come from the ranks' replies (dsconform.harness.rank._start_facts).
-"""
+in pytest's process, or come from the ranks' replies (dsconform.harness.rank._start_facts)."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ def mark(step: str, at: float | None = None, *, first: bool = True) -> None:
 def marks() -> dict[str, float]:
     """Each marked step's seconds after this process started, in time order (empty where
     /proc cannot give the start)."""
-    start = process_started_at()
-    if start is None:
+    if (start := process_started_at()) is None:
         return {}
     with _LOCK:
         items = sorted(_MARKS.items(), key=lambda kv: kv[1])
@@ -54,8 +52,7 @@ def marks() -> dict[str, float]:
 
 def line() -> str | None:
     """The summary's line, or None when nothing was marked."""
-    steps = marks()
-    if not steps:
+    if not (steps := marks()):
         return None
     return ("start-up (seconds after pytest's process started): "
             + ", ".join(f"{step} {secs:.1f}" for step, secs in steps.items()))

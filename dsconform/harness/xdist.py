@@ -53,20 +53,8 @@ def port_range(worker_index: int) -> range:
     if start < 1024 or stop > 65536:
         raise ValueError(
             f"ports {start}-{stop - 1} for xdist worker {worker_index} fall outside 1024-65535; "
-            f"lower DSCONFORM_PORT_BASE (now {base}) or run fewer workers"
-        )
+            f"lower DSCONFORM_PORT_BASE (now {base}) or run fewer workers")
     return range(start, stop)
-
-
-def _port_is_free(port: int) -> bool:
-    # No SO_REUSEADDR: a port still in TIME_WAIT from a killed TCPStore counts as busy, so the
-    # next pool does not race a half-closed store.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return False
-    return True
 
 
 _next_port_offset: dict[int, int] = {}
@@ -83,13 +71,18 @@ def free_port(worker_index: int | None = None) -> int:
     offset = _next_port_offset.get(worker_index, os.getpid() % len(ports))
     for step in range(len(ports)):
         index = (offset + step) % len(ports)
-        if _port_is_free(ports[index]):
-            _next_port_offset[worker_index] = index + 1
-            return ports[index]
+        # No SO_REUSEADDR: a port still in TIME_WAIT from a killed TCPStore counts as busy, so
+        # the next pool does not race a half-closed store.
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("", ports[index]))
+            except OSError:
+                continue
+        _next_port_offset[worker_index] = index + 1
+        return ports[index]
     raise RuntimeError(
         f"no free port in {ports.start}-{ports.stop - 1} (xdist worker {worker_index}); "
-        "another job uses them: set DSCONFORM_PORT_BASE to a free range"
-    )
+        "another job uses them: set DSCONFORM_PORT_BASE to a free range")
 
 
 #: How many ports a rank group tries before it gives up: another process (a second suite run,
@@ -114,6 +107,7 @@ def bind_rendezvous_store(timeout_s: float,
         try:
             store = TCPStore("127.0.0.1", port, None, True, timedelta(seconds=timeout_s),
                              wait_for_workers=False)
+            return store, port
         except (RuntimeError, OSError) as exc:  # DistNetworkError is a RuntimeError
             if not any(s in str(exc).lower() for s in ("eaddrinuse", "address already in use")):
                 raise
@@ -121,8 +115,6 @@ def bind_rendezvous_store(timeout_s: float,
             if log is not None:
                 log(f"rendezvous port {port} was taken by another process after it was found "
                     f"free; trying another ({len(taken)} of {BIND_ATTEMPTS} tries)")
-            continue
-        return store, port
     raise RuntimeError(
         f"no rendezvous port could be bound in {BIND_ATTEMPTS} tries (taken: "
         f"{', '.join(map(str, taken))}); another job uses ports "
@@ -132,8 +124,7 @@ def bind_rendezvous_store(timeout_s: float,
 
 def visible_gpus() -> list[str]:
     """GPU ids this process may hand out: CUDA_VISIBLE_DEVICES if set, else 0..count-1."""
-    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if listed is not None:
+    if (listed := os.environ.get("CUDA_VISIBLE_DEVICES")) is not None:
         return [item.strip() for item in listed.split(",") if item.strip()]
     import torch
 
@@ -159,10 +150,7 @@ def gpu_slice(worker_index: int, gpus_per_worker: int, visible: list[str]) -> li
             f"xdist worker gw{worker_index} needs GPUs {start}..{start + gpus_per_worker - 1} "
             f"({gpus_per_worker} per worker) but only {len(visible)} are visible "
             f"({','.join(visible) or 'none'}); run fewer workers (-n) or lower "
-            "DSCONFORM_GPUS_PER_WORKER",
-            needed=gpus_per_worker,
-            available=len(chosen),
-        )
+            "DSCONFORM_GPUS_PER_WORKER", needed=gpus_per_worker, available=len(chosen))
     return chosen
 
 

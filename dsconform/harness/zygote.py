@@ -1,8 +1,7 @@
 """Where rank processes come from: forks of one server process per run that imported torch
 once (multiprocessing's forkserver), or new interpreters (spawn). Why, and what the server
 may not hold: DSCONFORM_FORKSERVER in docs/options.md. A server that cannot start or dies makes
-that rank start, and every later one, spawn instead, and the rank log says why.
-"""
+that rank start, and every later one, spawn instead, and the rank log says why."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ _STATE: dict = {"broken": None}
 
 
 def enabled() -> bool:
-    """Whether ranks are forked from the server: on Linux, DSCONFORM_FORKSERVER on, and no
-    failure of the server seen in this process."""
+    """Whether ranks are forked from the server (on Linux, unless switched off or given up)."""
     return (sys.platform.startswith("linux") and settings.get("DSCONFORM_FORKSERVER")
             and _STATE["broken"] is None)
 
@@ -55,8 +53,7 @@ def broken() -> str | None:
 
 
 def start_ahead() -> None:
-    """Start the server now, so its imports run while the caller does other work (the first
-    rank start waits for them otherwise). Does nothing when ranks are spawned."""
+    """Start the server now, so its imports run while the caller does other work."""
     if not enabled():
         return
     context()
@@ -82,7 +79,6 @@ def stop() -> None:
         with contextlib.suppress(OSError):  # gone already
             os.kill(pid, signal.SIGKILL)
     for holder in (server, getattr(resource_tracker, "_resource_tracker", None)):
-        stopper = getattr(holder, "_stop", None)
-        if stopper is not None:
+        if (stopper := getattr(holder, "_stop", None)) is not None:
             with contextlib.suppress(OSError, ChildProcessError):  # gone already
                 stopper()

@@ -5,7 +5,9 @@ suite keeps one per (torch, DeepSpeed, Python) environment under DSCONFORM_CACHE
 from __future__ import annotations
 
 import getpass
+import hashlib
 import importlib.metadata
+import importlib.util
 import os
 import re
 import sys
@@ -18,9 +20,8 @@ from dsconform.node.detect import dist_version
 
 
 def _torch_variant(torch_version: str | None, *, installed: bool = True) -> str:
-    """cpu / cuXYZ / rocmX.Y / xpu, read without importing torch: the local version of wheels
-    from download.pytorch.org ("2.13.0+cpu", "2.11.0+cu130"), else torch/version.py as text (the
-    default PyPI wheel's "2.11.0" carries none)."""
+    """cpu / cuXYZ / rocmX.Y / xpu without importing torch: a download.pytorch.org wheel's local
+    version ("2.11.0+cu130"), else torch/version.py as text (PyPI's "2.11.0" carries none)."""
     if torch_version and "+" in torch_version:
         return torch_version.split("+", 1)[1]
     if not installed:  # a version string of some other environment, without its label
@@ -31,17 +32,15 @@ def _torch_variant(torch_version: str | None, *, installed: bool = True) -> str:
     except (importlib.metadata.PackageNotFoundError, OSError):
         return "unknown"
     for attr, prefix in (("hip", "rocm"), ("cuda", "cu")):
-        m = re.search(rf"^{attr}\s*(?::[^=]*)?=\s*['\"]([\d.]+)['\"]", text, re.M)
-        if m:
+        if m := re.search(rf"^{attr}\s*(?::[^=]*)?=\s*['\"]([\d.]+)['\"]", text, re.M):
             return prefix + "".join(m[1].split(".")[:2])
     return "cpu"
 
 
 def environment_key(*, torch_version: str | None = None, deepspeed_version: str | None = None,
                     python: tuple[int, int] | None = None) -> str:
-    """py311-torch2.13.0-ds0.19.8-cpu: what an op binary built here depends on. The arguments
-    describe another environment (default: this one, from package metadata, without importing
-    torch or DeepSpeed)."""
+    """py311-torch2.13.0-ds0.19.8-cpu: what an op binary built here depends on; the arguments
+    describe another environment (default: this one, read without importing torch or DeepSpeed)."""
     torch_v = torch_version or dist_version("torch")
     ds_v = deepspeed_version or dist_version("deepspeed") or "none"
     major, minor = python or sys.version_info[:2]
@@ -52,18 +51,10 @@ def environment_key(*, torch_version: str | None = None, deepspeed_version: str 
     if deepspeed_version is None:
         # Two installs of one version (two virtualenvs, a tox env, an offline --target site) must
         # not rebuild each other's ops (docs/options.md): the install's location is in the key.
-        key += f"-{_install_tag('deepspeed')}"
+        spec = importlib.util.find_spec("deepspeed")
+        where = str(Path(spec.origin).resolve().parent) if spec and spec.origin else "none"
+        key += f"-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
     return re.sub(r"[^A-Za-z0-9._-]", "_", key)
-
-
-def _install_tag(dist: str) -> str:
-    """Eight hex digits naming where ``dist`` is installed (its package directory)."""
-    import hashlib
-    import importlib.util
-
-    spec = importlib.util.find_spec(dist)
-    where = str(Path(spec.origin).resolve().parent) if spec and spec.origin else "none"
-    return hashlib.sha256(where.encode()).hexdigest()[:8]
 
 
 def cache_root() -> Path:
@@ -86,10 +77,8 @@ def ensure_extensions_dir() -> Path:
 
 
 def inductor_cache_dir() -> Path:
-    """Where torch's inductor keeps the kernels it compiles: TORCHINDUCTOR_CACHE_DIR, else its
-    default, <tmp>/torchinductor_<user>."""
-    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if given:
+    """Where torch's inductor keeps its compiled kernels (default <tmp>/torchinductor_<user>)."""
+    if given := os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
         return Path(given)
     user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
     return Path(tempfile.gettempdir()) / f"torchinductor_{user}"
@@ -121,8 +110,7 @@ def sweep_inductor_cache(root: Path | None = None, *, older_than_s: float = 120.
 
 
 def bytecode_dir() -> Path:
-    """$DSCONFORM_CACHE (default ~/.cache/dsconform)/pycache: compiled Python of the suite's
-    processes where the environment forbids writing it beside the sources."""
+    """Compiled Python of the suite's processes where writing it beside the sources is forbidden."""
     return cache_root() / "pycache"
 
 
@@ -133,9 +121,8 @@ def enable_bytecode_cache(env: dict[str, str] | None = None) -> Path | None:
     DeepSpeed anew (docs/performance.md#rank-start-up). DSCONFORM_PYCACHE=0 leaves the
     environment as it is. Returns the directory used, or None."""
     env = os.environ if env is None else env
-    if not settings.get("DSCONFORM_PYCACHE", env):
-        return None
-    if not env.get("PYTHONDONTWRITEBYTECODE") or env.get("PYTHONPYCACHEPREFIX"):
+    if (not settings.get("DSCONFORM_PYCACHE", env) or not env.get("PYTHONDONTWRITEBYTECODE")
+            or env.get("PYTHONPYCACHEPREFIX")):
         return None
     where = bytecode_dir()
     try:

@@ -5,6 +5,7 @@ ops together, I/O ops one at a time)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -47,9 +48,8 @@ FUNCTIONAL_CHECKS: dict[str, Callable[[OpLoad, str, Any], dict[str, Any]]] = {
 
 def check_op(name: str, *, device: str = "cpu",
              scratch_dir: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Load op `name` and, where one exists, run its functional check; OpUnavailable when the op
-    does not build or load, AssertionError when its result is wrong. The result carries the
-    build time and whether it was a cold build (benchmark record)."""
+    """Load op `name` and, where one exists, run its functional check (a benchmark record);
+    OpUnavailable when the op does not build or load, AssertionError when its result is wrong."""
     load = require_op(name)
     result: dict[str, Any] = load.summary()
     check = FUNCTIONAL_CHECKS.get(name)
@@ -105,9 +105,8 @@ class IsolatedOpCheck:
 
         cpu_info.share()  # the child's op load asks py-cpuinfo: answered from here
         cmd = [sys.executable, "-c", _CHILD, name, device, os.fspath(scratch_dir or "")]
-        # The child runs in the scratch directory: gds_handle writes local_cufile.json into its
-        # working directory, which must not be the user's checkout. This dsconform stays
-        # importable.
+        # The child runs in scratch_dir: gds_handle writes local_cufile.json into its working
+        # directory, which must not be the user's checkout. This dsconform stays importable.
         here = str(Path(__file__).resolve().parents[2])
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
                "PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH"))
@@ -133,10 +132,10 @@ class IsolatedOpCheck:
         name, proc = self.name, self.proc
         self.wait(timeout_s)
         stdout, stderr = self._out
+        output = stdout + stderr
         if self._timed_out is not None:
             raise OpCrashed(f"op {name}: check did not finish within {self._timed_out:.0f} s\n"
-                            f"{log_tail(stdout + stderr)}")
-        output = stdout + stderr
+                            f"{log_tail(output)}")
         marker = stdout.rfind(_MARK)
         if marker < 0:
             how = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
@@ -144,13 +143,10 @@ class IsolatedOpCheck:
             raise OpCrashed(f"op {name}: the process running its check {how} before reporting "
                             f"(a crash in native code)\noutput (tail):\n{log_tail(output)}")
         out = json.loads(stdout[marker + len(_MARK):].strip().splitlines()[0])
-        status = out["status"]
-        if status == "ok":
+        if out["status"] == "ok":
             return out["result"]
-        if status == "unavailable":
-            raise OpUnavailableText(out["message"])
-        if status == "wrong":
-            raise AssertionError(out["message"])
+        if exc := {"unavailable": OpUnavailableText, "wrong": AssertionError}.get(out["status"]):
+            raise exc(out["message"])
         raise OpCrashed(f"op {name}: the check raised unexpectedly:\n{out['message']}")
 
     def kill(self) -> None:
@@ -185,16 +181,13 @@ class OpChecks:
 
     def start_all(self) -> None:
         """Start every check in the background, each once its build has ended, the I/O ones one
-        after another (a run with a background cell batch: the ops tests then only read the
-        results)."""
+        by one (a run with a background cell batch: the ops tests then only read the results)."""
         def run() -> None:
             for op in self.ops:
                 if self.closed:
                     return
-                try:
+                with contextlib.suppress(Exception):  # the op's own test calls get() and reports it
                     self.get(op)
-                except Exception:  # the op's own test calls get() and reports it
-                    pass
         threading.Thread(target=run, name="dsconform-op-checks", daemon=True).start()
 
     def _start_ready(self) -> None:

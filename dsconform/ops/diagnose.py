@@ -45,18 +45,16 @@ def _libaio(text: str, env: Mapping[str, str]) -> Diagnosis | None:
 
 def _arch_suffix(text: str, env: Mapping[str, str]) -> Diagnosis | None:
     value = env.get("TORCH_CUDA_ARCH_LIST", "")
-    bad = [cc for cc in re.split(r"[;\s]+", value.strip())
-           if re.fullmatch(r"\d+\.\d+[A-Za-z]+(\+PTX)?", cc)]
-    literal = re.search(r"invalid literal for int\(\) with base 10: '(\d*[A-Za-z]+)'", text)
-    if not bad and not literal:
-        return None
-    if bad:
-        fixed = ";".join(re.sub(r"^(\d+\.\d+)[A-Za-z]+", r"\1", cc)
-                         for cc in re.split(r"[;\s]+", value.strip()) if cc)
+    entries = re.split(r"[;\s]+", value.strip())
+    if bad := [cc for cc in entries if re.fullmatch(r"\d+\.\d+[A-Za-z]+(\+PTX)?", cc)]:
+        fixed = ";".join(re.sub(r"^(\d+\.\d+)[A-Za-z]+", r"\1", cc) for cc in entries if cc)
         cause = (f"TORCH_CUDA_ARCH_LIST={value} has an arch suffix ({', '.join(bad)}) that "
                  "DeepSpeed's JIT builder cannot parse (op_builder/builder.py "
                  "compute_capability_args reads int('0a'))")
         return Diagnosis(cause, f"export TORCH_CUDA_ARCH_LIST={fixed}")
+    literal = re.search(r"invalid literal for int\(\) with base 10: '(\d*[A-Za-z]+)'", text)
+    if not literal:
+        return None
     shown = f"TORCH_CUDA_ARCH_LIST={value}" if value else "the CUDA arch list"
     cause = (f"DeepSpeed could not parse a compute capability ({literal[1]!r}) from {shown}; "
              "entries must read MAJOR.MINOR[+PTX]")
@@ -68,9 +66,8 @@ def _cuda_mismatch(text: str, env: Mapping[str, str]) -> Diagnosis | None:
     # torch raises RuntimeError(CUDA_MISMATCH_MESSAGE, nvcc, torch) unformatted, so str() of it
     # is a tuple:
     # "('The detected CUDA version (%s) mismatches ... compilePyTorch (%s). ...', '13.0', '12.8')".
-    m = re.search(r"detected CUDA version \(([^)]*)\) mismatches the version that was used "
-                  r"to compile\s*PyTorch \(([^)]*)\)", text)
-    if m:
+    if m := re.search(r"detected CUDA version \(([^)]*)\) mismatches the version that was used "
+                      r"to compile\s*PyTorch \(([^)]*)\)", text):
         nvcc, torch_cuda = m[1], m[2]
         if nvcc == "%s" and (args := re.search(r"', '([^']*)', '([^']*)'\)", text[m.end():])):
             nvcc, torch_cuda = args[1], args[2]

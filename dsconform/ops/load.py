@@ -9,7 +9,6 @@ import os
 import re
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dsconform.base.fdcapture import FdCapture
@@ -21,17 +20,14 @@ from dsconform.ops.diagnose import Diagnosis, diagnose, format_failure
 LOG_TAIL_LINES = 40
 LOG_LINE_CHARS = 600  # verbose ninja prints compiler command lines thousands of characters long
 
-
-# Lines that start the story of a failed build; not "\berror\b", which matches flags like
-# -Wno-error.
+# Lines that start the story of a failed build; not "\berror\b", which matches -Wno-error.
 ERROR_LINE_RE = re.compile(r"\berror:|fatal error|FAILED:|undefined reference|cannot find -l|"
                            r": not found$", re.I)
 
 
 def op_builders() -> dict[str, str]:
-    """op name -> builder class name, for the accelerator DeepSpeed picked in this process
-    (DeepSpeed's ALL_OPS: on the CPU accelerator `fused_adam` is a CPU implementation and there
-    is no `gds`)."""
+    """op name -> builder class name for this process's accelerator (DeepSpeed's ALL_OPS: on CPU
+    `fused_adam` is a CPU implementation and there is no `gds`)."""
     from deepspeed.ops.op_builder.all_ops import ALL_OPS
     return {name: type(builder).__name__ for name, builder in ALL_OPS.items()}
 
@@ -97,16 +93,13 @@ def log_tail(text: str, n: int = LOG_TAIL_LINES) -> str:
     return "\n".join(head + ["[...]"] + lines[len(lines) - rest:])
 
 
-def _so_path(ext_dir: Path, name: str) -> Path:
-    return ext_dir / name / f"{name}.so"  # where torch.utils.cpp_extension.load builds `name`
-
-
 def load_op(name: str) -> OpLoad:
     """Build (if needed) and load DeepSpeed op `name`; compiler output and failures are recorded."""
     from dsconform.base import cpu_info
     cpu_info.install()  # the builder's CPU flags: py-cpuinfo asked once per process tree
     ext_dir = ensure_extensions_dir()
-    existed = _so_path(ext_dir, name).exists()
+    so = ext_dir / name / f"{name}.so"  # where torch.utils.cpp_extension.load builds `name`
+    existed = so.exists()
     out = FdCapture()
     compatible, module, error, builder_name, already, seconds = False, None, None, None, False, 0.0
     with out.capture():
@@ -129,8 +122,7 @@ def load_op(name: str) -> OpLoad:
             error = _error_text(exc)
     loaded = module is not None
     result = OpLoad(name=name, compatible=compatible, loaded=loaded, seconds=seconds,
-                    built_now=(loaded and not existed and not already
-                               and _so_path(ext_dir, name).exists()),
+                    built_now=loaded and not existed and not already and so.exists(),
                     module=module, error=error, log_tail=log_tail(out.text), builder=builder_name)
     if error is not None:
         result.diagnosis = diagnose(error, out.text, os.environ, shm_bytes=shm_bytes())

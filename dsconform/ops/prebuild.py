@@ -3,8 +3,7 @@ all at once, each with every core (MAX_JOBS), in ``longest_first`` order of prio
 then 10, then 19); ops the extensions cache holds are not built again (``skip_cached``). Tests
 that need no op run meanwhile; an op's tests wait for its build and report a failure from its
 result; ranks that need an op wait in torch's build lock (dsconform.base.buildlock).
-``dsconform build-ops`` (dsconform.ops.build_cli) runs the same builds ahead of a run.
-"""
+``dsconform build-ops`` (dsconform.tools.build_ops) runs the same builds ahead of a run."""
 
 from __future__ import annotations
 
@@ -238,8 +237,7 @@ class ParallelBuilds:
         """The build's result; None when this run does not build ``op``. A build that dies or
         runs past ``timeout_s`` (from now) is a result too (``loaded`` False, the reason).
         Meanwhile ``on_progress`` hears every PROGRESS_S how it goes."""
-        b = self.builds.get(op)
-        if b is None:
+        if (b := self.builds.get(op)) is None:
             return None
         deadline, ticker = time.monotonic() + timeout_s, ticker or _Ticker()
         while b.follower.is_alive():
@@ -275,19 +273,14 @@ class ParallelBuilds:
         return {op: self.wait(op, timeout_s, ticker=ticker) for op in self.order}
 
     def timings(self) -> dict[str, Any]:
-        """The builds this run made, for its results: each op's build seconds (DeepSpeed's
-        build and load, in the build process) and its wall seconds, jobs, nice level and start
-        (seconds after the first build started); the ops found in the cache."""
-        builds = []
-        for op in self.order:
-            if (r := getattr(self.builds.get(op), "result", None)) is None:
-                continue
-            builds.append({"op": op, "loaded": bool(r.get("loaded")),
-                           "built_now": bool(r.get("built_now")),
-                           "build_seconds": round(float(r.get("build_seconds") or 0.0), 2),
-                           "wall_seconds": round(float(r["wall_seconds"]), 2),
-                           "jobs": r["jobs"], "nice": r["nice"],
-                           "started_at": round(r["started_at"], 2)})
+        """The builds this run made and the ops found in the cache, for its results (build_seconds:
+        DeepSpeed's build and load in its process; started_at: seconds after the first start)."""
+        builds = [{"op": op, "loaded": bool(r.get("loaded")), "built_now": bool(r.get("built_now")),
+                   "build_seconds": round(float(r.get("build_seconds") or 0.0), 2),
+                   "wall_seconds": round(float(r["wall_seconds"]), 2),
+                   "jobs": r["jobs"], "nice": r["nice"], "started_at": round(r["started_at"], 2)}
+                  for op in self.order
+                  if (r := getattr(self.builds.get(op), "result", None)) is not None]
         return {"order": list(self.order), "cores": self.cores,
                 "cached": [op for op in self.cached if op not in self.order],
                 "builds": builds,

@@ -14,6 +14,7 @@ pytest-xdist and under torchrun/Slurm; a session that ends early stops the batch
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -131,11 +132,9 @@ def phases(items: list[pytest.Item]) -> dict[int, int]:
     stay together, at the latest phase among them, so that fixture is set up once."""
     phase = {id(it): 3 if measures(it) else 2 if has_plan(it) else int(bool(gating.item_ops(it)))
              for it in items}
+    shared = {str(it.fspath) for it in items if _shares_module_fixture(it)}
     latest: dict[str, int] = {}
-    shared = set()
     for it in items:
-        if _shares_module_fixture(it):
-            shared.add(str(it.fspath))
         latest[str(it.fspath)] = max(latest.get(str(it.fspath), 0), phase[id(it)])
     for it in items:
         if str(it.fspath) in shared:
@@ -144,8 +143,7 @@ def phases(items: list[pytest.Item]) -> dict[int, int]:
 
 
 def _will_run(item: pytest.Item, rs: RunState) -> bool:
-    """Whether the item's call phase will run its body: no skip or skipif that applies, no
-    xfail(run=False), and a gate that neither skips nor reports a broken promise."""
+    """Whether its body will run: no skip, xfail(run=False), gate skip or broken promise."""
     from _pytest.skipping import evaluate_skip_marks, evaluate_xfail_marks
 
     try:
@@ -161,15 +159,7 @@ def _will_run(item: pytest.Item, rs: RunState) -> bool:
 
 
 def _split(planned: Any) -> tuple[RankCall | list[RankCall], Callable[[], Any] | None]:
-    if isinstance(planned, tuple):
-        return planned[0], planned[1]
-    return planned, None
-
-
-def _waits_for_a_build(item: pytest.Item, rs: RunState) -> bool:
-    """Whether the cell loads an op this run's builds have not finished."""
-    return rs.op_builds is not None and \
-        not all(rs.op_builds.finished(op) for op in gating.item_ops(item))
+    return (planned[0], planned[1]) if isinstance(planned, tuple) else (planned, None)
 
 
 def _params(item: pytest.Item) -> dict:
@@ -189,7 +179,8 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item]) -> in
     if len(cells) < 2:
         return 0
     # Cells that load an op still building (cold cache) last, the rest running meanwhile.
-    cells = sorted(cells, key=lambda it: _waits_for_a_build(it, rs))
+    cells = sorted(cells, key=lambda it: rs.op_builds is not None and not all(
+        rs.op_builds.finished(op) for op in gating.item_ops(it)))
     calls: list[RankCall | list[RankCall]] = []
     owners: list[tuple[pytest.Item, Path, Callable[[], Any] | None]] = []
     for it in cells:
@@ -209,7 +200,6 @@ def start(session: pytest.Session, rs: RunState, cells: list[pytest.Item]) -> in
         state.pending.add(it.nodeid)
     lanes = lane_count(rs)
     builds = rs.op_builds
-
     ops = [gating.item_ops(it) if builds is not None else [] for it, _, _ in owners]
 
     def ready(index: int) -> bool:
@@ -270,10 +260,8 @@ def _run(state: _State, calls: list[RankCall | list[RankCall]],
                         f"the cell batch stopped before this cell's call ended: {exc!r}"))
     finally:
         for index in range(len(owners)):
-            try:
+            with contextlib.suppress(Exception):  # the session goes on; the directory stays
                 release(index)
-            except Exception:  # the session goes on; the directory stays
-                pass
         close_lanes()
         # The cells' writes go to the disk now, not during the measurement that comes next
         # (docs/performance.md#what-the-acceptance-tiers-time-goes-to-2xh200).
@@ -321,15 +309,11 @@ def wait_for_batch(item: pytest.Item) -> float:
     """Wait until the background batch has ended (a measuring test: nothing else may run on
     the node while it measures); returns the seconds waited, also in junit.xml as
     dsconform_batch_wait_seconds."""
-    state = _state(item.config)
-    if state.thread is None:
-        return 0.0
-    return _wait(item, lambda s: s.finished)
+    return 0.0 if _state(item.config).thread is None else _wait(item, lambda s: s.finished)
 
 
 def stop(config: pytest.Config) -> None:
-    """Stop a batch still running (the session ends early: -x, Ctrl-C): its lanes' ranks are
-    killed."""
+    """Stop a batch still running (the session ends early: -x, Ctrl-C): kill its lanes' ranks."""
     state = config.stash.get(_STATE, None)
     if state is None or state.thread is None:
         return
@@ -343,8 +327,7 @@ def cell_results(request: pytest.FixtureRequest, workdir: Path | str | None = No
     batched (batches off, or the only cell): the call runs here, with workdir (the test's
     ``scratch``) as its directory."""
     item = request.node
-    plan = _plan_of(item)
-    if plan is None:
+    if (plan := _plan_of(item)) is None:
         raise TypeError(f"{item.name}: cell_results() needs the test decorated with @batched(plan)")
     rs = run_state(item.config)
     state = _state(item.config)

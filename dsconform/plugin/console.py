@@ -27,21 +27,16 @@ INTERNAL = tuple(str(folder) + "/" for folder in (
 RANK_LINES_SHOWN = 40
 
 
-def _internal(entry: Any) -> bool:
-    return str(entry.path).startswith(INTERNAL)
-
-
 def check_frames(excinfo: pytest.ExceptionInfo) -> Any:
     """The traceback a short report shows: frames that are not hidden (``__tracebackhide__``)
     and not internal; where every frame is internal, the innermost one, which raised."""
     shown = excinfo.traceback.filter(excinfo)
-    own = shown.filter(lambda entry: not _internal(entry))
+    own = shown.filter(lambda entry: not str(entry.path).startswith(INTERNAL))
     return own if len(own) else (shown or excinfo.traceback)[-1:]
 
 
 def shortens_failures(config: pytest.Config) -> bool:
-    """Short reports unless the user asked pytest for more: -v, --tb, --showlocals,
-    --full-trace."""
+    """Short reports unless -v, --tb, --showlocals or --full-trace asks pytest for more."""
     return (config.get_verbosity() < 1 and config.getoption("tbstyle", "auto") == "auto"
             and not config.getoption("showlocals", False)
             and not config.getoption("fulltrace", False))
@@ -125,8 +120,7 @@ class Console:
                                 config: pytest.Config):
         result = yield
         recorder = config.pluginmanager.get_plugin("dsconform-recorder")
-        line = getattr(recorder, "verdict", None)
-        if line:
+        if line := getattr(recorder, "verdict", None):
             passed = line.endswith(" PASSED")
             terminalreporter.write_line(line, bold=True, green=passed, red=not passed)
         return result

@@ -5,6 +5,7 @@ module (docs/architecture.md#how-a-run-flows)."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import re
 import shutil
@@ -68,7 +69,11 @@ def pytest_configure(config: pytest.Config) -> None:
     # Before any check can refuse the run: the last run's verdict must not outlive a refusal
     # (a refusal's own verdict: dsconform.plugin.refusal's pytest_cmdline_main).
     refusal.begin(config, started=started, is_worker=is_xdist_worker(config))
-    _stop_on_sigint(config)
+    # SIGINT stops a run and still writes its results, but a shell starts a background job
+    # (`cmd &`) with SIGINT ignored and Python then installs no handler: take it back.
+    if (not is_xdist_worker(config) and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # --collect-only (or --help, --fixtures, ...) runs no test: writing results would replace
     # the last real run's with an empty one.
     runs = refusal.runs_tests(config)
@@ -81,8 +86,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # the file, xdist workers append to it.
     worker = getattr(config, "workerinput", {}).get("workerid", "")
     log = results / "ranks.log" if results is not None else None
-    config.stash[RANK_LOG] = rank_output.configure(
-        log, worker=worker, truncate=not worker)
+    config.stash[RANK_LOG] = rank_output.configure(log, worker=worker, truncate=not worker)
     if not config.option.collectonly:
         # DeepSpeed asks py-cpuinfo about the CPU (a second each time) in every process that
         # loads an op or builds CPU Adam: asked once, beside the start-up, and shared.
@@ -112,7 +116,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise refusal.usage(str(e).replace("\n", "\n  ")) from None
     state = RunState(
         selection=selection, scratch=scratch, scratch_is_temp=scratch_is_temp, results=results,
-        started=started, multinode=rendezvous_nodes() > 1, notices=notices,
+        started=started, multinode=rendezvous_nodes() > 1, notices=notices, soak_minutes=soak,
         kind=run_kind(config.option.markexpr, selection.node) if runs else None)
     state.notices.append(versions.torch_note(selection.node.torch_version))
     if is_detected(selection.profile):
@@ -135,7 +139,6 @@ def pytest_configure(config: pytest.Config) -> None:
     console = Console(config)
     config.pluginmanager.register(console, "dsconform-console")
     state.say = console.say
-    state.soak_minutes = soak
     timeline.mark("configured")
 
 
@@ -176,15 +179,6 @@ def _profile_named(config: pytest.Config) -> str:
     return f"DSCONFORM_PROFILE={spec}"
 
 
-def _stop_on_sigint(config: pytest.Config) -> None:
-    """SIGINT stops a run and still writes its results (Ctrl-C, `timeout -s INT`), but a shell
-    starts a background job (`cmd &`) with SIGINT ignored and Python then installs no handler:
-    the controller takes SIGINT back."""
-    if (not is_xdist_worker(config) and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is signal.SIG_IGN):
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
 _MARKERS = {
     "gpu": "needs a GPU (implies requires(min_gpus=1))",
     "multigpu": "needs several GPUs of one node (implies requires(min_gpus=2))",
@@ -212,7 +206,20 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     sink, state = config.stash.get(RANK_LOG, None), config.stash.get(STATE, None)
     try:
         if state is not None:
-            _stop_everything(config, state)
+            if state.neighbours is not None:
+                state.neighbours.stop()
+            if state.op_checks is not None:
+                state.op_checks.close()
+                shutil.rmtree(state.op_checks.scratch_root, ignore_errors=True)
+            if state.op_builds is not None:
+                state.op_builds.close()
+            if "dsconform.plugin.batch" in sys.modules:
+                sys.modules["dsconform.plugin.batch"].stop(config)
+            if "dsconform.harness.api" in sys.modules:  # only if some test started ranks
+                sys.modules["dsconform.harness.api"].shutdown_pools()
+            zygote.stop()  # started at load even where no test started ranks
+            if state.scratch_is_temp:
+                shutil.rmtree(state.scratch, ignore_errors=True)
     finally:
         if sink is not None:
             rank_output.release(sink)
@@ -224,31 +231,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         gc.freeze()
 
 
-def _stop_everything(config: pytest.Config, state: RunState) -> None:
-    if state.neighbours is not None:
-        state.neighbours.stop()
-    if state.op_checks is not None:
-        state.op_checks.close()
-        shutil.rmtree(state.op_checks.scratch_root, ignore_errors=True)
-    if state.op_builds is not None:
-        state.op_builds.close()
-    if "dsconform.plugin.batch" in sys.modules:
-        sys.modules["dsconform.plugin.batch"].stop(config)
-    if "dsconform.harness.api" in sys.modules:  # only if some test started ranks
-        sys.modules["dsconform.harness.api"].shutdown_pools()
-    zygote.stop()  # started at load even where no test started ranks
-    if state.scratch_is_temp:
-        shutil.rmtree(state.scratch, ignore_errors=True)
-
-
 def pytest_report_header(config: pytest.Config) -> list[str]:
     state = run_state(config)
     n, p = state.node, state.profile
-    if n.is_gpu_node:
-        gpus = (f"{n.gpus_present}x {n.present_model or 'NVIDIA GPU'} present "
-                f"({n.hardware.source}), {n.gpu_count} usable by torch")
-    else:
-        gpus = "no GPUs"
+    gpus = (f"{n.gpus_present}x {n.present_model or 'NVIDIA GPU'} present "
+            f"({n.hardware.source}), {n.gpu_count} usable by torch") if n.is_gpu_node else "no GPUs"
     not_written = "not written (--collect-only)" if config.option.collectonly else "not written"
     lines = [
         f"dsconform {__version__}: node {n.hostname}: {gpus}, {n.cpu_cores} cores",
@@ -326,8 +313,7 @@ def _select_tier(config: pytest.Config, items: list[pytest.Item]) -> None:
             state.notices.append(
                 f"one GPU: {joined} one-rank cells join the acceptance tier in place of "
                 f"{replaced} two-rank cells whose checks they cover")
-    nightly_only = {op for it in out for op in unpromised(it)}
-    if nightly_only:
+    if nightly_only := {op for it in out for op in unpromised(it)}:
         names = ", ".join(sorted(nightly_only))
         tests = sorted({it.originalname for it in out if unpromised(it)})
         state.notices.append(
@@ -361,8 +347,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         from dsconform.plugin import batch
         cells = batch.select(session, state) if batch.enabled(state) else []
         step("the batch's cells")
-        ops = ops_to_build(session.items, state)
-        if ops:
+        if ops := ops_to_build(session.items, state):
             from dsconform.ops.prebuild import ParallelBuilds, longest_first
             if state.op_builds is None:
                 state.op_builds = ParallelBuilds.start(longest_first(ops), skip_cached=True)
@@ -392,26 +377,21 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def _gpu_run(config: pytest.Config) -> bool:
-    """A run of the GPU tests (-m gpu) by this process, not an xdist worker or --collect-only:
-    the fork server starts as it configures."""
+    """Whether this process runs the GPU tests (-m gpu): the fork server starts as it configures."""
     return (not config.option.collectonly and not is_xdist_worker(config)
             and selects_gpu_tests(config.option.markexpr))
 
 
 def _runs_ops_suite(config: pytest.Config) -> bool:
-    """Whether the run's arguments name the ops suite (its file or a folder above it), no -k
-    or --deselect can leave it out, and this process collects (no xdist): its promised ops
-    are then built from the start, not after collection, which takes seconds of a cold run
-    (docs/performance.md#op-builds)."""
+    """Whether the arguments name the ops suite (its file or a folder above it), no -k or
+    --deselect can leave it out and this process collects (no xdist): its promised ops are then
+    built from the start, not after collection (docs/performance.md#op-builds)."""
     if config.option.keyword or config.getoption("deselect", None) or \
             getattr(config.option, "numprocesses", None):  # xdist: its workers collect
         return False
     suite = (config.rootpath / "suites" / "test_ops.py").resolve()
-    for arg in config.args:
-        path = (config.invocation_params.dir / arg.split("::")[0]).resolve()
-        if path == suite or path in suite.parents:
-            return True
-    return False
+    return any((config.invocation_params.dir / arg.split("::")[0]).resolve()
+               in (suite, *suite.parents) for arg in config.args)
 
 
 def _start_standby_ranks(session: pytest.Session, state: RunState) -> None:
@@ -435,9 +415,8 @@ def _start_standby_ranks(session: pytest.Session, state: RunState) -> None:
 
 def _start_ops_suite(session: pytest.Session, state: RunState) -> None:
     """With a background batch, the ops suite's child processes (ds_report, each promised op's
-    check) start now too and run beside the tests that do not measure: the ops tests, which come
-    with the measuring ones, then only read their results. Their numbers (load seconds) are
-    then taken beside the batch."""
+    check) start now and run beside the tests that do not measure: the ops tests, which come
+    with the measuring ones, then only read their results."""
     if not selects_ops_suite(session.items):
         return
     from concurrent.futures import ThreadPoolExecutor
@@ -486,8 +465,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function):
-    reason = pyfuncitem.stash.get(BROKEN_PROMISE, None)
-    if reason is not None:
+    if (reason := pyfuncitem.stash.get(BROKEN_PROMISE, None)) is not None:
         pytest.fail(reason, pytrace=False)
 
 
@@ -504,9 +482,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 def _no_shrinking(item: pytest.Item):
     """A property test on a case a known issue covers: its first failing example is the
-    issue's (or a real failure, named as such), so hypothesis does not shrink it. Shrinking
-    ran an example per step, each on new ranks: two ZeRO-EQ-2 cells that DS-7948 covers took
-    5.5 minutes each on the 2-core CPU machine. Returns what restores the test's settings."""
+    issue's (or a real failure, named as such), so hypothesis does not shrink it (each step
+    runs an example on new ranks). Returns what restores the test's settings."""
     test = getattr(item, "obj", None)
     current = getattr(test, "_hypothesis_internal_use_settings", None)
     if current is None:
@@ -515,10 +492,7 @@ def _no_shrinking(item: pytest.Item):
 
     phases = tuple(ph for ph in current.phases if ph is not Phase.shrink)
     test._hypothesis_internal_use_settings = settings(current, phases=phases)
-
-    def restore() -> None:
-        test._hypothesis_internal_use_settings = current
-    return restore
+    return functools.partial(setattr, test, "_hypothesis_internal_use_settings", current)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -544,8 +518,6 @@ def pytest_runtest_call(item: pytest.Item):
         if restore is not None:
             restore()
     recorder = item.stash.get(RECORDER, None)
-    if recorder is not None:
-        found = recorder.violations()
-        if found:
-            pytest.fail("recorded beyond its limit: " + "; ".join(found), pytrace=False)
+    if recorder is not None and (found := recorder.violations()):
+        pytest.fail("recorded beyond its limit: " + "; ".join(found), pytrace=False)
     return result

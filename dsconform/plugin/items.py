@@ -47,9 +47,7 @@ def ops_to_build(items: list, state: RunState) -> list[str]:
     test is selected; on a GPU node also every op a selected GPU test loads in its ranks
     (``requires(op=...)``; FastPersist's ``utils`` would otherwise be built inside a measuring
     test)."""
-    ops: list[str] = []
-    if selects_ops_suite(items):
-        ops += list(state.profile.ops)
+    ops: list[str] = list(state.profile.ops) if selects_ops_suite(items) else []
     if state.node.gpu_count:
         for it in items:
             if it.get_closest_marker("gpu") and _may_load_ops(it, state):

@@ -4,6 +4,7 @@ summary.json and summary.txt in --results."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import platform
@@ -61,9 +62,7 @@ def case_facts(item: pytest.Item, known_issue: str) -> dict[str, str]:
 
 def capability_from_nodeid(nodeid: str) -> str:
     path = Path(nodeid.split("::", 1)[0])
-    if path.parent.name == "suites":
-        return re.sub(r"^test_|\.py$", "", path.name)
-    return "project"
+    return re.sub(r"^test_|\.py$", "", path.name) if path.parent.name == "suites" else "project"
 
 
 class Recorder:
@@ -175,11 +174,9 @@ class Recorder:
 
     def interrupted(self, session: pytest.Session) -> str:
         ran = len({o.nodeid for o in self.state.outcomes})
-        if self.collection_errors:
+        if n := len(self.collection_errors):
             where = "; ".join(f"{nodeid}: {line}" for nodeid, line in self.collection_errors[:3])
-            more = (f" (and {len(self.collection_errors) - 3} more)"
-                    if len(self.collection_errors) > 3 else "")
-            n = len(self.collection_errors)
+            more = f" (and {n - 3} more)" if n > 3 else ""
             return (f"the run stopped at collection after {ran} tests: {n} "
                     f"{'files' if n > 1 else 'file'} did not collect: {where}{more}; no test "
                     "ran past it, so this run does not accept the node")
@@ -191,15 +188,14 @@ class Recorder:
 
     def lines(self, result: dict[str, Any]) -> list[str]:
         notices = list(self.state.notices)
-        if self.no_gpu_test_ran() and self.no_gpu_test_ran() not in notices:
-            notices.append(self.no_gpu_test_ran())
+        if (why := self.no_gpu_test_ran()) and why not in notices:
+            notices.append(why)
         out = summary.lines(result, profile=self.state.profile.name,
                             host=self.state.node.hostname, notices=notices,
                             run=self.state.kind.description if self.state.kind else "")
         if self.state.op_builds is not None:  # what the cold start cost
             from dsconform.ops.prebuild import summary_line
-            line = summary_line(self.state.op_builds.timings())
-            out += [line] if line else []
+            out += [ln for ln in [summary_line(self.state.op_builds.timings())] if ln]
         return out
 
     @staticmethod
@@ -272,10 +268,9 @@ class Recorder:
             state.notices.append(self.stopped)
         if self.refused:
             state.notices.append(self.refused)
-        attempt = refusal.conclude(session.config)
-        textfile = session.config.getoption("prometheus_textfile", None)
-        if attempt is None:
+        if refusal.conclude(session.config) is None:
             return
+        textfile = session.config.getoption("prometheus_textfile", None)
         result = self.summary()
         if state.results is None:
             result.update(exitstatus=int(session.exitstatus), notices=state.notices)
@@ -387,11 +382,8 @@ def _commit_info() -> dict[str, Any]:
 
 def _pytest_benchmark_entries(config: pytest.Config) -> list[dict]:
     """Benchmarks taken with pytest-benchmark's own fixture, merged into the one file."""
-    bs = getattr(config, "_benchmarksession", None)
     out = []
-    for b in getattr(bs, "benchmarks", []) or []:
-        try:
+    for b in getattr(getattr(config, "_benchmarksession", None), "benchmarks", []) or []:
+        with contextlib.suppress(Exception):
             out.append(b.as_dict(include_data=False))
-        except Exception:
-            continue
     return out

@@ -79,8 +79,7 @@ def begin(config: pytest.Config, *, started: str, is_worker: bool) -> Attempt | 
 def results_ready(config: pytest.Config, results: Path | None) -> None:
     """Once --results is known to be a writable folder: "not finished" there too (a folder
     this run created had none), and refuse a --prometheus-textfile folder that took no file."""
-    attempt = config.stash.get(ATTEMPT, None)
-    if attempt is None:
+    if (attempt := config.stash.get(ATTEMPT, None)) is None:
         return
     if results is not None:
         run_files.write_running([results], attempt.started)
@@ -108,8 +107,7 @@ def pytest_cmdline_main(config: pytest.Config):
 def refuse(config: pytest.Config, reason: str, *,
            exitstatus: int | None = run_files.REFUSED_EXIT_STATUS) -> None:
     """Write this run's "refused" verdict with ``reason``, once."""
-    attempt = config.stash.get(ATTEMPT, None)
-    if attempt is None or attempt.concluded:
+    if (attempt := config.stash.get(ATTEMPT, None)) is None or attempt.concluded:
         return
     attempt.concluded = True
     rdzv = rendezvous_info()  # a refused rank of a job is still that job's
@@ -122,8 +120,7 @@ def refuse(config: pytest.Config, reason: str, *,
 def conclude(config: pytest.Config) -> Attempt | None:
     """The run writes its own verdict now (the recorder, at the session's end): its attempt,
     None where no test runs (nothing is written then)."""
-    attempt = config.stash.get(ATTEMPT, None)
-    if attempt is not None:
+    if (attempt := config.stash.get(ATTEMPT, None)) is not None:
         attempt.concluded = True
     return attempt
 

@@ -98,8 +98,7 @@ class RunState:
 
 def run_state(config: pytest.Config) -> RunState:
     """This run's state; a clear error when the suite runs without the dsconform plugin."""
-    state = config.stash.get(STATE, None)
-    if state is None:
+    if (state := config.stash.get(STATE, None)) is None:
         raise RuntimeError("the dsconform plugin is not active: run the suite from its checkout "
                            "(its conftest.py loads fixtures/plugin.py)")
     return state

@@ -190,3 +190,28 @@ def test_run_ds_report_here() -> None:
     # printed with two decimals in binary units: within half a hundredth of the unit
     assert abs(report["env"]["shm_size_bytes"] - st.f_frsize * st.f_blocks) <= 0.005 * 1024**3
     assert report["ops"] and report["unparsed"] == []
+
+
+def test_run_ds_report_finds_the_script_of_a_target_install(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pip install --target SITE`` puts DeepSpeed's scripts in SITE/bin, while its installed
+    files list them at a path that does not exist there: the report is still run, with this
+    interpreter, from the script beside the package."""
+    from dsconform.node import dsreport
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "ds_report").write_text("print('the report of SITE/bin')\n")
+
+    class TargetInstall:
+        version = "0.0.0"
+        files = [Path("../../bin/ds_report")]
+
+        def locate_file(self, path: object) -> Path:
+            return tmp_path / str(path)
+
+    monkeypatch.setattr(dsreport.metadata, "distribution", lambda name: TargetInstall())
+    monkeypatch.setattr(dsreport.sysconfig, "get_path", lambda name: str(tmp_path / "scripts"))
+    assert dsreport.run_ds_report(timeout_s=60).strip() == "the report of SITE/bin"
+    (tmp_path / "bin" / "ds_report").unlink()
+    with pytest.raises(dsreport.DsReportError, match="ds_report script is not installed"):
+        dsreport.run_ds_report(timeout_s=60)

@@ -16,13 +16,15 @@ from dsconform.checks.aio import AioSettings
 from dsconform.units import GB
 
 
-def _first_mismatch(a: Any, b: Any) -> str:
+def first_mismatch(expected: Any, found: Any) -> str:
+    """"N differing bytes of M, first at offset K (wrote X, read Y)"."""
     import torch
+    a, b = expected.reshape(-1).cpu(), found.reshape(-1).cpu()
     diff = torch.nonzero(a != b).flatten()
     if diff.numel() == 0:
         return "no differing byte"
     i = int(diff[0])
-    return (f"{diff.numel()} differing bytes, first at offset {i} "
+    return (f"{diff.numel()} differing bytes of {a.numel()}, first at offset {i} "
             f"(wrote {int(a[i])}, read {int(b[i])})")
 
 
@@ -71,7 +73,7 @@ def check_async_io(module: Any, scratch_dir: str | os.PathLike[str],
         read_s = time.perf_counter() - t0
         if not torch.equal(wbuf, rbuf):
             raise AssertionError(f"async_io: data read back from {path} differs from what was "
-                                 f"written: {_first_mismatch(wbuf, rbuf)} of {nbytes}")
+                                 f"written: {first_mismatch(wbuf, rbuf)}")
     finally:
         handle.free_cpu_locked_tensor(wbuf)
         handle.free_cpu_locked_tensor(rbuf)

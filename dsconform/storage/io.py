@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dsconform.base import compat
+from dsconform.checks.op_io import first_mismatch
 from dsconform.storage.nvme import (
     SECTOR,
     AioSettings,
@@ -129,18 +130,6 @@ def _sync(t: Any) -> None:
     if t.is_cuda:
         import torch
         torch.cuda.synchronize(t.device)
-
-
-def first_mismatch(expected: Any, found: Any) -> str:
-    """"N differing bytes of M, first at offset K (wrote X, read Y)"."""
-    import torch
-    a, b = expected.reshape(-1).cpu(), found.reshape(-1).cpu()
-    diff = torch.nonzero(a != b).flatten()
-    if diff.numel() == 0:
-        return "no differing byte"
-    i = int(diff[0])
-    return (f"{diff.numel()} differing bytes of {a.numel()}, first at offset {i} "
-            f"(wrote {int(a[i])}, read {int(b[i])})")
 
 
 # ---------------------------------------------------------------------------- calls

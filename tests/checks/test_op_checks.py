@@ -113,7 +113,7 @@ def test_async_io_check_goes_red_on_corruption(tmp_path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
 
-    with pytest.raises(AssertionError, match=r"1 differing bytes, first at offset 4097"):
+    with pytest.raises(AssertionError, match=r"1 differing bytes of 1048576, first at offset 4097"):
         check_async_io(_aio(), tmp_path, 1024**2, tamper=flip_one_byte)
     assert list(tmp_path.iterdir()) == []
 

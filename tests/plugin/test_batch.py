@@ -107,7 +107,7 @@ def test_shared_cell(n, shared, request):
 
 
 @pytest.fixture
-def run_demo(pytester, tmp_path, monkeypatch):
+def run_demo(pytester, tmp_path, monkeypatch, outside_xdist):
     pytester.makepyfile(test_demo=SUITE, test_demo_shared=SHARED)
     log = tmp_path / "planned.txt"
     monkeypatch.setenv("DEMO_PLANNED", str(log))
@@ -217,7 +217,8 @@ def test_steps(n, request, scratch):
 
 
 @pytest.mark.parametrize("lanes", ["1", "2"])
-def test_cells_of_steps_and_a_batch_that_ended_on_its_own(pytester, monkeypatch, lanes):
+def test_cells_of_steps_and_a_batch_that_ended_on_its_own(pytester, monkeypatch, lanes,
+                                                          outside_xdist):
     """A plan may return steps: the cell gets each step's results, the fresh step's from new
     processes, with batches and without. A batch whose cells all ended is not reported as
     stopped early, even when the session ends right after its last cell's test."""

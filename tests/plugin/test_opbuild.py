@@ -260,7 +260,7 @@ def _run_state(gpus: int, ops: tuple[str, ...], compatible: dict[str, bool]):
     return state
 
 
-def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only():
+def test_ops_to_build_adds_the_ops_gpu_tests_load_on_gpu_nodes_only(outside_xdist):
     from dsconform.gate.requires import requires
     from dsconform.plugin.items import ops_to_build
 
@@ -302,7 +302,7 @@ def test_a_test_waits_at_setup_for_the_builds_of_the_ops_it_loads(monkeypatch):
     assert waited == ["async_io", "utils"]
 
 
-def test_ops_of_gpu_tests_that_will_skip_are_not_built():
+def test_ops_of_gpu_tests_that_will_skip_are_not_built(outside_xdist):
     """A GPU test skipped by a static mark (NVME-GDS-2 on a profile without NVMe paths) or by an
     unmet need other than its ops (two GPUs on a one-GPU node) loads nothing: its ops are not
     built for it. One whose only unmet need is its op is built: its failure is the test's."""
